@@ -1,0 +1,200 @@
+"""Code that runs on the engines: the process group, the cell's namespace, sharding, gather.
+
+The client calls ``setup`` once per world and ``run_cell`` once per cell, on
+every rank at once. State lives in this module between cells: the namespace
+the cells run in and the sharded models, so optimizer state and anything else
+a cell leaves on the engines survive until the world is restarted.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import linecache
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+import nbfsdp
+from nbfsdp import metrics, transfer
+from nbfsdp.sharding import shard_model
+
+_PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
+#: Errors a rank raises only because a peer tore the world down first.
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+
+
+@dataclass
+class _World:
+    rank: int
+    world_size: int
+    device: torch.device
+    generation: int
+    namespace: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, tuple[tuple, nn.Module]] = field(default_factory=dict)
+
+
+_world: _World | None = None
+
+
+def _loopback_interface() -> str | None:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def setup(
+    *, rank: int, world_size: int, backend: str, store_path: str, timeout: float, threads: int, generation: int
+) -> dict[str, Any]:
+    """Join a new world: a fresh process group on a fresh store, a fresh namespace.
+
+    Collectives talk over the loopback interface only, and the store is a file
+    in the client's private directory, so nothing listens on the network.
+    """
+    global _world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    if backend == "nccl":
+        device = torch.device("cuda", 0)  # each engine sees exactly one GPU
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if backend == "nccl" else None,
+    )
+    _world = _World(rank=rank, world_size=world_size, device=device, generation=generation)
+    return describe()
+
+
+def describe() -> dict[str, Any]:
+    """This engine as ``%fsdp status`` shows it."""
+    gpu = torch.cuda.get_device_name(0) if _world and _world.device.type == "cuda" else ""
+    return {
+        "rank": _world.rank if _world else None,
+        "pid": os.getpid(),
+        "device": f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
+        "backend": dist.get_backend() if dist.is_initialized() else "",
+        "threads": torch.get_num_threads(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    }
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback without nbfsdp's own frames: the user's code and what it called."""
+    summary = traceback.TracebackException.from_exception(error)
+    summary.stack = traceback.StackSummary.from_list(
+        [frame for frame in summary.stack if not frame.filename.startswith(_PACKAGE_DIR)]
+    )
+    return "".join(summary.format())
+
+
+def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes], flat, index) -> None:
+    shards = transfer.unpack_shards(flat, index)
+    for name in spec["models"]:
+        token = spec["model_tokens"][name]
+        if name in skeletons:
+            model = shard_model(transfer.load_skeleton(skeletons[name]), shards.get(name, {}), world.device)
+            world.models[name] = (token, model)
+        elif world.models.get(name, (None,))[0] != token:
+            raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
+
+
+def _names_back(world: _World, assigned: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
+    """Rank 0's pickled values of the names the cell assigned, and why others stay."""
+    sharded = {id(model) for _, model in world.models.values()}
+    values: dict[str, bytes] = {}
+    skipped: dict[str, str] = {}
+    for name in assigned:
+        if name not in world.namespace:
+            continue
+        value = world.namespace[name]
+        if id(value) in sharded:
+            continue  # a sharded model comes back through the gather, not by pickle
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # a collective: every rank walks the same names
+        if world.rank != 0:
+            continue
+        try:
+            values[name] = transfer.pickle_result(value)
+        except transfer.HoldsDTensor:
+            skipped[name] = "holds sharded tensors (DTensor)"
+        except Exception as error:
+            skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
+    return values, skipped
+
+
+def run_cell(
+    spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes], flat: np.ndarray, index: transfer.ShardIndex
+) -> dict[str, Any]:
+    """Run one cell on this rank; return its outcome, never raise.
+
+    On any error the process group is torn down at once: peers blocked in a
+    collective then fail within a second instead of waiting for the timeout.
+    """
+    global _world
+    world = _world
+    if world is None or world.generation != spec["generation"]:
+        return {"ok": False, "error": "world not set up", "traceback": "", "secondary": False}
+    recorder = None
+    try:
+        _load_models(world, spec, skeletons, flat, index)
+        del flat  # the received buffer: free it before the cell allocates
+        models = {name: model for name, (_, model) in world.models.items()}
+        namespace = world.namespace
+        namespace.update(__name__="__main__", __builtins__=builtins)
+        namespace.update(transfer.unpack_values(values, models))
+        namespace.update((name, models[name]) for name in spec["models"])
+        namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
+        linecache.cache[spec["filename"]] = (len(spec["code"]), None, spec["code"].splitlines(True), spec["filename"])
+        code = compile(spec["code"], spec["filename"], "exec")
+        params = [p for name in spec["models"] for p in models[name].parameters()]
+        with metrics.MemoryMeter(world.device, params) as meter:
+            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter)
+            try:
+                exec(code, namespace)
+            finally:
+                metrics.active_recorder = None
+        names, skipped = _names_back(world, spec["assigned"])
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}
+        return {
+            "ok": True,
+            "names": names,
+            "skipped": skipped,
+            "states": states if world.rank == 0 else {},
+            "metrics": recorder.records,
+        }
+    except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
+        message = f"{type(error).__name__}: {error}"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _world = None
+        return {
+            "ok": False,
+            "error": message,
+            "traceback": _user_traceback(error),
+            # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
+            "secondary": isinstance(error, KeyboardInterrupt) or any(m in message for m in _PEER_FAILURE_MARKERS),
+            "metrics": recorder.records if recorder else [],
+        }

@@ -1,0 +1,45 @@
+"""The record of every ``%%fsdp`` run, for ``nbfsdp.last_run()`` and ``nbfsdp.runs()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """One ``%%fsdp`` cell, as it ran."""
+
+    world_size: int
+    """Number of ranks."""
+    config: dict[str, Any]
+    """The effective settings, in Composer's ``fsdp_config`` vocabulary where one exists."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per ``nbfsdp.log`` call: ``rank``, ``step``, ``step_time``, the logged names, ``mem_*``."""
+    elapsed: float = 0.0
+    """Wall-clock seconds of the whole cell, as the notebook saw it."""
+    ok: bool = True
+    """False when a rank failed or the cell was interrupted."""
+    error: str = ""
+    """The failure, as the cell reported it."""
+
+    def metric(self, name: str, rank: int = 0) -> list[Any]:
+        """One rank's values of ``name``, in step order."""
+        return [m[name] for m in self.metrics if m["rank"] == rank and name in m]
+
+
+_history: list[RunRecord] = []
+
+
+def record(run: RunRecord) -> None:
+    _history.append(run)
+
+
+def last_run() -> RunRecord | None:
+    """The most recent ``%%fsdp`` run in this kernel, or None before the first."""
+    return _history[-1] if _history else None
+
+
+def runs() -> list[RunRecord]:
+    """Every ``%%fsdp`` run in this kernel, oldest first."""
+    return list(_history)

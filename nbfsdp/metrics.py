@@ -1,0 +1,188 @@
+"""Per-rank metrics: what ``nbfsdp.log`` records, and the memory each record carries.
+
+Memory is measured, not predicted, by category:
+
+- ``mem_params``: this rank's parameter storage (its FSDP shards);
+- ``mem_grads``: its gradient storage, read when the optimizer steps (after
+  ``backward``, before ``zero_grad`` frees it), else as it is at the log call;
+- ``mem_optim``: its optimizer state, read after each optimizer step;
+- ``mem_activations``: the peak since the last record of tensors autograd
+  saved for backward (FSDP's unsharded parameters excluded), counted through
+  ``torch.autograd.graph.saved_tensors_hooks``;
+- ``mem_peak``: on GPU the allocator's peak since the last record
+  (``cuda_max_allocated``); on CPU, which has no allocator statistics,
+  ``mem_params + mem_optim + max(mem_activations, mem_grads)``: the tracked
+  tensors at their peak, without backward temporaries or communication buffers.
+
+Each figure counts storages once, as ``FSDPMemTracker`` does, so padding of
+uneven shards is included. The hooks cost a few microseconds per saved tensor
+and per optimizer step; ``FSDPMemTracker`` instruments every operator and is
+kept as the oracle that tests compare these numbers with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class _SavedTensor:
+    """A tensor saved for backward; its meter counts it until autograd drops it."""
+
+    __slots__ = ("tensor", "_meter", "_key")
+
+    def __init__(self, tensor: torch.Tensor, meter: MemoryMeter, key: int) -> None:
+        self.tensor, self._meter, self._key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self._meter._release(self._key)
+
+
+class MemoryMeter:
+    """Measures one rank's memory by category for every ``nbfsdp.log`` record."""
+
+    def __init__(self, device: torch.device, params: Iterable[torch.Tensor]) -> None:
+        self._device = device
+        self._params = {id(p): p for p in params}
+        self._params_bytes = storage_bytes(self._params.values())
+        self._grads_bytes: int | None = None
+        self._optim_bytes: dict[int, int] = {}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self._activations = 0
+        self._activations_peak = 0
+
+    # -- installing the hooks for the duration of a cell
+    def __enter__(self) -> MemoryMeter:
+        self._handles = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._saved_hooks.__exit__(*exc_info)
+        for handle in self._handles:
+            handle.remove()
+
+    # -- autograd's saved tensors: activations
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(tensor._base, nn.Parameter):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, storage.nbytes()]
+            self._activations += storage.nbytes()
+            self._activations_peak = max(self._activations_peak, self._activations)
+        else:
+            entry[0] += 1
+        return _SavedTensor(tensor, self, key)
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _SavedTensor) else saved
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self._activations -= entry[1]
+                del self._live[key]
+
+    # -- the optimizer: gradients before its step, its state after
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(id(p) not in self._params for p in params):
+            self._params.update((id(p), p) for p in params)
+            self._params_bytes = storage_bytes(self._params.values())
+        self._grads_bytes = storage_bytes(p.grad for p in params)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        state = (t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        self._optim_bytes[id(optimizer)] = storage_bytes(state)
+
+    # -- one record's figures
+    def read(self) -> dict[str, int]:
+        """This step's figures; peaks restart from here."""
+        grads = self._grads_bytes
+        if grads is None:
+            grads = storage_bytes(p.grad for p in self._params.values())
+        figures = {
+            "mem_params": self._params_bytes,
+            "mem_grads": grads,
+            "mem_optim": sum(self._optim_bytes.values()),
+            "mem_activations": self._activations_peak,
+        }
+        if self._device.type == "cuda":
+            figures["cuda_allocated"] = torch.cuda.memory_allocated(self._device)
+            figures["cuda_reserved"] = torch.cuda.memory_reserved(self._device)
+            figures["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self._device)
+            figures["mem_peak"] = figures["cuda_max_allocated"]
+            torch.cuda.reset_peak_memory_stats(self._device)
+        else:
+            figures["mem_peak"] = figures["mem_params"] + figures["mem_optim"] + max(figures["mem_activations"], grads)
+        self._grads_bytes = None
+        self._activations_peak = self._activations
+        return figures
+
+
+class Recorder:
+    """The records of one rank for one cell."""
+
+    def __init__(self, rank: int, meter: MemoryMeter) -> None:
+        self.rank = rank
+        self.meter = meter
+        self.records: list[dict[str, Any]] = []
+        self._last = time.perf_counter()
+
+    def record(self, scalars: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        step = scalars.pop("step", len(self.records))
+        entry: dict[str, Any] = {"rank": self.rank, "step": int(step), "step_time": now - self._last}
+        for name, value in scalars.items():
+            entry[name] = value.item() if isinstance(value, torch.Tensor) else value
+        entry.update(self.meter.read())
+        self.records.append(entry)
+        self._last = time.perf_counter()
+
+
+#: The recorder of the cell running on this engine; None elsewhere.
+active_recorder: Recorder | None = None
+
+
+def log(**scalars: Any) -> None:
+    """Record this rank's scalars for a step (``step=`` names it), with its memory.
+
+    Inside a ``%%fsdp`` cell the record joins ``nbfsdp.last_run().metrics``;
+    anywhere else it does nothing, so a cell's code also runs unchanged alone.
+    """
+    if active_recorder is not None:
+        active_recorder.record(scalars)

@@ -1,0 +1,163 @@
+"""Run one cell on every rank: submit, stream output, watch each rank, end cleanly.
+
+``AsyncResult.get()`` on all engines would wait for the slowest rank, so one
+failing rank would hang the cell while the others wait in a collective
+(ipyparallel's ``%%px`` does). Here each rank's result is watched on its own;
+the first failure ends the cell. Its rank has already torn down its process
+group, which wakes peers blocked in gloo or NCCL within a second; a peer that
+is not in a collective gets SIGINT, and one that still does not return is
+killed, its world restarted by the next cell.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Any
+
+import ipyparallel as ipp
+
+from nbfsdp import engine
+from nbfsdp.cluster import FSDPCluster
+
+POLL_SECONDS = 0.02
+LIVENESS_SECONDS = 0.25
+#: After a failure: how long peers get to fail on their own, then after SIGINT.
+PEER_GRACE_SECONDS = 0.5
+INTERRUPT_GRACE_SECONDS = 1.5
+
+
+class RankError(Exception):
+    """A rank failed; shows that rank's traceback, not the client's."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "", others: str = "") -> None:
+        super().__init__(f"rank {rank}: {message}{f' ({others})' if others else ''}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"[rank {self.rank}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
+        return [*lines, f"RankError: {self}"]
+
+
+class _OutputStreamer:
+    """Writes each rank's stdout and stderr as they grow, one prefixed line at a time."""
+
+    def __init__(self, results: list[ipp.AsyncResult]) -> None:
+        self._results = results
+        self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
+
+    def pump(self, final: bool = False) -> None:
+        for rank, result in enumerate(self._results):
+            for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                text = result.metadata[name]
+                start = self._sent[rank, name]
+                end = len(text) if final else text.rfind("\n", start) + 1
+                if end > start:
+                    chunk = text[start:end]
+                    stream.write("".join(f"[rank {rank}] {line}\n" for line in chunk.splitlines()))
+                    self._sent[rank, name] = end
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
+    try:
+        return result.get(0)
+    except ipp.RemoteError as error:  # raised outside run_cell's own handler
+        lost = error.ename == "EngineError"  # the engine went away under the task
+        # otherwise the client's own interrupt reached the rank outside run_cell
+        return {
+            "ok": False,
+            "error": f"{error.ename}: {error.evalue}",
+            "traceback": "",
+            "secondary": not lost,
+            "engine_lost": lost,
+        }
+
+
+def run_on_ranks(cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_rank: list[tuple]) -> list[dict]:
+    """Run a cell on every rank; return each rank's outcome or raise ``RankError``.
+
+    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r. KeyboardInterrupt
+    interrupts every rank, kills those that do not stop, and propagates.
+    """
+    world = cluster.world
+    results = [
+        cluster.client[engine_id].apply_async(engine.run_cell, spec, values, *per_rank[rank])
+        for rank, engine_id in enumerate(world.engine_ids)
+    ]
+    streamer = _OutputStreamer(results)
+    outcomes: dict[int, dict] = {}
+    try:
+        _watch(cluster, results, outcomes, streamer)
+    except KeyboardInterrupt:
+        world.broken = True
+        _stop_ranks(cluster, results, outcomes, streamer, immediately=True)
+        raise
+    finally:
+        for result in results:
+            if result.ready():
+                result.wait_for_output(1.0)
+        streamer.pump(final=True)
+    failed = {rank: o for rank, o in outcomes.items() if not o["ok"]}
+    if failed:
+        world.broken = True
+        primary = {rank: o for rank, o in failed.items() if not o["secondary"]} or failed
+        rank = min(primary)
+        message = primary[rank]["error"]
+        same = [str(r) for r in primary if r != rank and primary[r]["error"] == message]
+        others = [f"rank {r}: {o['error']}" for r, o in primary.items() if r != rank and o["error"] != message]
+        if same:
+            others.insert(0, f"also on ranks {', '.join(same)}")
+        raise RankError(rank, message, primary[rank]["traceback"], "; ".join(others))
+    return [outcomes[rank] for rank in range(len(results))]
+
+
+def _watch(cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer) -> None:
+    next_liveness = time.monotonic() + LIVENESS_SECONDS
+    while len(outcomes) < len(results):
+        for rank, result in enumerate(results):
+            if rank not in outcomes and result.ready():
+                outcomes[rank] = _outcome(result)
+                if outcomes[rank].get("engine_lost") and rank in (dead := cluster.dead_ranks()):
+                    outcomes[rank]["error"] = f"engine died: {dead[rank]}"
+        streamer.pump()
+        if time.monotonic() >= next_liveness:
+            for rank, how in cluster.dead_ranks().items():
+                outcomes.setdefault(
+                    rank, {"ok": False, "error": f"engine died: {how}", "traceback": "", "secondary": False}
+                )
+            next_liveness = time.monotonic() + LIVENESS_SECONDS
+        if any(not o["ok"] for o in outcomes.values()) and len(outcomes) < len(results):
+            _stop_ranks(cluster, results, outcomes, streamer, immediately=False)
+            return
+        time.sleep(POLL_SECONDS)
+
+
+def _stop_ranks(
+    cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer, immediately: bool
+) -> None:
+    """Bring every rank still running to an end: grace, then SIGINT, then kill."""
+    steps = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
+    if not immediately:
+        steps.insert(0, (None, PEER_GRACE_SECONDS))
+    for signum, grace in steps:
+        running = [rank for rank in range(len(results)) if rank not in outcomes]
+        if not running:
+            return
+        if signum is not None:
+            cluster.signal_ranks(running, signum)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(not results[r].ready() for r in running):
+            streamer.pump()
+            time.sleep(POLL_SECONDS)
+        for rank in running:
+            if results[rank].ready():
+                outcomes[rank] = _outcome(results[rank])
+    stuck = [rank for rank in range(len(results)) if rank not in outcomes]
+    for rank in stuck:
+        outcomes[rank] = {"ok": False, "error": "did not stop; engine killed", "traceback": "", "secondary": True}
+    if stuck:
+        cluster.kill_engines()

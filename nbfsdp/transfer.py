@@ -1,0 +1,287 @@
+"""Names between the notebook and the engines, and shard-only model transfer.
+
+The notebook sends every rank one pickle of the names a cell reads. In it each
+model (an ``nn.Module`` with parameters) is only a reference; the model itself
+travels as a *skeleton* (the module pickled with its tensors replaced by their
+shape and dtype) plus that rank's dim-0 chunk of every parameter, which is the
+exact slice FSDP2's ``fully_shard`` keeps on that rank. No rank ever receives a
+whole copy of a model's parameters.
+
+Pickling is cloudpickle's (classes and functions defined in the notebook go by
+value, importable modules by reference, so engines import them again); the
+references are pickle's own ``persistent_id`` / ``persistent_load`` protocol.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+import torch.nn as nn
+
+#: Names every cell gets on the engines; never sent, never brought back.
+INJECTED_NAMES = frozenset({"rank", "world_size", "device", "nbfsdp"})
+
+
+# --------------------------------------------------------------------- analysis
+class _TopLevelStores(ast.NodeVisitor):
+    """Names a statement binds in the module scope (not inside defs or lambdas)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.names.append(node.id)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.names.append(node.name)
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.names.append(node.name)
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        pass
+
+    def visit_alias(self, node: ast.alias) -> None:
+        if node.name != "*":
+            self.names.append(node.asname or node.name.split(".")[0])
+
+    def _skip_scope(self, node: ast.AST) -> None:
+        pass
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _skip_scope
+
+
+def analyze_cell(tree: ast.Module) -> tuple[list[str], list[str]]:
+    """(names the cell reads before binding them, names it binds at top level).
+
+    A name the cell assigns before it ever reads it does not need the
+    notebook's value, so it is not sent.
+    """
+    reads: list[str] = []
+    stores: list[str] = []
+    bound: set[str] = set()
+    for statement in tree.body:
+        for node in ast.walk(statement):
+            is_read = isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del))
+            if is_read and node.id not in bound and node.id not in reads:
+                reads.append(node.id)
+        visitor = _TopLevelStores()
+        visitor.visit(statement)
+        for name in visitor.names:
+            bound.add(name)
+            if name not in stores:
+                stores.append(name)
+    return (
+        [n for n in reads if n not in INJECTED_NAMES],
+        [n for n in stores if n not in INJECTED_NAMES],
+    )
+
+
+# --------------------------------------------------------------- notebook side
+def is_model(value: Any) -> bool:
+    """A notebook value that is sharded rather than pickled."""
+    return isinstance(value, nn.Module) and any(True for _ in value.parameters())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _ReferencingPickler(cloudpickle.Pickler):
+    """cloudpickle that writes chosen objects as references (by ``id``)."""
+
+    def __init__(self, file: io.BytesIO, references: dict[int, tuple]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._references = references
+
+    def persistent_id(self, obj: Any) -> tuple | None:
+        return self._references.get(id(obj))
+
+
+def _dumps(obj: Any, references: dict[int, tuple]) -> bytes:
+    buffer = io.BytesIO()
+    _ReferencingPickler(buffer, references).dump(obj)
+    return buffer.getvalue()
+
+
+def model_skeleton(model: nn.Module) -> bytes:
+    """The model pickled without tensor data: each tensor becomes shape + dtype."""
+    references: dict[int, tuple] = {}
+    for fqn, param in model.named_parameters():
+        references[id(param)] = ("meta_param", fqn, tuple(param.shape), _dtype_name(param.dtype), param.requires_grad)
+    for fqn, buffer in model.named_buffers():
+        references[id(buffer)] = ("meta_buffer", fqn, tuple(buffer.shape), _dtype_name(buffer.dtype))
+    return _dumps(model, references)
+
+
+#: One tensor inside a rank's flat shard buffer: (model, fqn, dtype, shape, offset, nbytes).
+ShardIndex = list[tuple[str, str, str, tuple[int, ...], int, int]]
+_ALIGNMENT = 64
+
+
+def _rank_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """FSDP2's dim-0 chunk of ``tensor`` for ``rank`` (empty when dim 0 < world size)."""
+    chunks = torch.chunk(tensor, world_size, dim=0)
+    return chunks[rank] if rank < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
+
+
+def pack_shards(models: dict[str, nn.Module], rank: int, world_size: int) -> tuple[np.ndarray, ShardIndex]:
+    """This rank's slice of every parameter and a copy of every buffer, as one flat byte array.
+
+    One numpy array travels as a single zero-copy zmq frame under ipyparallel
+    (pickled tensors would be copied into bytes first), so a rank's peak while
+    receiving is its shard plus the FSDP storage it is copied into.
+    """
+    pieces: list[tuple[str, str, torch.Tensor]] = []
+    for name, model in models.items():
+        pieces += [(name, fqn, _rank_slice(p.detach(), rank, world_size)) for fqn, p in model.named_parameters()]
+        pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers()]
+    index: ShardIndex = []
+    offset = 0
+    for name, fqn, tensor in pieces:
+        nbytes = tensor.numel() * tensor.element_size()
+        index.append((name, fqn, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+    flat = np.empty(offset, dtype=np.uint8)
+    target = torch.from_numpy(flat)
+    with torch.no_grad():
+        for (_, _, _, shape, start, nbytes), (_, _, tensor) in zip(index, pieces, strict=True):
+            if nbytes:
+                target[start : start + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
+    return flat, index
+
+
+def unpack_shards(flat: np.ndarray, index: ShardIndex) -> dict[str, dict[str, torch.Tensor]]:
+    """Views into the received buffer, by model and fqn (read-only: only copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the zmq frame is read-only; we only read it
+        source = torch.from_numpy(np.asarray(flat))
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, fqn, dtype, shape, start, nbytes in index:
+        view = source[start : start + nbytes].view(getattr(torch, dtype)).view(shape)
+        shards.setdefault(name, {})[fqn] = view
+    return shards
+
+
+def model_fingerprint(model: nn.Module, skeleton: bytes) -> tuple:
+    """Changes whenever the notebook's model changes: structure, tensors, or values.
+
+    ``Tensor._version`` counts in-place writes, so training in the notebook or
+    loading weights is noticed without reading any tensor data.
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    return (
+        id(model),
+        tuple((id(t), t._version) for t in tensors),
+        hashlib.blake2b(skeleton, digest_size=16).hexdigest(),
+    )
+
+
+@dataclass
+class CellInputs:
+    """What the notebook sends for one cell: shared by all ranks but the shards."""
+
+    values: bytes
+    skeletons: dict[str, bytes] = field(default_factory=dict)
+    models: list[str] = field(default_factory=list)
+
+
+class UnpicklableName(Exception):
+    """A name the cell reads cannot be sent to the engines."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"cannot send {name!r} to the engines: {reason}")
+        self.name = name
+
+
+def pack_values(values: dict[str, Any], models: dict[str, nn.Module]) -> bytes:
+    """Pickle the cell's inputs with each model, submodule and model tensor as a reference."""
+    references: dict[int, tuple] = {}
+    for name, model in models.items():
+        for qualname, module in model.named_modules():
+            references[id(module)] = ("module", name, qualname)
+        for fqn, param in model.named_parameters():
+            references[id(param)] = ("parameter", name, fqn)
+        for fqn, buffer in model.named_buffers():
+            references[id(buffer)] = ("buffer", name, fqn)
+    try:
+        return _dumps(values, references)
+    except Exception:
+        for name, value in values.items():  # find which name broke, to say so
+            try:
+                _dumps(value, references)
+            except Exception as error:
+                raise UnpicklableName(name, f"{type(error).__name__}: {error}") from None
+        raise
+
+
+# ----------------------------------------------------------------- engine side
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Rebuilds a skeleton with every tensor on the meta device (no memory)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors: dict[str, torch.Tensor] = {}  # tied weights stay tied
+
+    def persistent_load(self, pid: tuple) -> torch.Tensor:
+        kind, fqn, shape, dtype, *rest = pid
+        if fqn not in self._tensors:
+            empty = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            self._tensors[fqn] = nn.Parameter(empty, requires_grad=rest[0]) if kind == "meta_param" else empty
+        return self._tensors[fqn]
+
+
+def load_skeleton(data: bytes) -> nn.Module:
+    return _SkeletonUnpickler(data).load()
+
+
+class _ValuesUnpickler(pickle.Unpickler):
+    """Resolves model references to the engine's sharded models."""
+
+    def __init__(self, data: bytes, models: dict[str, nn.Module]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._models = models
+
+    def persistent_load(self, pid: tuple) -> Any:
+        kind, name, path = pid
+        model = self._models[name]
+        if kind == "module":
+            return model.get_submodule(path)
+        if kind == "parameter":
+            return model.get_parameter(path)
+        return model.get_buffer(path)
+
+
+def unpack_values(data: bytes, models: dict[str, nn.Module]) -> dict[str, Any]:
+    return _ValuesUnpickler(data, models).load()
+
+
+class HoldsDTensor(Exception):
+    """Raised while pickling an object that holds a sharded tensor."""
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle that refuses sharded tensors instead of pickling a shard."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.distributed.tensor.DTensor):
+            raise HoldsDTensor
+        return super().reducer_override(obj)
+
+
+def pickle_result(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()

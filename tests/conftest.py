@@ -1,0 +1,88 @@
+"""Fixtures: a real IPython shell with nbfsdp loaded, on a real ipyparallel cluster.
+
+One shell and its world-size-2 cluster serve the whole session (starting
+engines costs seconds); tests that must restart or kill the world say so and
+leave a working one behind.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from IPython.testing.globalipapp import start_ipython
+
+import nbfsdp
+
+
+@pytest.fixture(scope="session")
+def shell():
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "nbfsdp")
+    yield ip
+    ip.run_line_magic("unload_ext", "nbfsdp")
+
+
+@pytest.fixture(scope="session")
+def cluster(shell):
+    """The running FSDPCluster behind ``%%fsdp`` (for pids and world state)."""
+    return nbfsdp._magics.session.cluster
+
+
+def run_ok(shell, code: str):
+    """Run a cell; fail the test with the cell's own error if it raised."""
+    result = shell.run_cell(code)
+    result.raise_error()
+    return result
+
+
+def run_failing(shell, code: str) -> tuple[BaseException, float]:
+    """Run a cell that must fail; return its error and how long it took."""
+    started = time.monotonic()
+    result = shell.run_cell(code)
+    elapsed = time.monotonic() - started
+    error = result.error_in_exec or result.error_before_exec
+    assert error is not None, "the cell was expected to fail"
+    return error, elapsed
+
+
+TINY_MODEL = """
+import torch, torch.nn as nn, nbfsdp
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+class Net(nn.Module):
+    def __init__(self, width=16, depth=3):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def batch_for(rank, step, per_rank=4):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(per_rank, 8, generator=g), torch.randn(per_rank, 1, generator=g)
+
+loss_fn = nn.MSELoss()
+"""
+
+
+@pytest.fixture
+def tiny_model(shell):
+    """Defines Net, batch_for and loss_fn in the notebook and a fresh ``model``."""
+    run_ok(shell, TINY_MODEL + "\ntorch.manual_seed(0)\nmodel = Net()\n")
+    return shell.user_ns["model"]
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,61 @@
+"""After a cell the notebook's own model object holds the trained weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_ok
+
+pytestmark = pytest.mark.timeout(120)
+
+TRAIN = """
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    x, y = batch_for(rank, step)
+    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+trained = {name: p.full_tensor() for name, p in model.named_parameters()}
+engine_model_id = id(model)
+"""
+
+
+def test_trained_weights_are_loaded_in_place(shell, tiny_model):
+    head = tiny_model.head  # another reference into the same object
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    run_ok(shell, "%%fsdp --world-size 2\n" + TRAIN)
+    assert shell.user_ns["model"] is tiny_model
+    trained = shell.user_ns["trained"]
+    for name, param in tiny_model.named_parameters():
+        assert torch.equal(param.detach(), trained[name]), name
+        assert not torch.equal(param.detach(), before[name]), name
+    assert torch.equal(head.weight.detach(), trained["head.weight"])
+
+
+def test_no_gather_leaves_the_notebook_model_and_the_engines_keep_training(shell, tiny_model):
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    run_ok(shell, "%%fsdp --world-size 2 --no-gather\n" + TRAIN)
+    trained_on_engines = shell.user_ns["trained"]
+    for name, param in tiny_model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
+    # the next cell finds the engines' model as the last cell left it, and gathers it
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+same = {n: torch.equal(p.full_tensor(), trained[n]) for n, p in model.named_parameters()}
+""",
+    )
+    assert all(shell.user_ns["same"].values())
+    for name, param in tiny_model.named_parameters():
+        assert torch.equal(param.detach(), trained_on_engines[name]), name
+
+
+def test_engines_reuse_an_unchanged_model_and_resend_a_changed_one(shell, tiny_model):
+    run_ok(shell, "%%fsdp --world-size 2\n" + TRAIN)
+    first_id = shell.user_ns["engine_model_id"]
+    run_ok(shell, "%%fsdp --world-size 2\nengine_model_id = id(model)\n")
+    assert shell.user_ns["engine_model_id"] == first_id  # not sent again
+    with torch.no_grad():
+        tiny_model.head.weight.fill_(0.5)  # an edit in the notebook
+    run_ok(shell, "%%fsdp --world-size 2\nhead_seen = model.head.weight.full_tensor()\nengine_model_id = id(model)\n")
+    assert shell.user_ns["engine_model_id"] != first_id
+    assert torch.equal(shell.user_ns["head_seen"], torch.full_like(shell.user_ns["head_seen"], 0.5))

@@ -1,0 +1,182 @@
+"""The %%fsdp runtime on a real cluster: namespace in and out, cluster reuse, status."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import nbfsdp
+from nbfsdp.cluster import cpu_threads_per_rank
+from tests.conftest import run_ok
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_rank_world_size_device_and_nbfsdp_are_defined(shell):
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+import torch.distributed as dist
+seen = [None] * world_size
+dist.all_gather_object(seen, (rank, world_size, str(device), nbfsdp.__name__))
+""",
+    )
+    assert shell.user_ns["seen"] == [(0, 2, "cpu", "nbfsdp"), (1, 2, "cpu", "nbfsdp")]
+
+
+def test_notebook_names_arrive_as_they_are_in_the_notebook(shell):
+    run_ok(
+        shell,
+        """
+import numpy as np, torch
+class Scaler:
+    def __init__(self, k): self.k = k
+    def __call__(self, v): return v * self.k
+def double(v): return 2 * v
+scale = Scaler(3)
+offset = 7
+weights = torch.arange(4.0)
+""",
+    )
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+got_function = double(offset)
+got_instance = scale(offset)
+got_tensor = weights.sum().item()
+module_imported_again = np is __import__("sys").modules["numpy"]
+class_by_value = type(scale).__name__ == "Scaler" and type(scale).__module__ == "__main__"
+same_scale = scale
+""",
+    )
+    ns = shell.user_ns
+    assert ns["got_function"] == 14
+    assert ns["got_instance"] == 21
+    assert ns["got_tensor"] == 6.0
+    assert ns["module_imported_again"] is True
+    assert ns["class_by_value"] is True
+    # a notebook class that went to the engines and back is the notebook's class again
+    assert type(ns["same_scale"]) is ns["Scaler"]
+
+
+def test_assigned_names_come_back_from_rank_0(shell):
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+from_rank = rank
+tensor_back = torch.full((2,), float(rank))
+def made_on_engine(v):
+    return v + 1
+""",
+    )
+    ns = shell.user_ns
+    assert ns["from_rank"] == 0
+    assert torch.equal(ns["tensor_back"], torch.zeros(2))
+    assert ns["made_on_engine"](1) == 2
+
+
+def test_unpicklable_results_are_named_in_one_line_and_dtensors_come_back_full(shell, tiny_model, capsys):
+    shell.user_ns.pop("lock", None)
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+lock = __import__("threading").Lock()
+first_param = next(model.parameters())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""",
+    )
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if line.startswith("nbfsdp: kept on the engines only")]
+    assert len(warning) == 1, err
+    assert "lock" in warning[0] and "opt" in warning[0] and "DTensor" in warning[0]
+    assert "lock" not in shell.user_ns
+    first = shell.user_ns["first_param"]
+    assert not isinstance(first, DTensor)
+    assert first.shape == next(tiny_model.parameters()).shape  # full, not one rank's shard
+    assert isinstance(threading.Lock(), type(threading.Lock()))
+
+
+def test_state_survives_between_cells_on_the_engines(shell, tiny_model):
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+x, y = batch_for(rank, 0)
+loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+""",
+    )
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+steps_in_optimizer = [s["step"].item() for s in opt.state.values()][:1]
+x, y = batch_for(rank, 1)
+loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+""",
+    )
+    # the optimizer made on the engines in the first cell kept its state and
+    # still drives the engines' model in the second
+    assert shell.user_ns["steps_in_optimizer"] == [1.0]
+
+
+def test_warm_cell_reuses_engines_and_process_group(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    pids, generation, started = list(cluster.world.pids), cluster.world.generation, cluster.processes_started
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    assert cluster.world.pids == pids
+    assert cluster.world.generation == generation  # same process group
+    assert cluster.processes_started == started
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == children
+
+
+def test_default_world_size_is_two_on_cpu(shell):
+    run_ok(shell, "%%fsdp\nsize_seen = world_size\n")
+    assert shell.user_ns["size_seen"] == 2
+
+
+def test_engines_share_the_cores_without_oversubscription(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\nthreads = torch.get_num_threads()\n")
+    assert shell.user_ns["threads"] == cpu_threads_per_rank(2) == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert all(e["threads"] == shell.user_ns["threads"] for e in cluster.world.engines)
+
+
+def test_status_shows_ranks_pids_devices_and_backend(shell, cluster, capsys):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    capsys.readouterr()
+    shell.run_line_magic("fsdp", "status")
+    out = capsys.readouterr().out
+    assert "world size 2, backend gloo" in out
+    for rank, pid in enumerate(cluster.world.pids):
+        assert any(line.split()[:1] == [str(rank)] and str(pid) in line and "cpu" in line for line in out.splitlines())
+
+
+def test_run_record(shell, tiny_model):
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+for step in range(3):
+    x, y = batch_for(rank, step)
+    loss_fn(model(x), y).backward()
+    nbfsdp.log(step=step, loss=float(step + rank))
+""",
+    )
+    run = nbfsdp.last_run()
+    assert run.world_size == 2
+    assert run.config["sharding_strategy"] == "FULL_SHARD" and run.config["backend"] == "gloo"
+    assert run.config["fsdp_units"]["model"] == ["blocks.0", "blocks.1", "blocks.2", ""]
+    assert [(m["rank"], m["step"], m["loss"]) for m in run.metrics] == [
+        (0, 0, 0.0),
+        (1, 0, 1.0),
+        (0, 1, 1.0),
+        (1, 1, 2.0),
+        (0, 2, 2.0),
+        (1, 2, 3.0),
+    ]
+    assert all({"mem_params", "mem_grads", "mem_optim", "mem_activations", "mem_peak"} <= m.keys() for m in run.metrics)
+    assert 0 < run.elapsed < 60
+    assert nbfsdp.runs()[-1] is run
