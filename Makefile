@@ -1,0 +1,33 @@
+# The two commands a new user runs: `make lab` and `make test`.
+#
+# TORCH pins the CPU build that lies on this project's machines; on your own
+# machine override it, e.g. `make lab TORCH=torch` for your platform's default
+# build (pyproject.toml only asks for torch>=2.6).
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test,lab]"
+	touch $(STAMP)
+
+## Create .venv, install nbfsdp with its extras, open JupyterLab on notebooks/
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --notebook-dir=notebooks
+
+## Same set-up, then the whole suite: lint, tests on real processes, notebooks under nbval
+test: $(STAMP)
+	$(BIN)/ruff check nbfsdp tests
+	$(BIN)/ruff format --check nbfsdp tests
+	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,34 @@
+"""The GPU path: one engine per GPU, NCCL, CUDA memory figures. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbfsdp
+from tests.conftest import gpu, run_ok
+
+pytestmark = [gpu, pytest.mark.timeout(180)]
+
+
+def test_each_rank_gets_its_own_gpu_and_nccl(shell, cluster, tiny_model):
+    world_size = torch.cuda.device_count()
+    run_ok(
+        shell,
+        f"""%%fsdp --world-size {world_size}
+import os, torch.distributed as dist
+mine = (str(device), os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.device_count(), dist.get_backend())
+seen = [None] * world_size
+dist.all_gather_object(seen, mine)
+x, y = batch_for(rank, 0)
+loss_fn(model(x.to(device)), y.to(device)).backward()
+nbfsdp.log(step=0)
+""",
+    )
+    seen = shell.user_ns["seen"]
+    assert [s[1] for s in seen] == [str(gpu_index) for gpu_index in range(world_size)]
+    assert all(s[0] == "cuda:0" and s[2] == 1 and s[3] == "nccl" for s in seen)
+    assert cluster.world.backend == "nccl"
+    record = nbfsdp.last_run().metrics[0]
+    assert record["cuda_max_allocated"] >= record["cuda_allocated"] > 0
+    assert record["mem_peak"] == record["cuda_max_allocated"]

@@ -1,0 +1,75 @@
+"""%%fsdp / %fsdp as IPython sees them: registration, help, and bad input refused at once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbfsdp
+from tests.conftest import run_failing
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_cell_and_line_magics_are_registered_with_full_help(shell):
+    cell_help = shell.find_cell_magic("fsdp").__doc__
+    for flag in ("--world-size", "--timeout", "--no-gather"):
+        assert flag in cell_help
+    assert "rank" in cell_help and "world_size" in cell_help  # what the cell gets
+    line_help = shell.find_line_magic("fsdp").__doc__
+    assert "status" in line_help and "stop" in line_help
+
+
+def test_loading_twice_keeps_the_same_session(shell):
+    magics = nbfsdp._magics
+    shell.run_line_magic("load_ext", "nbfsdp")
+    shell.extension_manager.load_extension("nbfsdp")
+    assert nbfsdp._magics is magics
+    assert shell.find_cell_magic("fsdp").__self__ is magics
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--world-size 0", "--world-size must be between 1 and 64, got 0"),
+        ("--world-size -3", "--world-size must be between 1 and 64, got -3"),
+        ("--world-size 65", "--world-size must be between 1 and 64, got 65"),
+        ("--world-size two", "invalid int value: 'two'"),
+        ("--timeout 0", "--timeout must be a positive number of seconds, got 0"),
+        ("--timeout soon", "invalid float value: 'soon'"),
+        ("--sharding FULL", "unrecognized arguments: --sharding FULL"),
+    ],
+)
+def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message):
+    runs_before = len(nbfsdp.runs())
+    error, elapsed = run_failing(shell, f"%%fsdp {flags}\nprint('never runs')\n")
+    assert isinstance(error, UsageError)
+    assert message in str(error)
+    assert elapsed < 1
+    assert len(nbfsdp.runs()) == runs_before
+
+
+def test_bad_line_action_names_the_valid_ones(shell):
+    with pytest.raises(UsageError, match=r"invalid choice: 'restart' \(choose from 'status', 'stop'\)"):
+        shell.run_line_magic("fsdp", "restart")
+
+
+def test_syntax_error_is_reported_before_anything_is_sent(shell):
+    runs_before = len(nbfsdp.runs())
+    error, elapsed = run_failing(shell, "%%fsdp --world-size 2\nfor x in range(3)\n    pass\n")
+    assert isinstance(error, SyntaxError)
+    assert elapsed < 1
+    assert len(nbfsdp.runs()) == runs_before
+
+
+def test_an_unpicklable_input_names_the_variable_and_why(shell):
+    shell.user_ns["guard"] = threading.Lock()
+    runs_before = len(nbfsdp.runs())
+    error, elapsed = run_failing(shell, "%%fsdp --world-size 2\nwith guard:\n    pass\n")
+    assert isinstance(error, UsageError)
+    assert "cannot send 'guard' to the engines" in str(error) and "lock" in str(error)
+    assert elapsed < 1
+    assert len(nbfsdp.runs()) == runs_before
+    assert isinstance(shell.user_ns["guard"], type(threading.Lock()))  # nothing lost in the notebook
