@@ -94,7 +94,10 @@ class MemoryMeter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(tensor._base, nn.Parameter):
             return tensor
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested, ...: not counted, never in the way
+            return tensor
         key = storage.data_ptr()
         entry = self._live.get(key)
         if entry is None:

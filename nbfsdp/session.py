@@ -58,7 +58,10 @@ class Session:
         reads, assigned = transfer.analyze_cell(tree)
         namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
         inputs = {name: namespace[name] for name in reads if name in namespace and name not in hidden}
-        models = {name: value for name, value in inputs.items() if transfer.is_model(value)}
+        models: dict[str, nn.Module] = {}
+        for name, value in inputs.items():  # a second name for the same model travels as a reference
+            if transfer.is_model(value) and all(value is not m for m in models.values()):
+                models[name] = value
         for name, model in models.items():
             if any(p.is_meta for p in model.parameters()):
                 raise UsageError(f"{name!r} is on the meta device: give it real weights before %%fsdp")

@@ -180,3 +180,26 @@ for step in range(3):
     assert all({"mem_params", "mem_grads", "mem_optim", "mem_activations", "mem_peak"} <= m.keys() for m in run.metrics)
     assert 0 < run.elapsed < 60
     assert nbfsdp.runs()[-1] is run
+
+
+def test_two_names_for_one_model_are_one_sharded_model_on_the_engines(shell, tiny_model):
+    shell.user_ns["alias"] = tiny_model
+    run_ok(shell, "%%fsdp --world-size 2\nsame_object = alias is model\n")
+    assert shell.user_ns["same_object"] is True
+    assert len(nbfsdp.last_run().config["fsdp_units"]) == 1  # sharded and gathered once
+    del shell.user_ns["alias"]
+
+
+@pytest.mark.timeout(180)
+def test_a_different_world_size_restarts_and_stop_ends_the_cluster(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    two = list(cluster.world.pids)
+    run_ok(shell, "%%fsdp --world-size 1\nsize_seen = world_size\n")
+    assert shell.user_ns["size_seen"] == 1 and len(cluster.world.pids) == 1
+    assert not set(cluster.world.pids) & set(two)
+    one = cluster.world.pids[0]
+    shell.run_line_magic("fsdp", "stop")
+    assert cluster.world is None and not cluster.running
+    assert not psutil.pid_exists(one) or psutil.Process(one).status() == psutil.STATUS_ZOMBIE
+    run_ok(shell, "%%fsdp --world-size 2\nsize_seen = world_size\n")  # and it starts again
+    assert shell.user_ns["size_seen"] == 2
