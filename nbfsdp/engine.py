@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import nbfsdp
 from nbfsdp import metrics, transfer
-from nbfsdp.sharding import shard_model
+from nbfsdp.config import FSDPConfig
+from nbfsdp.sharding import device_mesh, shard_model
 
 _PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
 #: Errors a rank raises only because a peer tore the world down first.
@@ -42,6 +44,7 @@ class _World:
     generation: int
     namespace: dict[str, Any] = field(default_factory=dict)
     models: dict[str, tuple[tuple, nn.Module]] = field(default_factory=dict)
+    meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
 
 
 _world: _World | None = None
@@ -111,10 +114,15 @@ def _user_traceback(error: BaseException) -> str:
 
 def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes], flat, index) -> None:
     shards = transfer.unpack_shards(flat, index)
+    config = FSDPConfig(**spec["fsdp"])
+    shape = config.mesh_shape(world.world_size)
+    if skeletons and shape not in world.meshes:
+        world.meshes[shape] = device_mesh(config, world.world_size, world.device)
     for name in spec["models"]:
         token = spec["model_tokens"][name]
         if name in skeletons:
-            model = shard_model(transfer.load_skeleton(skeletons[name]), shards.get(name, {}), world.device)
+            skeleton = transfer.load_skeleton(skeletons[name])
+            model = shard_model(skeleton, shards.get(name, {}), world.device, config, world.meshes[shape])
             world.models[name] = (token, model)
         elif world.models.get(name, (None,))[0] != token:
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")

@@ -6,12 +6,23 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from nbfsdp import config
 from nbfsdp.cluster import visible_gpus
 from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 MAX_WORLD_SIZE = 64
 LINE_ACTIONS = ("status", "stop")
+#: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
+CONFIG_FLAGS = (
+    "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
+    "activation_checkpointing", "activation_cpu_offload", "cpu_offload", "min_params", "wrap_cls", "replicas",
+)  # fmt: skip
+
+
+def _switch(flag: str, help_text: str):
+    """A flag that turns a setting on; absent means 'not given' so --config and defaults apply."""
+    return argument(flag, action="store_const", const=True, default=None, help=help_text)
 
 
 @magics_class
@@ -41,6 +52,30 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
     )
+    @argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win.")
+    @argument(
+        "--sharding-strategy",
+        choices=config.SHARDING_STRATEGIES,
+        help="FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD.",
+    )
+    @argument("--replicas", type=int, metavar="R", help="HYBRID_SHARD: R replica groups, each sharding the model.")
+    @argument(
+        "--mixed-precision",
+        choices=config.MIXED_PRECISIONS,
+        help="FULL: fp32; DEFAULT (default): low-precision gradient reduction; PURE: low precision throughout.",
+    )
+    @argument("--precision", choices=config.PRECISIONS, help="The low precision of DEFAULT and PURE (default bf16).")
+    @argument(
+        "--backward-prefetch",
+        choices=config.BACKWARD_PREFETCHES,
+        help="Gather the next unit during backward (BACKWARD_POST, Composer's default, runs as BACKWARD_PRE).",
+    )
+    @_switch("--forward-prefetch", "Gather the next unit during forward.")
+    @_switch("--activation-checkpointing", "Recompute activations in backward (Composer's module rules decide where).")
+    @_switch("--activation-cpu-offload", "Keep saved activations on the CPU until backward.")
+    @_switch("--cpu-offload", "Keep sharded parameters, gradients and optimizer state on the CPU.")
+    @argument("--min-params", metavar="N", help="Wrap a module as its own unit from N parameters (default 1e8).")
+    @argument("--wrap-cls", metavar="NAME[,NAME]", help="Class names whose instances are FSDP units (TorchAcc).")
     @cell_magic
     def fsdp(self, line: str, cell: str) -> None:
         """Run this cell on every rank, with the notebook's models sharded by FSDP2.
@@ -56,7 +91,20 @@ class FSDPMagics(Magics):
             raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-        self.session.run_cell(cell, world_size=world_size, timeout=args.timeout, gather=not args.no_gather)
+        settings = config.resolve(self._composer_dict(args.config), {k: getattr(args, k) for k in CONFIG_FLAGS})
+        self.session.run_cell(
+            cell, world_size=world_size, timeout=args.timeout, gather=not args.no_gather, config=settings
+        )
+
+    def _composer_dict(self, name: str | None) -> dict | None:
+        if name is None:
+            return None
+        if name not in self.shell.user_ns:
+            raise UsageError(f"--config {name}: no such name in the notebook")
+        value = self.shell.user_ns[name]
+        if not isinstance(value, dict):
+            raise UsageError(f"--config {name}: is a {type(value).__name__}, not a dict like Composer's fsdp_config")
+        return value
 
     @magic_arguments()
     @argument("action", choices=LINE_ACTIONS, help="status: engines, ranks, devices, pids; stop: end the cluster.")

@@ -9,6 +9,7 @@ only after every rank has succeeded.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import pickle
 import sys
@@ -20,24 +21,27 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp import history, transfer
-from nbfsdp.cluster import FSDPCluster
+from nbfsdp.cluster import FSDPCluster, visible_gpus
+from nbfsdp.config import FSDPConfig, validate
 from nbfsdp.runner import run_on_ranks
-from nbfsdp.sharding import block_units
-
-#: FSDP2's behaviour with no settings, in Composer's ``fsdp_config`` vocabulary.
-DEFAULT_FSDP_CONFIG = {
-    "sharding_strategy": "FULL_SHARD",
-    "mixed_precision": "FULL",
-    "backward_prefetch": "BACKWARD_PRE",
-    "forward_prefetch": False,
-    "activation_checkpointing": False,
-    "cpu_offload": False,
-}
+from nbfsdp.sharding import wrap_units
 
 
-def _unit_names(model: nn.Module) -> list[str]:
+def _unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(unit)] for unit in block_units(model)] + [""]
+    return [names[id(unit)] for unit in wrap_units(model, config)] + [""]
+
+
+def _check_no_shared_modules(name: str, model: nn.Module) -> None:
+    """Composer's duplicate-module check: FSDP shards each module once, by one path."""
+    seen: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen and any(True for _ in module.parameters()):
+            raise UsageError(
+                f"{name}.{seen[id(module)]} and {name}.{path} are the same module; FSDP can shard a module "
+                "only once: give each place its own module (tie single parameters instead)"
+            )
+        seen.setdefault(id(module), path)
 
 
 class Session:
@@ -51,8 +55,9 @@ class Session:
         self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
         self._models_generation: int | None = None
 
-    def run_cell(self, cell: str, *, world_size: int, timeout: float, gather: bool) -> None:
+    def run_cell(self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig) -> None:
         started = time.perf_counter()
+        validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
         number = next(self._cells)
         tree = ast.parse(cell, filename=f"<fsdp-cell-{number}>")
         reads, assigned = transfer.analyze_cell(tree)
@@ -65,12 +70,16 @@ class Session:
         for name, model in models.items():
             if any(p.is_meta for p in model.parameters()):
                 raise UsageError(f"{name!r} is on the meta device: give it real weights before %%fsdp")
+            _check_no_shared_modules(name, model)
         try:
             values = transfer.pack_values({n: v for n, v in inputs.items() if n not in models}, models)
         except transfer.UnpicklableName as error:
             raise UsageError(str(error)) from None
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
-        fingerprints = {name: transfer.model_fingerprint(model, skeletons[name]) for name, model in models.items()}
+        settings = repr(sorted(dataclasses.asdict(config).items()))  # other settings: shard again
+        fingerprints = {
+            name: (transfer.model_fingerprint(model, skeletons[name]), settings) for name, model in models.items()
+        }
 
         world = self.cluster.ensure_world(world_size, timeout)
         if world.generation != self._models_generation:  # a new world holds no models
@@ -78,8 +87,12 @@ class Session:
         to_send = [name for name in models if self._engine_models.get(name, (None,))[0] != fingerprints[name]]
         tokens = {name: next(self._tokens) if name in to_send else self._engine_models[name][1] for name in models}
         sending = {name: models[name] for name in to_send}
+        _, shard_degree = config.mesh_shape(world_size)  # rank r holds shard r % shard_degree
         per_rank = [
-            ({name: skeletons[name] for name in to_send}, *transfer.pack_shards(sending, rank, world_size))
+            (
+                {name: skeletons[name] for name in to_send},
+                *transfer.pack_shards(sending, rank % shard_degree, shard_degree),
+            )
             for rank in range(world_size)
         ]
         spec = {
@@ -90,6 +103,7 @@ class Session:
             "model_tokens": tokens,
             "assigned": assigned,
             "gather": sorted(models) if gather else [],
+            "fsdp": dataclasses.asdict(config),
         }
         config = {
             "world_size": world_size,
@@ -97,8 +111,8 @@ class Session:
             "device": "cuda" if world.backend == "nccl" else "cpu",
             "timeout": timeout,
             "gather": gather,
-            **DEFAULT_FSDP_CONFIG,
-            "fsdp_units": {name: _unit_names(model) for name, model in models.items()},
+            **config.as_dict(),
+            "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
         }
         run = history.RunRecord(world_size=world_size, config=config)
         history.record(run)
@@ -111,18 +125,23 @@ class Session:
             run.elapsed = time.perf_counter() - started
         for name in to_send:
             self._engine_models[name] = (fingerprints[name], tokens[name])
-        self._apply_results(outcomes, models, skeletons, tokens)
+        self._apply_results(outcomes, models, skeletons, tokens, settings)
         run.metrics = sorted((m for o in outcomes for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
         run.elapsed = time.perf_counter() - started
 
     def _apply_results(
-        self, outcomes: list[dict[str, Any]], models: dict[str, nn.Module], skeletons: dict[str, bytes], tokens: dict
+        self,
+        outcomes: list[dict[str, Any]],
+        models: dict[str, nn.Module],
+        skeletons: dict[str, bytes],
+        tokens: dict[str, int],
+        settings: str,
     ) -> None:
         """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
         first = outcomes[0]
         for name, state in first["states"].items():
             models[name].load_state_dict(state)  # in place: other references see it too
-            fingerprint = transfer.model_fingerprint(models[name], skeletons[name])
+            fingerprint = (transfer.model_fingerprint(models[name], skeletons[name]), settings)
             self._engine_models[name] = (fingerprint, tokens[name])
         for name, data in first["names"].items():
             self.shell.user_ns[name] = pickle.loads(data)

@@ -131,14 +131,17 @@ ShardIndex = list[tuple[str, str, str, tuple[int, ...], int, int]]
 _ALIGNMENT = 64
 
 
-def _rank_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """FSDP2's dim-0 chunk of ``tensor`` for ``rank`` (empty when dim 0 < world size)."""
-    chunks = torch.chunk(tensor, world_size, dim=0)
-    return chunks[rank] if rank < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
+def _shard_slice(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """FSDP2's dim-0 chunk ``index`` of ``count`` (empty when dim 0 < count)."""
+    chunks = torch.chunk(tensor, count, dim=0)
+    return chunks[index] if index < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
 
 
-def pack_shards(models: dict[str, nn.Module], rank: int, world_size: int) -> tuple[np.ndarray, ShardIndex]:
-    """This rank's slice of every parameter and a copy of every buffer, as one flat byte array.
+def pack_shards(models: dict[str, nn.Module], index: int, count: int) -> tuple[np.ndarray, ShardIndex]:
+    """Shard ``index`` of ``count`` of every parameter and a copy of every buffer, as one flat byte array.
+
+    ``count`` is the mesh's shard degree: the world size, or fewer ranks per
+    replica with NO_SHARD (1) and HYBRID_SHARD.
 
     One numpy array travels as a single zero-copy zmq frame under ipyparallel
     (pickled tensors would be copied into bytes first), so a rank's peak while
@@ -146,21 +149,21 @@ def pack_shards(models: dict[str, nn.Module], rank: int, world_size: int) -> tup
     """
     pieces: list[tuple[str, str, torch.Tensor]] = []
     for name, model in models.items():
-        pieces += [(name, fqn, _rank_slice(p.detach(), rank, world_size)) for fqn, p in model.named_parameters()]
+        pieces += [(name, fqn, _shard_slice(p.detach(), index, count)) for fqn, p in model.named_parameters()]
         pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers()]
-    index: ShardIndex = []
+    layout: ShardIndex = []
     offset = 0
     for name, fqn, tensor in pieces:
         nbytes = tensor.numel() * tensor.element_size()
-        index.append((name, fqn, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        layout.append((name, fqn, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
         offset += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
     flat = np.empty(offset, dtype=np.uint8)
     target = torch.from_numpy(flat)
     with torch.no_grad():
-        for (_, _, _, shape, start, nbytes), (_, _, tensor) in zip(index, pieces, strict=True):
+        for (_, _, _, shape, start, nbytes), (_, _, tensor) in zip(layout, pieces, strict=True):
             if nbytes:
                 target[start : start + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
-    return flat, index
+    return flat, layout
 
 
 def unpack_shards(flat: np.ndarray, index: ShardIndex) -> dict[str, dict[str, torch.Tensor]]:

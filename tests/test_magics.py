@@ -39,7 +39,22 @@ def test_loading_twice_keeps_the_same_session(shell):
         ("--world-size two", "invalid int value: 'two'"),
         ("--timeout 0", "--timeout must be a positive number of seconds, got 0"),
         ("--timeout soon", "invalid float value: 'soon'"),
-        ("--sharding FULL", "unrecognized arguments: --sharding FULL"),
+        ("--shard-everything", "unrecognized arguments: --shard-everything"),
+        (
+            "--sharding-strategy ZERO3",
+            "invalid choice: 'ZERO3' (choose from FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)",
+        ),
+        ("--mixed-precision HALF", "invalid choice: 'HALF' (choose from FULL, DEFAULT, PURE)"),
+        ("--backward-prefetch LATE", "invalid choice: 'LATE' (choose from BACKWARD_PRE, BACKWARD_POST, NONE)"),
+        ("--precision fp8", "invalid choice: 'fp8' (choose from bf16, fp16)"),
+        ("--min-params lots", "min_params must be a non-negative whole number; got 'lots'"),
+        ("--sharding-strategy HYBRID_SHARD", "HYBRID_SHARD needs --replicas R dividing the world size 2; got None"),
+        (
+            "--sharding-strategy HYBRID_SHARD --replicas 3",
+            "HYBRID_SHARD needs --replicas R dividing the world size 2; got 3",
+        ),
+        ("--precision fp16", "fp16 needs a GPU; on CPU use --precision bf16"),
+        ("--config no_such_dict", "--config no_such_dict: no such name in the notebook"),
     ],
 )
 def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message):

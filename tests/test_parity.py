@@ -26,7 +26,7 @@ def test_fsdp_training_matches_single_process(shell, tiny_model, optimizer):
 
     run_ok(
         shell,
-        f"""%%fsdp --world-size 2
+        f"""%%fsdp --world-size 2 --mixed-precision FULL --wrap-cls Block
 opt = {OPTIMIZERS[optimizer]}
 for step in range({STEPS}):
     x, y = batch_for(rank, step)

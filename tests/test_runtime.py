@@ -158,7 +158,7 @@ def test_status_shows_ranks_pids_devices_and_backend(shell, cluster, capsys):
 def test_run_record(shell, tiny_model):
     run_ok(
         shell,
-        """%%fsdp --world-size 2
+        """%%fsdp --world-size 2 --min-params 1000
 for step in range(3):
     x, y = batch_for(rank, step)
     loss_fn(model(x), y).backward()
@@ -168,7 +168,9 @@ for step in range(3):
     run = nbfsdp.last_run()
     assert run.world_size == 2
     assert run.config["sharding_strategy"] == "FULL_SHARD" and run.config["backend"] == "gloo"
-    assert run.config["fsdp_units"]["model"] == ["blocks.0", "blocks.1", "blocks.2", ""]
+    assert run.config["mixed_precision"] == "DEFAULT" and run.config["min_params"] == 1000
+    # Composer's size rule, bottom-up: each MLP (1,072 parameters) reaches 1,000 first
+    assert run.config["fsdp_units"]["model"] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp", ""]
     assert [(m["rank"], m["step"], m["loss"]) for m in run.metrics] == [
         (0, 0, 0.0),
         (1, 0, 1.0),

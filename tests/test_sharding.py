@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_each_rank_holds_only_its_dim0_shard(shell, tiny_model):
     run_ok(
         shell,
-        """%%fsdp --world-size 2
+        """%%fsdp --world-size 2 --wrap-cls Block
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -35,7 +35,7 @@ dist.all_gather_object(per_rank, mine)
             assert full_numel == param.numel()
             assert local_rows == len(range(rows)[rank * -(-rows // 2) : (rank + 1) * -(-rows // 2)]), name
         assert sum(seen["locals"][name][1] for seen in per_rank) == rows
-    # default wrap: each element of the block container is a unit, then the root
+    # each Block is a unit (--wrap-cls), then the root
     assert all(seen["units"] == ["", "blocks.0", "blocks.1", "blocks.2"] for seen in per_rank)
 
 
