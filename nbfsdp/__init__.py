@@ -16,13 +16,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nbfsdp.explain import Plan, explain
 from nbfsdp.history import RunRecord, last_run, runs
 from nbfsdp.metrics import log
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
-__all__ = ["RunRecord", "last_run", "load_ipython_extension", "log", "runs", "unload_ipython_extension"]
+__all__ = [
+    "Plan",
+    "RunRecord",
+    "explain",
+    "last_run",
+    "load_ipython_extension",
+    "log",
+    "runs",
+    "unload_ipython_extension",
+]
 
 _magics = None
 

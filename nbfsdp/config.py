@@ -69,6 +69,8 @@ class FSDPConfig:
     """Class names whose instances are units (TorchAcc's wrap classes)."""
     replicas: int | None = None
     """HYBRID_SHARD: number of replica groups (Composer's data_parallel_replicate_degree)."""
+    sync_module_states: bool = False
+    """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
 
@@ -161,8 +163,6 @@ def resolve(composer_dict: dict[str, Any] | None, flags: dict[str, Any]) -> FSDP
             else:
                 valid = sorted([*_CONVERTERS, *COMPOSER_KEYS_WITHOUT_EFFECT])
                 raise UsageError(f"unknown fsdp_config key {key!r}; valid keys: {', '.join(valid)}")
-    if settings.pop("sync_module_states", False):
-        raise UsageError("sync_module_states is not supported yet: the notebook's weights are always sent")
     return FSDPConfig(**settings, ignored=ignored)
 
 

@@ -22,14 +22,14 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import nbfsdp
 from nbfsdp import metrics, transfer
 from nbfsdp.config import FSDPConfig
-from nbfsdp.sharding import device_mesh, shard_model
+from nbfsdp.sharding import cast_buffers, device_mesh, fill_shards, materialize, shard_model
 
 _PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
 #: Errors a rank raises only because a peer tore the world down first.
@@ -121,11 +121,27 @@ def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes
     for name in spec["models"]:
         token = spec["model_tokens"][name]
         if name in skeletons:
-            skeleton = transfer.load_skeleton(skeletons[name])
-            model = shard_model(skeleton, shards.get(name, {}), world.device, config, world.meshes[shape])
+            model = shard_model(transfer.load_skeleton(skeletons[name]), world.device, config, world.meshes[shape])
+            if name in spec["materialize"]:
+                _materialize(world, model, config, shape[1], spec["seed"])
+            else:
+                fill_shards(model, shards.get(name, {}), world.device)
+            cast_buffers(model, config.dtypes()[2])
             world.models[name] = (token, model)
         elif world.models.get(name, (None,))[0] != token:
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
+
+
+def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degree: int, seed: int) -> None:
+    """A model built on the meta device: every rank initializes its shards under the same seeds;
+    with sync_module_states rank 0 initializes the whole model and broadcasts each rank its shards."""
+    shard = (world.rank % shard_degree, shard_degree)
+    if not config.sync_module_states:
+        materialize(model, world.device, shard, seed, full=False)
+        return
+    state = materialize(model, world.device, shard, seed, full=True) if world.rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
 
 
 def _names_back(world: _World, assigned: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:

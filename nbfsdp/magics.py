@@ -2,27 +2,72 @@
 
 from __future__ import annotations
 
+import torch.nn as nn
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbfsdp import config
 from nbfsdp.cluster import visible_gpus
+from nbfsdp.explain import plan
 from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 MAX_WORLD_SIZE = 64
-LINE_ACTIONS = ("status", "stop")
+LINE_ACTIONS = ("status", "stop", "explain")
+WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 #: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
 CONFIG_FLAGS = (
     "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
     "activation_checkpointing", "activation_cpu_offload", "cpu_offload", "min_params", "wrap_cls", "replicas",
+    "sync_module_states",
 )  # fmt: skip
 
 
 def _switch(flag: str, help_text: str):
     """A flag that turns a setting on; absent means 'not given' so --config and defaults apply."""
     return argument(flag, action="store_const", const=True, default=None, help=help_text)
+
+
+#: The fsdp_config flags, shared by %%fsdp and %fsdp explain.
+_CONFIG_ARGUMENTS = [
+    argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
+    argument(
+        "--sharding-strategy",
+        choices=config.SHARDING_STRATEGIES,
+        help="FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD.",
+    ),
+    argument("--replicas", type=int, metavar="R", help="HYBRID_SHARD: R replica groups, each sharding the model."),
+    argument(
+        "--mixed-precision",
+        choices=config.MIXED_PRECISIONS,
+        help="FULL: fp32; DEFAULT (default): low-precision gradient reduction; PURE: low precision throughout.",
+    ),
+    argument("--precision", choices=config.PRECISIONS, help="The low precision of DEFAULT and PURE (default bf16)."),
+    argument(
+        "--backward-prefetch",
+        choices=config.BACKWARD_PREFETCHES,
+        help="Gather the next unit during backward (BACKWARD_POST, Composer's default, runs as BACKWARD_PRE).",
+    ),
+    _switch("--forward-prefetch", "Gather the next unit during forward."),
+    _switch("--activation-checkpointing", "Recompute activations in backward (Composer's module rules decide where)."),
+    _switch("--activation-cpu-offload", "Keep saved activations on the CPU until backward."),
+    _switch("--cpu-offload", "Keep sharded parameters, gradients and optimizer state on the CPU."),
+    argument("--min-params", metavar="N", help="Wrap a module as its own unit from N parameters (default 1e8)."),
+    argument("--wrap-cls", metavar="NAME[,NAME]", help="Class names whose instances are FSDP units (TorchAcc)."),
+    _switch(
+        "--sync-module-states",
+        "A model built on the meta device: rank 0 initializes it whole and broadcasts the shards "
+        "(without it every rank initializes its own shards under the same seeds).",
+    ),
+]
+
+
+def config_arguments(func):
+    """Add the fsdp_config flags to a magic's arguments."""
+    for add in reversed(_CONFIG_ARGUMENTS):
+        func = add(func)
+    return func
 
 
 @magics_class
@@ -39,7 +84,7 @@ class FSDPMagics(Magics):
         "-n",
         type=int,
         default=None,
-        help="Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU).",
+        help=WORLD_SIZE_HELP,
     )
     @argument(
         "--timeout",
@@ -52,30 +97,7 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
     )
-    @argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win.")
-    @argument(
-        "--sharding-strategy",
-        choices=config.SHARDING_STRATEGIES,
-        help="FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD.",
-    )
-    @argument("--replicas", type=int, metavar="R", help="HYBRID_SHARD: R replica groups, each sharding the model.")
-    @argument(
-        "--mixed-precision",
-        choices=config.MIXED_PRECISIONS,
-        help="FULL: fp32; DEFAULT (default): low-precision gradient reduction; PURE: low precision throughout.",
-    )
-    @argument("--precision", choices=config.PRECISIONS, help="The low precision of DEFAULT and PURE (default bf16).")
-    @argument(
-        "--backward-prefetch",
-        choices=config.BACKWARD_PREFETCHES,
-        help="Gather the next unit during backward (BACKWARD_POST, Composer's default, runs as BACKWARD_PRE).",
-    )
-    @_switch("--forward-prefetch", "Gather the next unit during forward.")
-    @_switch("--activation-checkpointing", "Recompute activations in backward (Composer's module rules decide where).")
-    @_switch("--activation-cpu-offload", "Keep saved activations on the CPU until backward.")
-    @_switch("--cpu-offload", "Keep sharded parameters, gradients and optimizer state on the CPU.")
-    @argument("--min-params", metavar="N", help="Wrap a module as its own unit from N parameters (default 1e8).")
-    @argument("--wrap-cls", metavar="NAME[,NAME]", help="Class names whose instances are FSDP units (TorchAcc).")
+    @config_arguments
     @cell_magic
     def fsdp(self, line: str, cell: str) -> None:
         """Run this cell on every rank, with the notebook's models sharded by FSDP2.
@@ -86,15 +108,16 @@ class FSDPMagics(Magics):
         the names the cell assigned hold rank 0's values.
         """
         args = parse_argstring(self.fsdp, line)
-        world_size = args.world_size if args.world_size is not None else (visible_gpus() or 2)
-        if not 1 <= world_size <= MAX_WORLD_SIZE:
-            raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+        world_size = _world_size(args.world_size)
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-        settings = config.resolve(self._composer_dict(args.config), {k: getattr(args, k) for k in CONFIG_FLAGS})
         self.session.run_cell(
-            cell, world_size=world_size, timeout=args.timeout, gather=not args.no_gather, config=settings
+            cell, world_size=world_size, timeout=args.timeout, gather=not args.no_gather, config=self._settings(args)
         )
+
+    def _settings(self, args) -> config.FSDPConfig:
+        """Explicit flags > the --config dict > defaults."""
+        return config.resolve(self._composer_dict(args.config), {k: getattr(args, k) for k in CONFIG_FLAGS})
 
     def _composer_dict(self, name: str | None) -> dict | None:
         if name is None:
@@ -107,10 +130,18 @@ class FSDPMagics(Magics):
         return value
 
     @magic_arguments()
-    @argument("action", choices=LINE_ACTIONS, help="status: engines, ranks, devices, pids; stop: end the cluster.")
+    @argument(
+        "action",
+        choices=LINE_ACTIONS,
+        help="status: engines, ranks, devices, pids; stop: end the cluster; "
+        "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings).",
+    )
     @line_magic("fsdp")
     def fsdp_line(self, line: str) -> None:
-        """Inspect or stop the cluster behind ``%%fsdp``."""
+        """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
+        if line.split()[:1] == ["explain"]:
+            self._explain(line.split(None, 1)[1] if len(line.split()) > 1 else "")
+            return
         args = parse_argstring(self.fsdp_line, line)
         if args.action == "stop":
             self.session.stop()
@@ -128,5 +159,30 @@ class FSDPMagics(Magics):
         for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
             print(f"{rank:>4}  {engine_id:>6}  {info['pid']:>7}  {info['threads']:>7}  {info['device']}")
 
+    @magic_arguments()
+    @argument("model", help="The name of an nn.Module in the notebook.")
+    @argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
+    @config_arguments
+    def _explain_arguments(self, line: str) -> None:
+        """%fsdp explain [settings] [--world-size N] MODEL"""
+
+    def _explain(self, line: str) -> None:
+        args = parse_argstring(self._explain_arguments, line)
+        model = self.shell.user_ns.get(args.model)
+        if not isinstance(model, nn.Module):
+            found = "no such name" if model is None else f"a {type(model).__name__}"
+            raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
+        world_size = _world_size(args.world_size)
+        settings = self._settings(args)
+        config.validate(settings, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
+        print(plan(model, settings, world_size))
+
     def stop(self) -> None:
         self.session.stop()
+
+
+def _world_size(requested: int | None) -> int:
+    world_size = requested if requested is not None else (visible_gpus() or 2)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    return world_size

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -24,7 +25,7 @@ from nbfsdp import history, transfer
 from nbfsdp.cluster import FSDPCluster, visible_gpus
 from nbfsdp.config import FSDPConfig, validate
 from nbfsdp.runner import run_on_ranks
-from nbfsdp.sharding import wrap_units
+from nbfsdp.sharding import check_initializable, wrap_units
 
 
 def _unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
@@ -68,8 +69,8 @@ class Session:
             if transfer.is_model(value) and all(value is not m for m in models.values()):
                 models[name] = value
         for name, model in models.items():
-            if any(p.is_meta for p in model.parameters()):
-                raise UsageError(f"{name!r} is on the meta device: give it real weights before %%fsdp")
+            if any(p.is_meta for p in model.parameters()) and (why := check_initializable(model)):
+                raise UsageError(f"{name!r} is built on the meta device, but {why}")
             _check_no_shared_modules(name, model)
         try:
             values = transfer.pack_values({n: v for n, v in inputs.items() if n not in models}, models)
@@ -104,6 +105,8 @@ class Session:
             "assigned": assigned,
             "gather": sorted(models) if gather else [],
             "fsdp": dataclasses.asdict(config),
+            "materialize": [name for name in to_send if any(p.is_meta for p in models[name].parameters())],
+            "seed": torch.initial_seed() % 2**63,
         }
         config = {
             "world_size": world_size,
@@ -140,7 +143,8 @@ class Session:
         """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
         first = outcomes[0]
         for name, state in first["states"].items():
-            models[name].load_state_dict(state)  # in place: other references see it too
+            meta = any(p.is_meta for p in models[name].parameters())
+            models[name].load_state_dict(state, assign=meta)  # in place: other references see it too
             fingerprint = (transfer.model_fingerprint(models[name], skeletons[name]), settings)
             self._engine_models[name] = (fingerprint, tokens[name])
         for name, data in first["names"].items():

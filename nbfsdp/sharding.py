@@ -55,6 +55,12 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
     return units
 
 
+def forward_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Units in the order forward reaches them: the root, then the others as the model lists them."""
+    unit_ids = {id(u) for u in units}
+    return [model, *(m for m in model.modules() if id(m) in unit_ids)]
+
+
 def checkpointed_modules(model: nn.Module, units: list[nn.Module], config: FSDPConfig) -> list[nn.Module]:
     """Where activations are recomputed (outermost choices only: nesting would recompute twice)."""
     if not (config.activation_checkpointing or config.activation_cpu_offload):
@@ -103,7 +109,7 @@ def device_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> De
 
 
 def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: torch.device) -> list[nn.Module]:
-    """Shard ``model`` in place as ``config`` says; return its units in forward order, root last."""
+    """Shard ``model`` in place as ``config`` says; return its units in forward order, root first."""
     units = wrap_units(model, config)
     recompute = checkpointed_modules(model, units, config)
     for module in recompute:
@@ -119,12 +125,12 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
     }
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for unit in units:
+    for unit in units:  # bottom-up: a unit takes the parameters no unit below it took
         fully_shard(unit, **options)
     fully_shard(model, **options)
-    ordered = [*units, model]
+    ordered = forward_order(model, units)
     if config.forward_prefetch:
-        for current, following in zip(units, units[1:], strict=False):
+        for current, following in zip(ordered[1:], ordered[2:], strict=False):
             current.set_modules_to_forward_prefetch([following])
     if config.effective_backward_prefetch == "NONE":
         # FSDP2 treats an empty list as "prefetch implicitly"; a unit's own entry is an explicit
@@ -134,20 +140,89 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
     return ordered
 
 
-def shard_model(
-    skeleton: nn.Module, shard: dict[str, torch.Tensor], device: torch.device, config: FSDPConfig, mesh: DeviceMesh
-) -> nn.Module:
-    """Shard ``skeleton`` with FSDP2 and fill this rank's local tensors from ``shard``.
+def check_initializable(model: nn.Module) -> str | None:
+    """Why a meta-device model could not be materialized on the ranks, or None."""
+    if _root_method(model, "param_init_fn"):
+        return None
+    for name, module in model.named_modules():
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if owns and not callable(getattr(module, "reset_parameters", None)):
+            return (
+                f"{name or 'the root'} ({type(module).__name__}) has no reset_parameters(): give the model a "
+                "param_init_fn(module) method, or build it with real weights"
+            )
+    return None
+
+
+def _initialized_copy(module: nn.Module, root: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """``module`` alone (no children), its own tensors full-size and initialized under ``seed``."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._modules = {}
+    copy._parameters = {
+        key: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for key, p in module._parameters.items()
+        if p is not None
+    }
+    copy._buffers = {
+        key: torch.empty(b.shape, dtype=b.dtype, device=device) for key, b in module._buffers.items() if b is not None
+    }
+    torch.manual_seed(seed)
+    init_fn = _root_method(root, "param_init_fn")
+    if init_fn is not None:
+        init_fn(copy)
+    else:
+        copy.reset_parameters()
+    return copy
+
+
+def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int, full: bool) -> dict:
+    """Fill a sharded model that was built on the meta device, one module at a time.
+
+    Every rank initializes each module's own tensors full-size under the same
+    seed (so all ranks agree), keeps its shard ``shard = (index, count)`` and
+    frees the rest: the peak is one module's tensors, never the model's. With
+    ``full`` the full tensors are also returned (rank 0, for sync_module_states).
+    """
+    index, count = shard
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for position, (name, module) in enumerate(model.named_modules()):
+            if not module._parameters and not module._buffers:
+                continue
+            copy = _initialized_copy(module, model, device, seed + position)
+            prefix = f"{name}." if name else ""
+            for key, param in module._parameters.items():
+                if param is None:
+                    continue
+                local = param.to_local() if isinstance(param, DTensor) else param
+                chunks = torch.chunk(copy._parameters[key], count, dim=0)
+                if index < len(chunks):
+                    local.copy_(chunks[index])
+                if full:
+                    state[prefix + key] = copy._parameters[key].detach().cpu()
+            for key, buffer in copy._buffers.items():
+                module._buffers[key] = buffer
+                if full and key not in module._non_persistent_buffers_set:
+                    state[prefix + key] = buffer.cpu()
+    return state
+
+
+def shard_model(skeleton: nn.Module, device: torch.device, config: FSDPConfig, mesh: DeviceMesh) -> nn.Module:
+    """Shard a meta-device ``skeleton`` with FSDP2 and allocate only this rank's (empty) shards.
 
     ``fully_shard`` on the meta device allocates nothing; ``to_empty`` then
-    allocates only the local shards, which are filled from what the notebook
-    sent, so a rank never holds the full model.
+    allocates the local shards alone, so a rank never holds the full model.
     """
     apply_fsdp(skeleton, config, mesh, device)
     skeleton.to_empty(device="cpu" if config.cpu_offload else device)
-    _, _, buffer_dtype = config.dtypes()
+    return skeleton
+
+
+def fill_shards(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Copy what the notebook sent into this rank's shards, and its buffers."""
     with torch.no_grad():
-        for fqn, param in skeleton.named_parameters():
+        for fqn, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
             data = shard[fqn]
             if local.shape != data.shape:
@@ -156,10 +231,15 @@ def shard_model(
                     f"{tuple(local.shape)} on this rank; is a custom shard placement in use?"
                 )
             local.copy_(data)
-        for name, module in skeleton.named_modules():
-            for key, buffer in list(module._buffers.items()):
+        for name, module in model.named_modules():
+            for key, buffer in module._buffers.items():
                 if buffer is not None:
-                    full = shard[f"{name}.{key}" if name else key]
-                    dtype = buffer_dtype if full.is_floating_point() else full.dtype
-                    module._buffers[key] = full.to(device=device, dtype=dtype, copy=True)
-    return skeleton
+                    module._buffers[key] = shard[f"{name}.{key}" if name else key].to(device, copy=True)
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers in ``dtype`` (FSDP2's policy has no buffer dtype; PURE wants one)."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[key] = buffer.to(dtype)

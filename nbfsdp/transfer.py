@@ -149,8 +149,9 @@ def pack_shards(models: dict[str, nn.Module], index: int, count: int) -> tuple[n
     """
     pieces: list[tuple[str, str, torch.Tensor]] = []
     for name, model in models.items():
-        pieces += [(name, fqn, _shard_slice(p.detach(), index, count)) for fqn, p in model.named_parameters()]
-        pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers()]
+        params = [(fqn, p) for fqn, p in model.named_parameters() if not p.is_meta]  # meta: made on the ranks
+        pieces += [(name, fqn, _shard_slice(p.detach(), index, count)) for fqn, p in params]
+        pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers() if not b.is_meta]
     layout: ShardIndex = []
     offset = 0
     for name, fqn, tensor in pieces:

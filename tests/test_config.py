@@ -211,7 +211,6 @@ def test_a_composer_fsdp_config_is_accepted_unchanged_and_flags_win(shell, tiny_
         ({"shard_everything": True}, "unknown fsdp_config key 'shard_everything'; valid keys:"),
         ({"mixed_precision": {"param_dtype": "fp8"}}, "mixed_precision param_dtype must be one of"),
         ({"mixed_precision": {"grad_dtype": "bf16"}}, "mixed_precision dict keys are param_dtype, reduce_dtype"),
-        ({"sync_module_states": True}, "sync_module_states is not supported yet"),
         ([("sharding_strategy", "FULL_SHARD")], "is a list, not a dict"),
     ],
 )
@@ -231,3 +230,36 @@ def test_a_module_reached_by_two_paths_is_a_clear_error(shell, tiny_model):
         assert "model.blocks.0 and model.shared are the same module" in str(error)
     finally:
         del tiny_model.shared
+
+
+@pytest.mark.parametrize("preset", ["DEFAULT", "PURE"])
+def test_low_precision_loss_stays_within_bf16_tolerance_of_a_reference_with_the_same_casts(shell, tiny_model, preset):
+    master = copy.deepcopy(tiny_model)
+    run_ok(
+        shell,
+        f"%%fsdp --world-size 2 --wrap-cls Block --mixed-precision {preset}\n" + TRAIN.format(steps=STEPS, per_rank=4),
+    )
+    run = nbfsdp.last_run()
+    measured = [(run.metric("loss", 0)[s] + run.metric("loss", 1)[s]) / 2 for s in range(STEPS)]
+
+    ns = shell.user_ns
+    opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
+    expected = []
+    for step in range(STEPS):
+        batches = [ns["batch_for"](rank, step, per_rank=4) for rank in range(2)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        if preset == "PURE":  # forward and backward on a bf16 copy; fp32 master weights step
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            loss = ns["loss_fn"](low(x.to(torch.bfloat16)), y)
+            loss.backward()
+            for param, low_param in zip(master.parameters(), low.parameters(), strict=True):
+                param.grad = low_param.grad.float()
+        else:  # fp32 compute; gradients averaged in bf16
+            loss = ns["loss_fn"](master(x), y)
+            loss.backward()
+            for param in master.parameters():
+                param.grad = param.grad.to(torch.bfloat16).float()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1.6e-2, atol=1e-5)

@@ -42,11 +42,11 @@ def test_loading_twice_keeps_the_same_session(shell):
         ("--shard-everything", "unrecognized arguments: --shard-everything"),
         (
             "--sharding-strategy ZERO3",
-            "invalid choice: 'ZERO3' (choose from FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)",
+            "invalid choice: 'ZERO3' (choose from 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD')",
         ),
-        ("--mixed-precision HALF", "invalid choice: 'HALF' (choose from FULL, DEFAULT, PURE)"),
-        ("--backward-prefetch LATE", "invalid choice: 'LATE' (choose from BACKWARD_PRE, BACKWARD_POST, NONE)"),
-        ("--precision fp8", "invalid choice: 'fp8' (choose from bf16, fp16)"),
+        ("--mixed-precision HALF", "invalid choice: 'HALF' (choose from 'FULL', 'DEFAULT', 'PURE')"),
+        ("--backward-prefetch LATE", "invalid choice: 'LATE' (choose from 'BACKWARD_PRE', 'BACKWARD_POST', 'NONE')"),
+        ("--precision fp8", "invalid choice: 'fp8' (choose from 'bf16', 'fp16')"),
         ("--min-params lots", "min_params must be a non-negative whole number; got 'lots'"),
         ("--sharding-strategy HYBRID_SHARD", "HYBRID_SHARD needs --replicas R dividing the world size 2; got None"),
         (
@@ -67,7 +67,7 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 
 
 def test_bad_line_action_names_the_valid_ones(shell):
-    with pytest.raises(UsageError, match=r"invalid choice: 'restart' \(choose from 'status', 'stop'\)"):
+    with pytest.raises(UsageError, match=r"invalid choice: 'restart' \(choose from 'status', 'stop', 'explain'\)"):
         shell.run_line_magic("fsdp", "restart")
 
 

@@ -39,8 +39,8 @@ dist.all_gather_object(per_rank, mine)
     assert all(seen["units"] == ["", "blocks.0", "blocks.1", "blocks.2"] for seen in per_rank)
 
 
-def _big_model() -> nn.Module:
-    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 33.6M parameters, 134 MB
+def _big_model(width: int = 2048) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])  # at 2048: 33.6M parameters, 134 MB
 
 
 def test_what_is_sent_to_a_rank_is_a_quarter_of_the_model_at_world_size_4():

@@ -1,0 +1,75 @@
+"""%fsdp explain and nbfsdp.explain: the plan before the run, held to what the run measures."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbfsdp
+from tests.conftest import run_ok
+from tests.test_metrics import MEASURE
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _within(predicted: float, measured: float, tolerance: float = 0.05) -> bool:
+    return abs(predicted - measured) <= tolerance * measured
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_predicted_memory_matches_fsdp_mem_tracker(shell, tiny_model, world_size):
+    run_ok(shell, "torch.manual_seed(0)\nwide = Net(width=96, depth=3)\n")
+    wide = shell.user_ns["wide"]
+    plan = nbfsdp.explain(wide, world_size=world_size, wrap_cls="Block")
+    run_ok(shell, MEASURE.replace("--world-size 2", f"--world-size {world_size} --wrap-cls Block"))
+    assert {u.name for u in plan.units} == set(nbfsdp.last_run().config["fsdp_units"]["wide"])
+    for rank, oracle in enumerate(shell.user_ns["oracles"]):
+        predicted = plan.memory[rank]
+        measured = {
+            "params": oracle["peak"]["Sharded Param"],
+            "grads": oracle["at_step"]["Sharded Grad"],
+            "optim": oracle["after_step"]["OptState"],
+        }
+        for name, value in measured.items():
+            assert _within(predicted[name], value), f"rank {rank} {name}: predicted {predicted[name]}, tracker {value}"
+
+
+def test_the_plan_shows_units_checkpointing_precision_prefetch_and_communication(shell, tiny_model, capsys):
+    runs_before = len(nbfsdp.runs())
+    shell.run_line_magic(
+        "fsdp",
+        "explain --world-size 4 --wrap-cls Block --activation-checkpointing --forward-prefetch "
+        "--sharding-strategy SHARD_GRAD_OP --mixed-precision PURE model",
+    )
+    out = capsys.readouterr().out
+    assert len(nbfsdp.runs()) == runs_before  # nothing ran
+    assert "FSDP plan at world size 4: SHARD_GRAD_OP, mixed precision PURE (params bfloat16, reduce bfloat16" in out
+    assert "activation checkpointing: blocks.0, blocks.1, blocks.2" in out
+    assert "forward order: (root) -> blocks.0 -> blocks.1 -> blocks.2" in out
+    assert "blocks.0 prefetches blocks.1, blocks.1 prefetches blocks.2" in out
+    assert "backward order: blocks.2 -> blocks.1 -> blocks.0 -> (root)" in out
+    assert "rank 3 predicted: params" in out and "per step per rank: all-gather" in out
+
+    plan = nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block", sharding_strategy="SHARD_GRAD_OP")
+    blocks = [u for u in plan.units if u.cls == "Block"]
+    assert [u.name for u in plan.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert all(u.params == sum(p.numel() for p in tiny_model.blocks[0].parameters()) for u in blocks)
+    # ZeRO-2 gathers each unit once a step, ZeRO-3 twice (forward and backward) but the root once
+    zero3 = nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block", mixed_precision="FULL")
+    zero2 = nbfsdp.explain(
+        tiny_model, world_size=4, wrap_cls="Block", mixed_precision="FULL", sharding_strategy="SHARD_GRAD_OP"
+    )
+    block_bytes = sum(u.full_bytes for u in blocks)
+    assert zero3.communication["all_gather"] - zero2.communication["all_gather"] == block_bytes
+    assert zero2.communication["reduce_scatter"] == sum(u.full_bytes for u in plan.units)
+    # per-rank memory falls as 1/N
+    one = nbfsdp.explain(tiny_model, world_size=1, mixed_precision="FULL").memory[0]["params"]
+    assert abs(zero3.memory[0]["params"] * 4 - one) <= 0.05 * one
+
+
+def test_explain_refuses_what_is_not_a_model(shell):
+    shell.user_ns["not_a_model"] = 3
+    with pytest.raises(UsageError, match="not_a_model: a int, not an nn.Module"):
+        shell.run_line_magic("fsdp", "explain not_a_model")
+    with pytest.raises(UsageError, match="invalid choice: 'ZERO'"):
+        shell.run_line_magic("fsdp", "explain --sharding-strategy ZERO model")
