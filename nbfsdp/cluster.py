@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from typing import Any
 import ipyparallel as ipp
 import psutil
 
-from nbfsdp import engine
+from nbfsdp import engine, reaper
 
 ENGINE_START_TIMEOUT = 120.0
 
@@ -83,7 +84,12 @@ class FSDPCluster:
         world = self.world
         if world and not world.broken and world.world_size == world_size and world.timeout == timeout:
             return world
-        use_gpus = visible_gpus() >= world_size
+        gpus = visible_gpus()
+        use_gpus = gpus >= world_size
+        if 0 < gpus < world_size:
+            print(
+                f"nbfsdp: {world_size} ranks but only {gpus} GPU(s) visible: running on CPU with gloo", file=sys.stderr
+            )
         if self._engine_layout != (world_size, use_gpus) or (world and self._any_engine_dead()):
             self._start_engines(world_size, use_gpus)
         return self._setup_world(world_size, "nccl" if use_gpus else "gloo", timeout)
@@ -164,7 +170,10 @@ class FSDPCluster:
 
     def _start_engines(self, world_size: int, use_gpus: bool) -> None:
         self.stop()
-        self._private_dir = tempfile.mkdtemp(prefix="nbfsdp-")  # mode 0700
+        reaper.clean_stale()
+        self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
+        reaper.record(self._private_dir, os.getpid(), [])
+        reaper.start(os.getpid(), self._private_dir)
         self._cluster = ipp.Cluster(
             profile_dir=self._private_dir,
             controller_ip="127.0.0.1",
@@ -184,6 +193,14 @@ class FSDPCluster:
         self._client = self._cluster.connect_client_sync()
         self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
         self._engine_layout = (world_size, use_gpus)
+        reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
+
+    def cluster_pids(self) -> list[int]:
+        """The controller's and every engine's process id."""
+        launchers = [self._cluster.controller] + [
+            launcher for engine_set in self._cluster.engines.values() for launcher in engine_set.launchers.values()
+        ]
+        return [launcher.pid for launcher in launchers]
 
     def _rank_order(self, use_gpus: bool) -> list[int]:
         ids = sorted(self.client.ids)

@@ -103,6 +103,17 @@ def describe() -> dict[str, Any]:
     }
 
 
+_CELL_SOURCES_KEPT = 20
+
+
+def _remember_source(filename: str, code: str) -> None:
+    """Let tracebacks show the cell's lines; keep only recent cells (linecache never forgets)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    cells = [name for name in linecache.cache if name.startswith("<fsdp-cell-")]
+    for name in cells[:-_CELL_SOURCES_KEPT]:
+        del linecache.cache[name]
+
+
 def _user_traceback(error: BaseException) -> str:
     """The traceback without nbfsdp's own frames: the user's code and what it called."""
     summary = traceback.TracebackException.from_exception(error)
@@ -112,7 +123,10 @@ def _user_traceback(error: BaseException) -> str:
     return "".join(summary.format())
 
 
-def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes], flat, index) -> None:
+def _load_models(
+    world: _World, spec: dict[str, Any], skeletons: dict[str, bytes], flat: np.ndarray, index: transfer.ShardIndex
+) -> None:
+    """Shard and fill the models the notebook sent; check the engine still holds the ones it did not."""
     shards = transfer.unpack_shards(flat, index)
     config = FSDPConfig(**spec["fsdp"])
     shape = config.mesh_shape(world.world_size)
@@ -183,14 +197,13 @@ def run_cell(
     recorder = None
     try:
         _load_models(world, spec, skeletons, flat, index)
-        del flat  # the received buffer: free it before the cell allocates
         models = {name: model for name, (_, model) in world.models.items()}
         namespace = world.namespace
         namespace.update(__name__="__main__", __builtins__=builtins)
         namespace.update(transfer.unpack_values(values, models))
         namespace.update((name, models[name]) for name in spec["models"])
         namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
-        linecache.cache[spec["filename"]] = (len(spec["code"]), None, spec["code"].splitlines(True), spec["filename"])
+        _remember_source(spec["filename"], spec["code"])
         code = compile(spec["code"], spec["filename"], "exec")
         params = [p for name in spec["models"] for p in models[name].parameters()]
         with metrics.MemoryMeter(world.device, params) as meter:

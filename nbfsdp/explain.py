@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from nbfsdp.config import FSDPConfig, resolve
-from nbfsdp.sharding import checkpointed_modules, forward_order, wrap_units
+from nbfsdp.sharding import activation_modules, forward_order, wrap_units
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,7 +158,9 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
         world_size=world_size,
         config=config.as_dict(),
         units=unit_plans,
-        checkpointed=[names[id(m)] for m in checkpointed_modules(model, units, config)],
+        checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
+        if config.activation_checkpointing
+        else [],
         dtypes={
             "param_dtype": dtype_name(param_dtype),
             "reduce_dtype": dtype_name(reduce_dtype),

@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp import history, transfer
-from nbfsdp.cluster import FSDPCluster, visible_gpus
+from nbfsdp.cluster import FSDPCluster, World, visible_gpus
 from nbfsdp.config import FSDPConfig, validate
 from nbfsdp.runner import run_on_ranks
 from nbfsdp.sharding import check_initializable, wrap_units
@@ -45,6 +45,14 @@ def _check_no_shared_modules(name: str, model: nn.Module) -> None:
         seen.setdefault(id(module), path)
 
 
+#: A cell's pickled inputs above this size get a warning naming the big ones.
+HUGE_INPUT_BYTES = 64 * 2**20
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 class Session:
     """The cluster plus what the notebook knows the engines hold."""
 
@@ -59,23 +67,9 @@ class Session:
     def run_cell(self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig) -> None:
         started = time.perf_counter()
         validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
-        number = next(self._cells)
-        tree = ast.parse(cell, filename=f"<fsdp-cell-{number}>")
-        reads, assigned = transfer.analyze_cell(tree)
-        namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
-        inputs = {name: namespace[name] for name in reads if name in namespace and name not in hidden}
-        models: dict[str, nn.Module] = {}
-        for name, value in inputs.items():  # a second name for the same model travels as a reference
-            if transfer.is_model(value) and all(value is not m for m in models.values()):
-                models[name] = value
-        for name, model in models.items():
-            if any(p.is_meta for p in model.parameters()) and (why := check_initializable(model)):
-                raise UsageError(f"{name!r} is built on the meta device, but {why}")
-            _check_no_shared_modules(name, model)
-        try:
-            values = transfer.pack_values({n: v for n, v in inputs.items() if n not in models}, models)
-        except transfer.UnpicklableName as error:
-            raise UsageError(str(error)) from None
+        filename = f"<fsdp-cell-{next(self._cells)}>"
+        reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
+        models, values = self._read_inputs(reads)
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
         settings = repr(sorted(dataclasses.asdict(config).items()))  # other settings: shard again
         fingerprints = {
@@ -98,26 +92,19 @@ class Session:
         ]
         spec = {
             "code": cell,
-            "filename": f"<fsdp-cell-{number}>",
+            "filename": filename,
             "generation": world.generation,
             "models": list(models),
             "model_tokens": tokens,
             "assigned": assigned,
             "gather": sorted(models) if gather else [],
             "fsdp": dataclasses.asdict(config),
-            "materialize": [name for name in to_send if any(p.is_meta for p in models[name].parameters())],
+            "materialize": [name for name in to_send if _on_meta(models[name])],
             "seed": torch.initial_seed() % 2**63,
         }
-        config = {
-            "world_size": world_size,
-            "backend": world.backend,
-            "device": "cuda" if world.backend == "nccl" else "cpu",
-            "timeout": timeout,
-            "gather": gather,
-            **config.as_dict(),
-            "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
-        }
-        run = history.RunRecord(world_size=world_size, config=config)
+        run = history.RunRecord(
+            world_size=world_size, config=self._effective_settings(world, timeout, gather, config, models)
+        )
         history.record(run)
         try:
             outcomes = run_on_ranks(self.cluster, spec, values, per_rank)
@@ -132,6 +119,53 @@ class Session:
         run.metrics = sorted((m for o in outcomes for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
         run.elapsed = time.perf_counter() - started
 
+    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes]:
+        """The notebook's models the cell reads, and every other name it reads, pickled.
+
+        Everything that can be refused is refused here, before an engine is touched.
+        """
+        namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
+        inputs = {name: namespace[name] for name in reads if name in namespace and name not in hidden}
+        models: dict[str, nn.Module] = {}
+        for name, value in inputs.items():  # a second name for the same model travels as a reference
+            if transfer.is_model(value) and all(value is not m for m in models.values()):
+                models[name] = value
+        for name, model in models.items():
+            if _on_meta(model) and (why := check_initializable(model)):
+                raise UsageError(f"{name!r} is built on the meta device, but {why}")
+            _check_no_shared_modules(name, model)
+        others = {n: v for n, v in inputs.items() if n not in models}
+        try:
+            values = transfer.pack_values(others, models)
+        except transfer.UnpicklableName as error:
+            raise UsageError(str(error)) from None
+        if len(values) > HUGE_INPUT_BYTES:
+            self._warn_huge(others, models)
+        return models, values
+
+    def _warn_huge(self, values: dict[str, Any], models: dict[str, nn.Module]) -> None:
+        """Name the inputs that make a cell's payload big: each rank gets a copy of each."""
+        sizes = {name: len(transfer.pack_values({name: v}, models)) for name, v in values.items()}
+        big = ", ".join(f"{n} ({s / 2**20:.0f} MiB)" for n, s in sizes.items() if s > HUGE_INPUT_BYTES // 4)
+        world = self.cluster.world
+        ranks = f"each of {world.world_size} ranks" if world else "each rank"
+        print(f"nbfsdp: sending {big} to {ranks}; data this big is better loaded on the ranks", file=sys.stderr)
+
+    @staticmethod
+    def _effective_settings(
+        world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
+    ) -> dict[str, Any]:
+        """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names."""
+        return {
+            "world_size": world.world_size,
+            "backend": world.backend,
+            "device": "cuda" if world.backend == "nccl" else "cpu",
+            "timeout": timeout,
+            "gather": gather,
+            **config.as_dict(),
+            "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
+        }
+
     def _apply_results(
         self,
         outcomes: list[dict[str, Any]],
@@ -143,8 +177,8 @@ class Session:
         """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
         first = outcomes[0]
         for name, state in first["states"].items():
-            meta = any(p.is_meta for p in models[name].parameters())
-            models[name].load_state_dict(state, assign=meta)  # in place: other references see it too
+            # in place, so other references see it too; a meta-built model takes the tensors as they are
+            models[name].load_state_dict(state, assign=_on_meta(models[name]))
             fingerprint = (transfer.model_fingerprint(models[name], skeletons[name]), settings)
             self._engine_models[name] = (fingerprint, tokens[name])
         for name, data in first["names"].items():

@@ -61,8 +61,11 @@ def forward_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     return [model, *(m for m in model.modules() if id(m) in unit_ids)]
 
 
-def checkpointed_modules(model: nn.Module, units: list[nn.Module], config: FSDPConfig) -> list[nn.Module]:
-    """Where activations are recomputed (outermost choices only: nesting would recompute twice)."""
+def activation_modules(model: nn.Module, units: list[nn.Module], config: FSDPConfig) -> list[nn.Module]:
+    """Where activation checkpointing and activation CPU offload apply, by Composer's rules.
+
+    Outermost choices only: a checkpoint nested in another would recompute twice.
+    """
     if not (config.activation_checkpointing or config.activation_cpu_offload):
         return []
     choose = _root_method(model, "activation_checkpointing_fn")
@@ -111,8 +114,7 @@ def device_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> De
 def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: torch.device) -> list[nn.Module]:
     """Shard ``model`` in place as ``config`` says; return its units in forward order, root first."""
     units = wrap_units(model, config)
-    recompute = checkpointed_modules(model, units, config)
-    for module in recompute:
+    for module in activation_modules(model, units, config):
         if config.activation_cpu_offload:
             _offload_saved_activations(module, pin_memory=device.type == "cuda")
         if config.activation_checkpointing:

@@ -1,0 +1,100 @@
+"""Ends a cluster once the kernel that started it is gone, however it went.
+
+A kernel killed with SIGKILL runs no cleanup, and its engines and controller
+would live on (measured: ipyparallel leaves them running). The cluster starts
+this watcher in its own session, so it survives the kernel:
+
+    python -m nbfsdp.reaper KERNEL_PID PRIVATE_DIR
+
+It checks once a second; when the kernel has exited it kills the processes
+listed in ``PRIVATE_DIR/pids.json`` and removes the directory. When the
+cluster is stopped normally the directory disappears and the watcher exits.
+The same clean-up runs for stale directories of dead kernels when the next
+cluster starts (``clean_stale``), in case a watcher itself was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+PIDS_FILE = "pids.json"
+PRIVATE_DIR_PREFIX = "nbfsdp-"
+POLL_SECONDS = 1.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def record(private_dir: str, kernel_pid: int, pids: list[int]) -> None:
+    """Write the processes to end if ``kernel_pid`` dies (atomically: the watcher may be reading)."""
+    target = Path(private_dir, PIDS_FILE)
+    partial = target.with_suffix(".tmp")
+    partial.write_text(json.dumps({"kernel": kernel_pid, "pids": pids}))
+    partial.chmod(0o600)
+    partial.replace(target)
+
+
+def end_cluster(private_dir: Path) -> None:
+    """Kill the processes the directory lists, then remove it."""
+    try:
+        pids = json.loads((private_dir / PIDS_FILE).read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        pids = []
+    for pid in pids:
+        # a pid recorded long ago may be another process now: only ipyparallel's are ended
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            if any("ipyparallel" in part for part in process.cmdline()):
+                process.send_signal(signal.SIGKILL)
+    shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def clean_stale() -> None:
+    """End the clusters of kernels that no longer run (this user's only)."""
+    for candidate in Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*"):
+        try:
+            if candidate.stat().st_uid != os.getuid():
+                continue
+            kernel = json.loads((candidate / PIDS_FILE).read_text())["kernel"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if not alive(kernel):
+            end_cluster(candidate)
+
+
+def start(kernel_pid: int, private_dir: str) -> None:
+    """Start the watcher for this cluster, detached from the kernel's session."""
+    psutil.Popen(
+        [sys.executable, "-m", "nbfsdp.reaper", str(kernel_pid), private_dir],
+        start_new_session=True,
+        stdin=psutil.subprocess.DEVNULL,
+        stdout=psutil.subprocess.DEVNULL,
+        stderr=psutil.subprocess.DEVNULL,
+    )
+
+
+def main(kernel_pid: int, private_dir: str) -> None:
+    directory = Path(private_dir)
+    while directory.exists():
+        if not alive(kernel_pid):
+            end_cluster(directory)
+            return
+        time.sleep(POLL_SECONDS)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,235 @@
+"""Fault injection: kernels that die, ranks stuck in collectives, repetition, bad input, exposure."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import nbfsdp
+from tests.conftest import gpu, run_ok
+from tests.test_kernel import Kernel
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.25)
+    return [p for p in pids if not _gone(p)]
+
+
+def _kernel_with_cluster() -> tuple[Kernel, int, list[int], str]:
+    """A kernel running a world of 2; its pid, the cluster's pids and private directory."""
+    kernel = Kernel()
+    kernel.execute("%load_ext nbfsdp")
+    reply, _ = kernel.execute("%%fsdp --world-size 2\npass")
+    assert reply["content"]["status"] == "ok", reply["content"]
+    _, messages = kernel.execute(
+        "import os, json, nbfsdp\n"
+        "c = nbfsdp._magics.session.cluster\n"
+        "print(json.dumps([os.getpid(), c.cluster_pids(), c._private_dir]))"
+    )
+    kernel_pid, pids, private_dir = json.loads(kernel.stdout(messages))
+    assert len(pids) == 3 and not any(_gone(p) for p in pids)
+    return kernel, kernel_pid, pids, private_dir
+
+
+def test_no_engine_or_controller_outlives_a_killed_kernel(shell):
+    kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
+    os.kill(kernel_pid, signal.SIGKILL)
+    assert _wait_until_gone(pids, 30) == []
+    assert not Path(private_dir).exists()
+    kernel.client.stop_channels()
+    kernel.manager.cleanup_resources()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart"])
+def test_no_engine_or_controller_outlives_a_kernel_shut_down_or_restarted(shell, how):
+    kernel, _, pids, _ = _kernel_with_cluster()
+    if how == "restart":
+        kernel.manager.restart_kernel(now=False)
+        assert _wait_until_gone(pids, 30) == []
+    kernel.shutdown()
+    assert _wait_until_gone(pids, 30) == []
+
+
+def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster):
+    kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
+    watchers = [p for p in psutil.process_iter(["cmdline"]) if private_dir in (p.info["cmdline"] or [])]
+    assert len(watchers) == 1
+    watchers[0].kill()  # without its watcher, the dead kernel's cluster would live on
+    os.kill(kernel_pid, signal.SIGKILL)
+    time.sleep(2)
+    assert not any(_gone(p) for p in pids)
+    cluster.stop()  # the next cluster to start cleans up
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    assert _wait_until_gone(pids, 10) == []
+    kernel.client.stop_channels()
+    kernel.manager.cleanup_resources()
+
+
+def test_interrupt_ends_a_cell_whose_ranks_are_stuck_in_a_collective():
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext nbfsdp\nimport torch, torch.nn as nn")
+        kernel.execute("model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))")
+        # after FSDP has run, a peer blocked in gloo is not woken by its group being destroyed
+        stuck = """%%fsdp --world-size 2 --timeout 120
+import torch.distributed as dist
+model(torch.randn(2, 8)).sum().backward()
+if rank == 0:
+    dist.all_reduce(torch.ones(1))
+else:
+    while True:
+        pass
+"""
+        started = time.monotonic()
+        reply, _ = kernel.execute(stuck, interrupt_after=3.0)
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - started < 3.0 + 5.0
+        reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
+        assert reply["content"]["status"] == "ok" and "[rank 1] back 1" in kernel.stdout(messages)
+    finally:
+        kernel.shutdown()
+
+
+def _engine_vitals(cluster) -> list[tuple[int, int, int]]:
+    processes = [psutil.Process(pid) for pid in cluster.world.pids]
+    return [(p.memory_info().rss, p.num_threads(), p.num_fds()) for p in processes]
+
+
+def test_fifty_warm_training_cells_leak_no_memory_threads_or_descriptors(shell, cluster, tiny_model):
+    cell = """%%fsdp --world-size 2 --wrap-cls Block
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(3):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x), y)
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+"""
+    run_ok(shell, cell)
+    after_first = _engine_vitals(cluster)
+    children = len(psutil.Process().children(recursive=True))
+    for _ in range(49):
+        run_ok(shell, cell)
+    after_fifty = _engine_vitals(cluster)
+    for (rss0, threads0, fds0), (rss, threads, fds) in zip(after_first, after_fifty, strict=True):
+        assert rss - rss0 < 50 * 2**20, f"engine memory grew {(rss - rss0) / 2**20:.0f} MiB"
+        assert threads <= threads0 and fds <= fds0
+    assert len(psutil.Process().children(recursive=True)) == children
+
+
+def test_a_cell_that_never_logs_works(shell, tiny_model):
+    run_ok(shell, "%%fsdp --world-size 2\nx, y = batch_for(rank, 0)\nloss_fn(model(x), y).backward()\n")
+    assert nbfsdp.last_run().ok and nbfsdp.last_run().metrics == []
+
+
+def test_a_huge_input_is_named_with_its_size(shell, capsys):
+    shell.user_ns["huge_table"] = np.zeros(140 * 2**20 // 8)  # 140 MiB
+    run_ok(shell, "%%fsdp --world-size 2\nrows = len(huge_table)\n")
+    err = capsys.readouterr().err
+    assert "nbfsdp: sending huge_table (140 MiB) to each of 2 ranks" in err
+    del shell.user_ns["huge_table"]
+
+
+def test_tied_weights_stay_tied_and_train_like_one_process(shell):
+    run_ok(
+        shell,
+        """
+import torch, torch.nn as nn
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mix(self.embed(idx))))
+torch.manual_seed(0)
+tied = Tied()
+def tokens_for(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 10, (4, 6), generator=g)
+""",
+    )
+    tied = shell.user_ns["tied"]
+    reference = copy.deepcopy(tied)
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2 --mixed-precision FULL
+opt = torch.optim.SGD(tied.parameters(), lr=0.1)
+for step in range(3):
+    idx = tokens_for(rank, step)
+    loss = nn.functional.cross_entropy(tied(idx).reshape(-1, 10), idx.reshape(-1))
+    loss.backward(); opt.step(); opt.zero_grad()
+""",
+    )
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        idx = torch.cat([shell.user_ns["tokens_for"](rank, step) for rank in range(2)])
+        loss = torch.nn.functional.cross_entropy(reference(idx).reshape(-1, 10), idx.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert tied.head.weight is tied.embed.weight
+    for (name, trained), (_, expected) in zip(tied.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _listening(pids: list[int]) -> list[tuple[int, str]]:
+    sockets = []
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                sockets.append((pid, conn.laddr.ip))
+    return sockets
+
+
+def test_everything_listens_on_loopback_and_files_are_private(shell, cluster, tiny_model):
+    run_ok(
+        shell, "%%fsdp --world-size 2 --wrap-cls Block\nx, y = batch_for(rank, 0)\nloss_fn(model(x), y).backward()\n"
+    )
+    listening = _listening(cluster.cluster_pids())
+    assert listening, "the controller listens somewhere"
+    assert all(ip in ("127.0.0.1", "::1") for _, ip in listening), listening
+    private = Path(cluster._private_dir)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700  # nothing inside is reachable by other users
+    with_keys = [f for f in private.rglob("*.json") if '"key"' in f.read_text()]
+    assert len(with_keys) == 2  # the controller's client and engine connection files
+    for path in [*with_keys, private / "pids.json"]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    # the rendezvous is a file: no TCPStore port anywhere on this machine belongs to the engines
+    assert not [
+        c
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in cluster.world.pids and c.laddr.ip not in ("127.0.0.1", "::1")
+    ]
+    assert socket.gethostbyname("localhost").startswith("127.")
+
+
+@gpu
+def test_more_ranks_than_gpus_falls_back_to_cpu_with_a_warning(shell, cluster, capsys):
+    too_many = torch.cuda.device_count() + 1
+    run_ok(shell, f"%%fsdp --world-size {too_many}\nwhere = str(device)\n")
+    assert shell.user_ns["where"] == "cpu"
+    assert f"only {torch.cuda.device_count()} GPU" in capsys.readouterr().err
