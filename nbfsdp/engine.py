@@ -22,6 +22,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from ipyparallel.datapub import publish_data
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -207,7 +208,7 @@ def run_cell(
         code = compile(spec["code"], spec["filename"], "exec")
         params = [p for name in spec["models"] for p in models[name].parameters()]
         with metrics.MemoryMeter(world.device, params) as meter:
-            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter)
+            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter, publish_data)
             try:
                 exec(code, namespace)
             finally:

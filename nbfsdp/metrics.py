@@ -23,7 +23,7 @@ kept as the oracle that tests compare these numbers with.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -157,13 +157,26 @@ class MemoryMeter:
         return figures
 
 
-class Recorder:
-    """The records of one rank for one cell."""
+#: How often a rank sends its new records to the notebook while a cell runs.
+PUBLISH_SECONDS = 0.25
 
-    def __init__(self, rank: int, meter: MemoryMeter) -> None:
+
+class Recorder:
+    """The records of one rank for one cell, streamed to the notebook as they are made.
+
+    Each batch goes out with ipyparallel's ``datapub`` under its own key
+    (``records0``, ``records1``, ...): the client merges published dicts by
+    key, so no batch overwrites another. ``publish`` is None off the engines.
+    """
+
+    def __init__(self, rank: int, meter: MemoryMeter, publish: Callable[[dict], None] | None = None) -> None:
         self.rank = rank
         self.meter = meter
         self.records: list[dict[str, Any]] = []
+        self._publish = publish
+        self._unsent: list[dict[str, Any]] = []
+        self._batches = 0
+        self._sent_at = 0.0
         self._last = time.perf_counter()
 
     def record(self, scalars: dict[str, Any]) -> None:
@@ -174,7 +187,19 @@ class Recorder:
             entry[name] = value.item() if isinstance(value, torch.Tensor) else value
         entry.update(self.meter.read())
         self.records.append(entry)
+        self._unsent.append(entry)
+        if now - self._sent_at >= PUBLISH_SECONDS:
+            self.send()
         self._last = time.perf_counter()
+
+    def send(self) -> None:
+        """Publish the records not sent yet."""
+        if self._publish is None or not self._unsent:
+            return
+        self._publish({f"records{self._batches}": self._unsent})
+        self._batches += 1
+        self._unsent = []
+        self._sent_at = time.perf_counter()
 
 
 #: The recorder of the cell running on this engine; None elsewhere.

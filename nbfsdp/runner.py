@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import ipyparallel as ipp
 
@@ -77,7 +77,34 @@ def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
         }
 
 
-def run_on_ranks(cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_rank: list[tuple]) -> list[dict]:
+class LiveView(Protocol):
+    """Where streamed records go while a cell runs (the dashboard)."""
+
+    def add(self, records: list[dict[str, Any]]) -> None: ...
+    def refresh(self, final: bool = False) -> None: ...
+
+
+class _RecordStream:
+    """New records each rank has published since the last look."""
+
+    def __init__(self, results: list[ipp.AsyncResult], view: LiveView | None) -> None:
+        self._results, self._view = results, view
+        self._seen: list[set[str]] = [set() for _ in results]
+
+    def pump(self) -> None:
+        if self._view is None:
+            return
+        for result, seen in zip(self._results, self._seen, strict=True):
+            data = result.data
+            for key in [k for k in data if k not in seen]:
+                seen.add(key)
+                self._view.add(data[key])
+        self._view.refresh()
+
+
+def run_on_ranks(
+    cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_rank: list[tuple], view: LiveView | None = None
+) -> list[dict]:
     """Run a cell on every rank; return each rank's outcome or raise ``RankError``.
 
     ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r. KeyboardInterrupt
@@ -89,9 +116,10 @@ def run_on_ranks(cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_
         for rank, engine_id in enumerate(world.engine_ids)
     ]
     streamer = _OutputStreamer(results)
+    records = _RecordStream(results, view)
     outcomes: dict[int, dict] = {}
     try:
-        _watch(cluster, results, outcomes, streamer)
+        _watch(cluster, results, outcomes, streamer, records)
     except KeyboardInterrupt:
         world.broken = True
         _stop_ranks(cluster, results, outcomes, streamer, immediately=True)
@@ -115,7 +143,9 @@ def run_on_ranks(cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_
     return [outcomes[rank] for rank in range(len(results))]
 
 
-def _watch(cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer) -> None:
+def _watch(
+    cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer, records: _RecordStream
+) -> None:
     next_liveness = time.monotonic() + LIVENESS_SECONDS
     while len(outcomes) < len(results):
         for rank, result in enumerate(results):
@@ -124,6 +154,7 @@ def _watch(cluster: FSDPCluster, results: list, outcomes: dict, streamer: _Outpu
                 if outcomes[rank].get("engine_lost") and rank in (dead := cluster.dead_ranks()):
                     outcomes[rank]["error"] = f"engine died: {dead[rank]}"
         streamer.pump()
+        records.pump()
         if time.monotonic() >= next_liveness:
             for rank, how in cluster.dead_ranks().items():
                 outcomes.setdefault(

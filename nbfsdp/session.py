@@ -24,6 +24,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbfsdp import history, transfer
 from nbfsdp.cluster import FSDPCluster, World, visible_gpus
 from nbfsdp.config import FSDPConfig, validate
+from nbfsdp.dashboard import LiveDashboard
+from nbfsdp.explain import plan
 from nbfsdp.runner import run_on_ranks
 from nbfsdp.sharding import check_initializable, wrap_units
 
@@ -106,10 +108,13 @@ class Session:
             world_size=world_size, config=self._effective_settings(world, timeout, gather, config, models)
         )
         history.record(run)
+        dashboard = self._dashboard(world, models, config)
         try:
-            outcomes = run_on_ranks(self.cluster, spec, values, per_rank)
+            outcomes = run_on_ranks(self.cluster, spec, values, per_rank, view=dashboard)
         except BaseException as error:
             run.ok, run.error = False, str(error) or type(error).__name__
+            if dashboard:
+                dashboard.finish(None, "failed")
             raise
         finally:
             run.elapsed = time.perf_counter() - started
@@ -117,7 +122,17 @@ class Session:
             self._engine_models[name] = (fingerprints[name], tokens[name])
         self._apply_results(outcomes, models, skeletons, tokens, settings)
         run.metrics = sorted((m for o in outcomes for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
+        if dashboard:
+            dashboard.finish(run.metrics, "done")
         run.elapsed = time.perf_counter() - started
+
+    def _dashboard(self, world: World, models: dict[str, nn.Module], config: FSDPConfig) -> LiveDashboard | None:
+        """A live dashboard where a frontend can show one: in a kernel, not a terminal IPython."""
+        if getattr(self.shell, "kernel", None) is None:
+            return None
+        predicted = plan(next(iter(models.values())), config, world.world_size).memory if models else None
+        device = "cuda" if world.backend == "nccl" else "cpu"
+        return LiveDashboard(world.world_size, device, predicted)
 
     def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes]:
         """The notebook's models the cell reads, and every other name it reads, pickled.

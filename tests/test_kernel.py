@@ -37,7 +37,8 @@ class Kernel:
             messages.append((time.monotonic() - started, msg))
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
-        reply = self.client.get_shell_msg(timeout=timeout)
+        while (reply := self.client.get_shell_msg(timeout=timeout))["parent_header"].get("msg_id") != msg_id:
+            pass  # a reply to an earlier request (kernel_info, say): not this cell's
         return reply, messages
 
     def stdout(self, messages: list) -> str:
