@@ -98,9 +98,10 @@ class FSDPConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The effective settings, with Composer's key names and values."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ignored"}
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         settings["backward_prefetch"] = self.effective_backward_prefetch
         settings["wrap_cls"] = list(self.wrap_cls)
+        settings["ignored"] = dict(self.ignored)
         return settings
 
 

@@ -129,10 +129,13 @@ class LiveDashboard:
                 )
         loss_axes.set(title="loss", xlabel="step")
         memory_axes.set(title="memory per rank (MiB, last step)", xlabel="rank")
+        memory_axes.set_xticks(range(self.world_size))
         time_axes.set(title="step time (ms)", xlabel="step")
-        for axes in (loss_axes, memory_axes, time_axes):
+        for axes in (loss_axes, time_axes):
             if axes.get_legend_handles_labels()[0]:
                 axes.legend(fontsize=7)
+        if memory_axes.get_legend_handles_labels()[0]:
+            memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
         figure.tight_layout()
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")

@@ -201,6 +201,7 @@ def test_a_composer_fsdp_config_is_accepted_unchanged_and_flags_win(shell, tiny_
     assert config["sharding_strategy"] == "SHARD_GRAD_OP"  # the flag
     assert config["mixed_precision"] == "DEFAULT" and config["min_params"] == int(1e8)  # the dict
     assert config["backward_prefetch"] == "BACKWARD_PRE"  # what FSDP2 actually does
+    assert set(config["ignored"]) == {"verbose", "limit_all_gathers", "state_dict_type", "use_orig_params"}
     assert shell.user_ns["fsdp_config"] == COMPOSER_DOCS_CONFIG  # the notebook's dict untouched
 
 
