@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nbfsdp.comparison import compare
 from nbfsdp.explain import Plan, explain
 from nbfsdp.history import RunRecord, last_run, runs
 from nbfsdp.metrics import log
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Plan",
     "RunRecord",
+    "compare",
     "explain",
     "last_run",
     "load_ipython_extension",

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import io
+
 import torch.nn as nn
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import Image, display
 
-from nbfsdp import config
+from nbfsdp import comparison, config
 from nbfsdp.cluster import visible_gpus
 from nbfsdp.explain import plan
 from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 MAX_WORLD_SIZE = 64
-LINE_ACTIONS = ("status", "stop", "explain")
+LINE_ACTIONS = ("status", "stop", "explain", "compare")
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 #: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
 CONFIG_FLAGS = (
@@ -134,13 +137,17 @@ class FSDPMagics(Magics):
         "action",
         choices=LINE_ACTIONS,
         help="status: engines, ranks, devices, pids; stop: end the cluster; "
-        "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings).",
+        "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings); "
+        "compare [N]: the last N runs (default 5) side by side.",
     )
     @line_magic("fsdp")
     def fsdp_line(self, line: str) -> None:
         """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
         if line.split()[:1] == ["explain"]:
             self._explain(line.split(None, 1)[1] if len(line.split()) > 1 else "")
+            return
+        if line.split()[:1] == ["compare"]:
+            self._compare(line.split()[1:])
             return
         args = parse_argstring(self.fsdp_line, line)
         if args.action == "stop":
@@ -176,6 +183,21 @@ class FSDPMagics(Magics):
         settings = self._settings(args)
         config.validate(settings, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
         print(plan(model, settings, world_size))
+
+    def _compare(self, words: list[str]) -> None:
+        if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):
+            raise UsageError(f"%fsdp compare takes one optional positive number of runs; got {' '.join(words)!r}")
+        last = int(words[0]) if words else 5
+        rows = comparison.compare(last)
+        if not rows:
+            print("nbfsdp: no runs yet")
+            return
+        print(comparison.table(rows))
+        figure = comparison.loss_figure(last)
+        if figure is not None and getattr(self.shell, "kernel", None) is not None:
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png")
+            display(Image(data=buffer.getvalue()))
 
     def stop(self) -> None:
         self.session.stop()

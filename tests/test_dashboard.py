@@ -69,3 +69,11 @@ def test_the_dashboard_keeps_working_after_a_failed_cell(kernel):
     reply, messages = kernel.execute(TEN_SECONDS.replace("range(50)", "range(8)"))
     assert reply["content"]["status"] == "ok"
     assert _figure_updates(messages)
+
+
+def test_compare_shows_the_table_and_overlaid_loss_curves(kernel):
+    reply, messages = kernel.execute("%fsdp compare 2")
+    assert reply["content"]["status"] == "ok"
+    assert kernel.stdout(messages).startswith("run")
+    images = [m for _, m in messages if m["msg_type"] == "display_data" and "image/png" in m["content"]["data"]]
+    assert len(images) == 1
