@@ -90,7 +90,7 @@ class FSDPCluster:
             print(
                 f"nbfsdp: {world_size} ranks but only {gpus} GPU(s) visible: running on CPU with gloo", file=sys.stderr
             )
-        if self._engine_layout != (world_size, use_gpus) or (world and self._any_engine_dead()):
+        if self._engine_layout != (world_size, use_gpus) or (world and self.dead_ranks()):
             self._start_engines(world_size, use_gpus)
         return self._setup_world(world_size, "nccl" if use_gpus else "gloo", timeout)
 
@@ -142,9 +142,6 @@ class FSDPCluster:
         return self._cluster is not None
 
     # ----------------------------------------------------------------- helpers
-    def _any_engine_dead(self) -> bool:
-        return bool(self.dead_ranks())
-
     def _exit_code(self, pid: int) -> int | None:
         for engine_set in self._cluster.engines.values() if self._cluster else []:
             for launcher in getattr(engine_set, "launchers", {}).values():

@@ -33,7 +33,7 @@ class LiveDashboard:
         self.records: list[dict[str, Any]] = []
         self.redraws = 0
         self._last_draw = 0.0
-        self._alive = ["running"] * world_size
+        self._states = ["running"] * world_size
         self._status = widgets.HTML()
         self._figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         self._box = widgets.VBox([self._status, self._figure])
@@ -48,7 +48,7 @@ class LiveDashboard:
         """The cell is over: draw its complete records (as ``last_run`` has them) one last time."""
         if records is not None:
             self.records = list(records)
-        self._alive = [state] * self.world_size
+        self._states = [state] * self.world_size
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:
@@ -84,7 +84,7 @@ class LiveDashboard:
             step_time = f"{record['step_time'] * 1000:.0f} ms" if record else ""
             rows += (
                 f"<tr><td>{rank}</td><td>{step}</td><td>{step_time}</td><td>{self._device}</td>"
-                f"<td>{self._alive[rank]}</td></tr>"
+                f"<td>{self._states[rank]}</td></tr>"
             )
         return (
             f"<table><tr><th>rank</th><th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
