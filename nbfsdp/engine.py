@@ -100,7 +100,6 @@ def describe() -> dict[str, Any]:
         "device": f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
         "backend": dist.get_backend() if dist.is_initialized() else "",
         "threads": torch.get_num_threads(),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     }
 
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from nbfsdp.config import FSDPConfig
+from nbfsdp.transfer import shard_slice
 
 
 def _root_method(model: nn.Module, name: str) -> Callable[[nn.Module], object] | None:
@@ -198,9 +199,7 @@ def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], 
                 if param is None:
                     continue
                 local = param.to_local() if isinstance(param, DTensor) else param
-                chunks = torch.chunk(copy._parameters[key], count, dim=0)
-                if index < len(chunks):
-                    local.copy_(chunks[index])
+                local.copy_(shard_slice(copy._parameters[key], index, count))
                 if full:
                     state[prefix + key] = copy._parameters[key].detach().cpu()
             for key, buffer in copy._buffers.items():

@@ -131,7 +131,7 @@ ShardIndex = list[tuple[str, str, str, tuple[int, ...], int, int]]
 _ALIGNMENT = 64
 
 
-def _shard_slice(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
+def shard_slice(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """FSDP2's dim-0 chunk ``index`` of ``count`` (empty when dim 0 < count)."""
     chunks = torch.chunk(tensor, count, dim=0)
     return chunks[index] if index < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
@@ -150,7 +150,7 @@ def pack_shards(models: dict[str, nn.Module], index: int, count: int) -> tuple[n
     pieces: list[tuple[str, str, torch.Tensor]] = []
     for name, model in models.items():
         params = [(fqn, p) for fqn, p in model.named_parameters() if not p.is_meta]  # meta: made on the ranks
-        pieces += [(name, fqn, _shard_slice(p.detach(), index, count)) for fqn, p in params]
+        pieces += [(name, fqn, shard_slice(p.detach(), index, count)) for fqn, p in params]
         pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers() if not b.is_meta]
     layout: ShardIndex = []
     offset = 0

@@ -59,3 +59,22 @@ def test_engines_reuse_an_unchanged_model_and_resend_a_changed_one(shell, tiny_m
     run_ok(shell, "%%fsdp --world-size 2\nhead_seen = model.head.weight.full_tensor()\nengine_model_id = id(model)\n")
     assert shell.user_ns["engine_model_id"] != first_id
     assert torch.equal(shell.user_ns["head_seen"], torch.full_like(shell.user_ns["head_seen"], 0.5))
+
+
+def test_only_rank_0_materializes_the_full_state(shell, cluster):
+    from tests.test_sharding import _big_model, _peak_and_current
+
+    shell.user_ns["big"] = model = _big_model()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear --no-gather\nbig\n")  # sharded, not gathered
+    growth = {}
+    for rank, pid in enumerate(cluster.world.pids):
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        growth[rank] = -_peak_and_current(pid)[1]
+    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\nbig\n")  # the same shards, now gathered
+    for rank, pid in enumerate(cluster.world.pids):
+        growth[rank] += _peak_and_current(pid)[0]
+    assert growth[0] > 0.9 * full  # rank 0 holds the whole state dict
+    assert growth[1] < 0.5 * full  # rank 1 only ever one parameter gathered at a time
+    del shell.user_ns["big"]
