@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.conftest import run_ok
 
@@ -62,9 +63,10 @@ def test_engines_reuse_an_unchanged_model_and_resend_a_changed_one(shell, tiny_m
 
 
 def test_only_rank_0_materializes_the_full_state(shell, cluster):
-    from tests.test_sharding import _big_model, _peak_and_current
+    from tests.test_sharding import _peak_and_current
 
-    shell.user_ns["big"] = model = _big_model()
+    # many 4 MiB parameters: one gathered at a time is far from the whole 134 MB, whatever the allocator keeps
+    shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear --no-gather\nbig\n")  # sharded, not gathered
     growth = {}
@@ -76,5 +78,8 @@ def test_only_rank_0_materializes_the_full_state(shell, cluster):
     for rank, pid in enumerate(cluster.world.pids):
         growth[rank] += _peak_and_current(pid)[0]
     assert growth[0] > 0.9 * full  # rank 0 holds the whole state dict
-    assert growth[1] < 0.5 * full  # rank 1 only ever one parameter gathered at a time
+    # rank 1 gathers each parameter in turn and drops it (gloo's buffers and the allocator's
+    # free lists still show in its high-water mark: measured 35-46 MiB here, never the 128 MiB state)
+    assert growth[1] < 0.5 * full, f"rank 1 grew {growth[1] / 2**20:.0f} MiB while gathering"
+    assert growth[1] < 0.4 * growth[0], growth
     del shell.user_ns["big"]
