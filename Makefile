@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test lint clean
+.PHONY: lab test browser lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,18 @@ $(STAMP): pyproject.toml Makefile
 lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --notebook-dir=notebooks
 
-## Same set-up, then the whole suite: lint, tests on real processes, notebooks under nbval
-test: $(STAMP)
+## Debian's chromium for tests/test_browser.py (Playwright drives it and downloads no browser):
+## installed with apt-get when missing, as root; without it that test skips
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	  else \
+	    echo "chromium is missing and installing it needs root: tests/test_browser.py will skip"; \
+	  fi; }
+
+## Same set-up, then the whole suite: lint, tests on real processes and in a browser, notebooks under nbval
+test: $(STAMP) browser
 	$(BIN)/ruff check nbfsdp tests
 	$(BIN)/ruff format --check nbfsdp tests
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider

@@ -138,6 +138,12 @@ class FSDPCluster:
         self.world = None
 
     @property
+    def private_dir(self) -> str:
+        """The cluster's 0700 directory: connection files, the rendezvous store, run control files."""
+        assert self._private_dir is not None, "no cluster running"
+        return self._private_dir
+
+    @property
     def running(self) -> bool:
         return self._cluster is not None
 

@@ -28,6 +28,13 @@ _DTYPES = {
     "float16": torch.float16,
 }
 _MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+#: Settings a running cell can switch at a step boundary; the others need another mesh or placement.
+LIVE_SETTINGS = (
+    "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
+    "activation_checkpointing",
+)  # fmt: skip
+#: Strategies a running cell can switch between: the same mesh, only resharding after forward differs.
+LIVE_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 #: Composer keys that FSDP2 makes moot; accepted so a Composer dict works unchanged.
 COMPOSER_KEYS_WITHOUT_EFFECT = {
@@ -151,11 +158,13 @@ _CONVERTERS = {
 _ALIASES = {"data_parallel_replicate_degree": "replicas"}
 
 
-def resolve(composer_dict: dict[str, Any] | None, flags: dict[str, Any]) -> FSDPConfig:
-    """Defaults < a Composer ``fsdp_config`` dict < explicit flags; every value checked."""
+def resolve(
+    composer_dict: dict[str, Any] | None, flags: dict[str, Any], panel: dict[str, Any] | None = None
+) -> FSDPConfig:
+    """Defaults < the panel's settings < a Composer ``fsdp_config`` dict < explicit flags; every value checked."""
     settings: dict[str, Any] = {}
     ignored: dict[str, str] = {}
-    for source in (composer_dict or {}, {k: v for k, v in flags.items() if v is not None}):
+    for source in (panel or {}, composer_dict or {}, {k: v for k, v in flags.items() if v is not None}):
         for key, value in source.items():
             if key in COMPOSER_KEYS_WITHOUT_EFFECT:
                 ignored[key] = COMPOSER_KEYS_WITHOUT_EFFECT[key]

@@ -9,6 +9,7 @@ a cell leaves on the engines survive until the world is restarted.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import datetime
 import linecache
 import os
@@ -30,7 +31,8 @@ from torch.distributed.tensor import DTensor
 import nbfsdp
 from nbfsdp import metrics, transfer
 from nbfsdp.config import FSDPConfig
-from nbfsdp.sharding import cast_buffers, device_mesh, fill_shards, materialize, shard_model
+from nbfsdp.control import CellCancelled, RankControl
+from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, fill_shards, materialize, shard_model
 
 _PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
 #: Errors a rank raises only because a peer tore the world down first.
@@ -44,7 +46,7 @@ class _World:
     device: torch.device
     generation: int
     namespace: dict[str, Any] = field(default_factory=dict)
-    models: dict[str, tuple[tuple, nn.Module]] = field(default_factory=dict)
+    models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
     meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
 
 
@@ -135,13 +137,13 @@ def _load_models(
     for name in spec["models"]:
         token = spec["model_tokens"][name]
         if name in skeletons:
-            model = shard_model(transfer.load_skeleton(skeletons[name]), world.device, config, world.meshes[shape])
+            sharded = shard_model(transfer.load_skeleton(skeletons[name]), world.device, config, world.meshes[shape])
             if name in spec["materialize"]:
-                _materialize(world, model, config, shape[1], spec["seed"])
+                _materialize(world, sharded.module, config, shape[1], spec["seed"])
             else:
-                fill_shards(model, shards.get(name, {}), world.device)
-            cast_buffers(model, config.dtypes()[2])
-            world.models[name] = (token, model)
+                fill_shards(sharded.module, shards.get(name, {}), world.device)
+            cast_buffers(sharded.module, config.dtypes()[2])
+            world.models[name] = (token, sharded)
         elif world.models.get(name, (None,))[0] != token:
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
 
@@ -160,7 +162,7 @@ def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degr
 
 def _names_back(world: _World, assigned: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
     """Rank 0's pickled values of the names the cell assigned, and why others stay."""
-    sharded = {id(model) for _, model in world.models.values()}
+    sharded = {id(model.module) for _, model in world.models.values()}
     values: dict[str, bytes] = {}
     skipped: dict[str, str] = {}
     for name in assigned:
@@ -182,6 +184,12 @@ def _names_back(world: _World, assigned: list[str]) -> tuple[dict[str, bytes], d
     return values, skipped
 
 
+def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[str]:
+    """One settings change on every model of the cell; the changes as ``key=value``, once each."""
+    changed = [change for sharded in models for change in apply_live(sharded, settings)]
+    return list(dict.fromkeys(changed))
+
+
 def run_cell(
     spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes], flat: np.ndarray, index: transfer.ShardIndex
 ) -> dict[str, Any]:
@@ -197,7 +205,8 @@ def run_cell(
     recorder = None
     try:
         _load_models(world, spec, skeletons, flat, index)
-        models = {name: model for name, (_, model) in world.models.items()}
+        cell_models = [world.models[name][1] for name in spec["models"]]
+        models = {name: sharded.module for name, (_, sharded) in world.models.items()}
         namespace = world.namespace
         namespace.update(__name__="__main__", __builtins__=builtins)
         namespace.update(transfer.unpack_values(values, models))
@@ -205,11 +214,15 @@ def run_cell(
         namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
         _remember_source(spec["filename"], spec["code"])
         code = compile(spec["code"], spec["filename"], "exec")
-        params = [p for name in spec["models"] for p in models[name].parameters()]
+        params = [p for sharded in cell_models for p in sharded.module.parameters()]
+        control = RankControl(spec["control"], lambda settings: _apply_live(cell_models, settings))
+        cancelled = False
         with metrics.MemoryMeter(world.device, params) as meter:
-            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter, publish_data)
+            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter, publish_data, control)
             try:
                 exec(code, namespace)
+            except CellCancelled:
+                cancelled = True  # every rank stops at the same step; the cell ends as a finished one
             finally:
                 metrics.active_recorder = None
         names, skipped = _names_back(world, spec["assigned"])
@@ -217,10 +230,12 @@ def run_cell(
         states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}
         return {
             "ok": True,
+            "cancelled": cancelled,
             "names": names,
             "skipped": skipped,
             "states": states if world.rank == 0 else {},
             "metrics": recorder.records,
+            "settings": {name: dataclasses.asdict(world.models[name][1].config) for name in spec["models"]},
         }
     except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
         message = f"{type(error).__name__}: {error}"

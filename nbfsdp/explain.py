@@ -50,7 +50,7 @@ class Plan:
     """(unit, unit it prefetches) pairs in forward."""
     backward_order: list[str]
     memory: list[dict[str, int]] = field(default_factory=list)
-    """Per rank: predicted bytes of params, grads and optim (AdamW)."""
+    """Per rank: predicted bytes of params, grads and optim (AdamW), and FSDP2's comm_buffers at their peak."""
     communication: dict[str, int] = field(default_factory=dict)
     """Bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
 
@@ -74,7 +74,7 @@ class Plan:
         for rank, m in enumerate(self.memory):
             lines.append(
                 f"rank {rank} predicted: params {_size(m['params'])}, grads {_size(m['grads'])}, "
-                f"optimizer (AdamW) {_size(m['optim'])}"
+                f"optimizer (AdamW) {_size(m['optim'])}, comm buffers at peak {_size(m['comm_buffers'])}"
             )
         comm = self.communication
         lines.append(
@@ -138,6 +138,12 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
 
     gathered_per_step = {id(u): 1 if u is model or config.sharding_strategy == "SHARD_GRAD_OP" else 2 for u in ordered}
     low = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    unit_params = sorted((u.params for u in unit_plans), reverse=True)
+    # FSDP2's buffers at their peak: the unit computing and the one prefetched, gathered; one unit's
+    # unsharded gradients waiting for reduce-scatter (none of it without sharding: NO_SHARD all-reduces)
+    comm_buffers = 0 if shards == 1 else sum(unit_params[:2]) * low(param_dtype) + unit_params[0] * low(reduce_dtype)
+    for figures in memory:
+        figures["comm_buffers"] = comm_buffers
     communication = {
         "all_gather": 0
         if shards == 1

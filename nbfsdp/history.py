@@ -22,6 +22,10 @@ class RunRecord:
     """False when a rank failed or the cell was interrupted."""
     error: str = ""
     """The failure, as the cell reported it."""
+    changes: list[tuple[int, str]] = field(default_factory=list)
+    """Settings changed while the cell ran: (step after which they applied, ``key=value, ...``)."""
+    cancelled: bool = False
+    """Ended early by ``%fsdp cancel`` or the Stop button, at a step boundary on every rank."""
 
     def metric(self, name: str, rank: int = 0) -> list[Any]:
         """One rank's values of ``name``, in step order."""

@@ -13,11 +13,12 @@ from IPython.display import Image, display
 from nbfsdp import comparison, config
 from nbfsdp.cluster import visible_gpus
 from nbfsdp.explain import plan
+from nbfsdp.panel import SettingsPanel
 from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 MAX_WORLD_SIZE = 64
-LINE_ACTIONS = ("status", "stop", "explain", "compare")
+LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "wait", "cancel")
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 #: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
 CONFIG_FLAGS = (
@@ -100,6 +101,12 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
     )
+    @argument(
+        "--async",
+        dest="background",
+        action="store_true",
+        help="Return at once while the ranks train; `%%fsdp wait` brings the results, `%%fsdp cancel` stops.",
+    )
     @config_arguments
     @cell_magic
     def fsdp(self, line: str, cell: str) -> None:
@@ -111,16 +118,23 @@ class FSDPMagics(Magics):
         the names the cell assigned hold rank 0's values.
         """
         args = parse_argstring(self.fsdp, line)
-        world_size = _world_size(args.world_size)
+        requested = args.world_size if args.world_size is not None else self.session.panel_world_size
+        world_size = _world_size(requested)
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         self.session.run_cell(
-            cell, world_size=world_size, timeout=args.timeout, gather=not args.no_gather, config=self._settings(args)
+            cell,
+            world_size=world_size,
+            timeout=args.timeout,
+            gather=not args.no_gather,
+            config=self._settings(args),
+            background=args.background,
         )
 
     def _settings(self, args) -> config.FSDPConfig:
-        """Explicit flags > the --config dict > defaults."""
-        return config.resolve(self._composer_dict(args.config), {k: getattr(args, k) for k in CONFIG_FLAGS})
+        """Explicit flags > the --config dict > the panel's settings > defaults."""
+        flags = {k: getattr(args, k) for k in CONFIG_FLAGS}
+        return config.resolve(self._composer_dict(args.config), flags, self.session.panel)
 
     def _composer_dict(self, name: str | None) -> dict | None:
         if name is None:
@@ -138,7 +152,9 @@ class FSDPMagics(Magics):
         choices=LINE_ACTIONS,
         help="status: engines, ranks, devices, pids; stop: end the cluster; "
         "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings); "
-        "compare [N]: the last N runs (default 5) side by side.",
+        "compare [N]: the last N runs (default 5) side by side; "
+        "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
+        "wait: the results of an --async run; cancel: end the running cell at its next step.",
     )
     @line_magic("fsdp")
     def fsdp_line(self, line: str) -> None:
@@ -149,10 +165,19 @@ class FSDPMagics(Magics):
         if line.split()[:1] == ["compare"]:
             self._compare(line.split()[1:])
             return
+        if line.split()[:1] == ["panel"]:
+            self._panel(line.split()[1:])
+            return
         args = parse_argstring(self.fsdp_line, line)
         if args.action == "stop":
             self.session.stop()
             print("nbfsdp: cluster stopped")
+            return
+        if args.action == "wait":
+            self.session.wait()
+            return
+        if args.action == "cancel":
+            self.session.cancel()
             return
         world = self.session.cluster.world
         if world is None:
@@ -198,6 +223,17 @@ class FSDPMagics(Magics):
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png")
             display(Image(data=buffer.getvalue()))
+
+    def _panel(self, words: list[str]) -> None:
+        if len(words) > 1:
+            raise UsageError(f"%fsdp panel takes at most one model name; got {' '.join(words)!r}")
+        model = None
+        if words:
+            model = self.shell.user_ns.get(words[0])
+            if not isinstance(model, nn.Module):
+                raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
+        world_size = _world_size(self.session.panel_world_size)
+        display(SettingsPanel(self.session, model, world_size).box)
 
     def stop(self) -> None:
         self.session.stop()

@@ -31,6 +31,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from nbfsdp.control import RankControl
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard)."""
@@ -169,17 +171,25 @@ class Recorder:
     key, so no batch overwrites another. ``publish`` is None off the engines.
     """
 
-    def __init__(self, rank: int, meter: MemoryMeter, publish: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        meter: MemoryMeter,
+        publish: Callable[[dict], None] | None = None,
+        control: RankControl | None = None,
+    ) -> None:
         self.rank = rank
         self.meter = meter
         self.records: list[dict[str, Any]] = []
         self._publish = publish
+        self._control = control
         self._unsent: list[dict[str, Any]] = []
         self._batches = 0
         self._sent_at = 0.0
         self._last = time.perf_counter()
 
     def record(self, scalars: dict[str, Any]) -> None:
+        """One step's record; then, at this step boundary, what the notebook asked for (changes, cancel)."""
         now = time.perf_counter()
         step = scalars.pop("step", len(self.records))
         entry: dict[str, Any] = {"rank": self.rank, "step": int(step), "step_time": now - self._last}
@@ -188,9 +198,13 @@ class Recorder:
         entry.update(self.meter.read())
         self.records.append(entry)
         self._unsent.append(entry)
-        if now - self._sent_at >= PUBLISH_SECONDS:
-            self.send()
-        self._last = time.perf_counter()
+        try:
+            if self._control is not None and (changed := self._control.at_log(len(self.records) - 1)):
+                entry["changed"] = ", ".join(changed)  # in force from the next step
+        finally:  # a cancel raises here: its last record still goes out
+            if now - self._sent_at >= PUBLISH_SECONDS or "changed" in entry:
+                self.send()
+            self._last = time.perf_counter()
 
     def send(self) -> None:
         """Publish the records not sent yet."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import ipyparallel as ipp
@@ -41,25 +43,39 @@ class RankError(Exception):
         return [*lines, f"RankError: {self}"]
 
 
+class OutputSink(Protocol):
+    """Where ranks' output lines go: the cell's own streams, or a widget for a background run."""
+
+    def write(self, text: str, stderr: bool) -> None: ...
+
+
+class CellStreams:
+    """The running cell's stdout and stderr."""
+
+    def write(self, text: str, stderr: bool) -> None:
+        stream = sys.stderr if stderr else sys.stdout
+        stream.write(text)
+        stream.flush()
+
+
 class _OutputStreamer:
     """Writes each rank's stdout and stderr as they grow, one prefixed line at a time."""
 
-    def __init__(self, results: list[ipp.AsyncResult]) -> None:
+    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink) -> None:
         self._results = results
+        self._sink = sink
         self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
 
     def pump(self, final: bool = False) -> None:
         for rank, result in enumerate(self._results):
-            for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            for name in ("stdout", "stderr"):
                 text = result.metadata[name]
                 start = self._sent[rank, name]
                 end = len(text) if final else text.rfind("\n", start) + 1
                 if end > start:
-                    chunk = text[start:end]
-                    stream.write("".join(f"[rank {rank}] {line}\n" for line in chunk.splitlines()))
+                    lines = "".join(f"[rank {rank}] {line}\n" for line in text[start:end].splitlines())
+                    self._sink.write(lines, name == "stderr")
                     self._sent[rank, name] = end
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
@@ -78,10 +94,11 @@ def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
 
 
 class LiveView(Protocol):
-    """Where streamed records go while a cell runs (the dashboard)."""
+    """Where streamed records and rank states go while a cell runs (the dashboard)."""
 
     def add(self, records: list[dict[str, Any]]) -> None: ...
     def refresh(self, final: bool = False) -> None: ...
+    def rank_state(self, rank: int, state: str) -> None: ...
 
 
 class _RecordStream:
@@ -102,75 +119,97 @@ class _RecordStream:
         self._view.refresh()
 
 
-def run_on_ranks(
-    cluster: FSDPCluster, spec: dict[str, Any], values: bytes, per_rank: list[tuple], view: LiveView | None = None
-) -> list[dict]:
-    """Run a cell on every rank; return each rank's outcome or raise ``RankError``.
+class RankRun:
+    """One cell submitted to every rank; ``watch`` follows it to its end, here or in a background thread.
 
-    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r. KeyboardInterrupt
-    interrupts every rank, kills those that do not stop, and propagates.
+    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r.
     """
-    world = cluster.world
-    results = [
-        cluster.client[engine_id].apply_async(engine.run_cell, spec, values, *per_rank[rank])
-        for rank, engine_id in enumerate(world.engine_ids)
-    ]
-    streamer = _OutputStreamer(results)
-    records = _RecordStream(results, view)
-    outcomes: dict[int, dict] = {}
-    try:
-        _watch(cluster, results, outcomes, streamer, records)
-    except KeyboardInterrupt:
-        world.broken = True
-        _stop_ranks(cluster, results, outcomes, streamer, immediately=True)
-        raise
-    finally:
-        for result in results:
-            if result.ready():
-                result.wait_for_output(1.0)
-        streamer.pump(final=True)
-    failed = {rank: o for rank, o in outcomes.items() if not o["ok"]}
-    if failed:
-        world.broken = True
-        primary = {rank: o for rank, o in failed.items() if not o["secondary"]} or failed
-        rank = min(primary)
-        message = primary[rank]["error"]
-        same = [str(r) for r in primary if r != rank and primary[r]["error"] == message]
-        others = [f"rank {r}: {o['error']}" for r, o in primary.items() if r != rank and o["error"] != message]
-        if same:
-            others.insert(0, f"also on ranks {', '.join(same)}")
-        raise RankError(rank, message, primary[rank]["traceback"], "; ".join(others))
-    return [outcomes[rank] for rank in range(len(results))]
+
+    def __init__(
+        self,
+        cluster: FSDPCluster,
+        spec: dict[str, Any],
+        values: bytes,
+        per_rank: list[tuple],
+        view: LiveView | None = None,
+        sink: OutputSink | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.world = cluster.world
+        self.results = [
+            cluster.client[engine_id].apply_async(engine.run_cell, spec, values, *per_rank[rank])
+            for rank, engine_id in enumerate(self.world.engine_ids)
+        ]
+        self.view = view
+        self._streamer = _OutputStreamer(self.results, sink or CellStreams())
+        self._records = _RecordStream(self.results, view)
+        self._interrupt = threading.Event()
+
+    def interrupt(self) -> None:
+        """From another thread: end the run as a KeyboardInterrupt in ``watch`` would."""
+        self._interrupt.set()
+
+    def watch(self, on_poll: Callable[[], None] | None = None) -> list[dict]:
+        """Each rank's outcome, or ``RankError``; KeyboardInterrupt interrupts every rank, kills those
+        that do not stop, and propagates. ``on_poll`` runs between looks (the notebook's widget events)."""
+        outcomes: dict[int, dict] = {}
+        try:
+            _watch(self, outcomes, on_poll)
+        except KeyboardInterrupt:
+            self.world.broken = True
+            _stop_ranks(self, outcomes, immediately=True)
+            raise
+        finally:
+            for result in self.results:
+                if result.ready():
+                    result.wait_for_output(1.0)
+            self._streamer.pump(final=True)
+        failed = {rank: o for rank, o in outcomes.items() if not o["ok"]}
+        if failed:
+            self.world.broken = True
+            primary = {rank: o for rank, o in failed.items() if not o["secondary"]} or failed
+            rank = min(primary)
+            message = primary[rank]["error"]
+            same = [str(r) for r in primary if r != rank and primary[r]["error"] == message]
+            others = [f"rank {r}: {o['error']}" for r, o in primary.items() if r != rank and o["error"] != message]
+            if same:
+                others.insert(0, f"also on ranks {', '.join(same)}")
+            raise RankError(rank, message, primary[rank]["traceback"], "; ".join(others))
+        return [outcomes[rank] for rank in range(len(self.results))]
 
 
-def _watch(
-    cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer, records: _RecordStream
-) -> None:
+def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> None:
     next_liveness = time.monotonic() + LIVENESS_SECONDS
+    results, cluster = run.results, run.cluster
     while len(outcomes) < len(results):
+        if run._interrupt.is_set():
+            raise KeyboardInterrupt
         for rank, result in enumerate(results):
             if rank not in outcomes and result.ready():
                 outcomes[rank] = _outcome(result)
                 if outcomes[rank].get("engine_lost") and rank in (dead := cluster.dead_ranks()):
                     outcomes[rank]["error"] = f"engine died: {dead[rank]}"
-        streamer.pump()
-        records.pump()
+        run._streamer.pump()
+        run._records.pump()
         if time.monotonic() >= next_liveness:
             for rank, how in cluster.dead_ranks().items():
                 outcomes.setdefault(
                     rank, {"ok": False, "error": f"engine died: {how}", "traceback": "", "secondary": False}
                 )
+                if run.view is not None:
+                    run.view.rank_state(rank, f"dead: {how}")
             next_liveness = time.monotonic() + LIVENESS_SECONDS
         if any(not o["ok"] for o in outcomes.values()) and len(outcomes) < len(results):
-            _stop_ranks(cluster, results, outcomes, streamer, immediately=False)
+            _stop_ranks(run, outcomes, immediately=False)
             return
+        if on_poll is not None:
+            on_poll()
         time.sleep(POLL_SECONDS)
 
 
-def _stop_ranks(
-    cluster: FSDPCluster, results: list, outcomes: dict, streamer: _OutputStreamer, immediately: bool
-) -> None:
+def _stop_ranks(run: RankRun, outcomes: dict, immediately: bool) -> None:
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
+    results, cluster = run.results, run.cluster
     steps = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
     if not immediately:
         steps.insert(0, (None, PEER_GRACE_SECONDS))
@@ -182,7 +221,7 @@ def _stop_ranks(
             cluster.signal_ranks(running, signum)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(not results[r].ready() for r in running):
-            streamer.pump()
+            run._streamer.pump()
             time.sleep(POLL_SECONDS)
         for rank in running:
             if results[rank].ready():

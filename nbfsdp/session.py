@@ -13,7 +13,9 @@ import dataclasses
 import itertools
 import pickle
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +25,13 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp import history, transfer
 from nbfsdp.cluster import FSDPCluster, World, visible_gpus
-from nbfsdp.config import FSDPConfig, validate
+from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
+from nbfsdp.control import RunControl
 from nbfsdp.dashboard import LiveDashboard
 from nbfsdp.explain import plan
-from nbfsdp.runner import run_on_ranks
+from nbfsdp.runner import RankRun
 from nbfsdp.sharding import check_initializable, wrap_units
+from nbfsdp.widget_events import pending_events
 
 
 def _unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
@@ -55,27 +59,60 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+@dataclass(eq=False)
+class CellRun:
+    """A cell submitted to the ranks, and what finishing it needs."""
+
+    ranks: RankRun
+    record: history.RunRecord
+    control: RunControl
+    dashboard: LiveDashboard | None
+    models: dict[str, nn.Module]
+    skeletons: dict[str, bytes]
+    tokens: dict[str, int]
+    fingerprints: dict[str, tuple]
+    started: float
+    thread: threading.Thread | None = None
+    outcome: list[dict[str, Any]] | BaseException | None = None
+
+    def watch_in_background(self) -> None:
+        try:
+            self.outcome = self.ranks.watch()
+        except BaseException as error:  # handed to %fsdp wait, which raises it in the notebook
+            self.outcome = error
+
+
 class Session:
     """The cluster plus what the notebook knows the engines hold."""
 
     def __init__(self, shell: InteractiveShell) -> None:
         self.shell = shell
         self.cluster = FSDPCluster()
+        self.panel: dict[str, Any] = {}
+        """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
+        self.panel_world_size: int | None = None
+        self.active: CellRun | None = None
+        """The cell running now, in the foreground or the background."""
         self._cells = itertools.count(1)
         self._tokens = itertools.count(1)
         self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
         self._models_generation: int | None = None
 
-    def run_cell(self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig) -> None:
+    def run_cell(
+        self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig, background: bool = False
+    ) -> None:
+        if self.active is not None:
+            raise UsageError("an --async run is still going: `%fsdp wait` for it or `%fsdp cancel` it first")
         started = time.perf_counter()
         validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
-        filename = f"<fsdp-cell-{next(self._cells)}>"
+        cell_number = next(self._cells)
+        filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
         models, values = self._read_inputs(reads)
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
-        settings = repr(sorted(dataclasses.asdict(config).items()))  # other settings: shard again
         fingerprints = {
-            name: (transfer.model_fingerprint(model, skeletons[name]), settings) for name, model in models.items()
+            name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(dataclasses.asdict(config)))
+            for name, model in models.items()
         }
 
         world = self.cluster.ensure_world(world_size, timeout)
@@ -92,6 +129,7 @@ class Session:
             )
             for rank in range(world_size)
         ]
+        control = RunControl(self.cluster.private_dir, cell_number, {})
         spec = {
             "code": cell,
             "filename": filename,
@@ -103,36 +141,104 @@ class Session:
             "fsdp": dataclasses.asdict(config),
             "materialize": [name for name in to_send if _on_meta(models[name])],
             "seed": torch.initial_seed() % 2**63,
+            "control": str(control.path),
         }
-        run = history.RunRecord(
+        record = history.RunRecord(
             world_size=world_size, config=self._effective_settings(world, timeout, gather, config, models)
         )
-        history.record(run)
-        dashboard = self._dashboard(world, models, config)
+        history.record(record)
+        dashboard = self._dashboard(world, models, config, background)
+        ranks = RankRun(self.cluster, spec, values, per_rank, view=dashboard, sink=dashboard if background else None)
+        run = CellRun(ranks, record, control, dashboard, models, skeletons, tokens, fingerprints, started)
+        self.active = run
+        if background:
+            run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
+            run.thread.start()
+            print(f"nbfsdp: running in the background on {world_size} ranks; `%fsdp wait` for the results")
+            return
         try:
-            outcomes = run_on_ranks(self.cluster, spec, values, per_rank, view=dashboard)
+            with pending_events() as poll:
+                run.outcome = run.ranks.watch(on_poll=poll)
         except BaseException as error:
-            run.ok, run.error = False, str(error) or type(error).__name__
-            if dashboard:
-                dashboard.finish(None, "failed")
-            raise
-        finally:
-            run.elapsed = time.perf_counter() - started
-        for name in to_send:
-            self._engine_models[name] = (fingerprints[name], tokens[name])
-        self._apply_results(outcomes, models, skeletons, tokens, settings)
-        run.metrics = sorted((m for o in outcomes for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
-        if dashboard:
-            dashboard.finish(run.metrics, "done")
-        run.elapsed = time.perf_counter() - started
+            run.outcome = error
+        self._finish(run)
 
-    def _dashboard(self, world: World, models: dict[str, nn.Module], config: FSDPConfig) -> LiveDashboard | None:
+    def wait(self) -> None:
+        """Block until the background run ends, then finish it as a blocking cell would have."""
+        run = self.active
+        if run is None or run.thread is None:
+            print("nbfsdp: no background run")
+            return
+        try:
+            while run.thread.is_alive():
+                run.thread.join(0.1)
+        except KeyboardInterrupt:
+            run.ranks.interrupt()
+            run.thread.join()
+        self._finish(run)
+
+    def cancel(self) -> None:
+        """End the running cell cleanly at its next ``nbfsdp.log`` call on every rank."""
+        if self.active is None:
+            print("nbfsdp: nothing is running")
+            return
+        self.active.control.cancel()
+        if self.active.dashboard is not None:
+            self.active.dashboard.note("stop requested: the ranks end at their next nbfsdp.log call")
+
+    def change_settings(self, settings: dict[str, Any]) -> str:
+        """A control was changed: the new defaults for later cells, and live in the running cell."""
+        given = {key: value for key, value in settings.items() if key != "world_size"}
+        checked = resolve({}, given)
+        given = {key: getattr(checked, key) for key in given}
+        self.panel.update(given)
+        if "world_size" in settings:
+            self.panel_world_size = int(settings["world_size"])
+        run = self.active
+        live = {key: value for key, value in given.items() if key in LIVE_SETTINGS}
+        strategies = {live.get("sharding_strategy"), run.record.config["sharding_strategy"]} if run else set()
+        if "sharding_strategy" in live and strategies - set(LIVE_STRATEGIES):
+            live.pop("sharding_strategy")  # another mesh: only a new cell can shard that way
+        later = sorted(set(settings) - set(live)) if run else []
+        if run is not None and live:
+            run.control.change(live)
+        words = ", ".join(f"{key}={value}" for key, value in live.items())
+        message = f"requested {words} (from the next step)" if run is not None and live else ""
+        if later:
+            message += f"{'; ' if message else ''}{', '.join(later)}: from the next cell"
+        return message
+
+    def _finish(self, run: CellRun) -> None:
+        """The run has ended: bring results into the notebook, or raise its error; either way it is recorded."""
+        self.active = None
+        run.control.remove()
+        record, outcome = run.record, run.outcome
+        record.elapsed = time.perf_counter() - run.started
+        if isinstance(outcome, BaseException):
+            record.ok, record.error = False, str(outcome) or type(outcome).__name__
+            if run.dashboard:
+                run.dashboard.finish(None, "failed")
+            raise outcome
+        self._apply_results(outcome, run)
+        record.metrics = sorted((m for o in outcome for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
+        record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
+        record.cancelled = outcome[0]["cancelled"]
+        if run.dashboard:
+            run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
+        record.elapsed = time.perf_counter() - run.started
+
+    def _dashboard(
+        self, world: World, models: dict[str, nn.Module], config: FSDPConfig, background: bool
+    ) -> LiveDashboard | None:
         """A live dashboard where a frontend can show one: in a kernel, not a terminal IPython."""
         if getattr(self.shell, "kernel", None) is None:
             return None
         predicted = plan(next(iter(models.values())), config, world.world_size).memory if models else None
         device = "cuda" if world.backend == "nccl" else "cpu"
-        return LiveDashboard(world.world_size, device, predicted)
+        settings = {**dataclasses.asdict(config), "world_size": world.world_size}
+        return LiveDashboard(
+            world.world_size, device, predicted, settings, self.change_settings, self.cancel, with_output=background
+        )
 
     def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes]:
         """The notebook's models the cell reads, and every other name it reads, pickled.
@@ -181,21 +287,20 @@ class Session:
             "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
         }
 
-    def _apply_results(
-        self,
-        outcomes: list[dict[str, Any]],
-        models: dict[str, nn.Module],
-        skeletons: dict[str, bytes],
-        tokens: dict[str, int],
-        settings: str,
-    ) -> None:
+    def _apply_results(self, outcomes: list[dict[str, Any]], run: CellRun) -> None:
         """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
         first = outcomes[0]
         for name, state in first["states"].items():
+            model = run.models[name]
             # in place, so other references see it too; a meta-built model takes the tensors as they are
-            models[name].load_state_dict(state, assign=_on_meta(models[name]))
-            fingerprint = (transfer.model_fingerprint(models[name], skeletons[name]), settings)
-            self._engine_models[name] = (fingerprint, tokens[name])
+            model.load_state_dict(state, assign=_on_meta(model))
+        for name, model in run.models.items():
+            # what the engines hold now: these weights, under the settings in force at the end (live changes too)
+            settings = _settings_key(first["settings"][name])
+            self._engine_models[name] = (
+                (transfer.model_fingerprint(model, run.skeletons[name]), settings),
+                run.tokens[name],
+            )
         for name, data in first["names"].items():
             self.shell.user_ns[name] = pickle.loads(data)
         if first["skipped"]:
@@ -203,5 +308,16 @@ class Session:
             print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
 
     def stop(self) -> None:
+        """End the cluster; a background run still going ends with it."""
+        if self.active is not None and self.active.thread is not None:
+            self.active.ranks.interrupt()
+            self.active.thread.join()
+            self.active.control.remove()
+            self.active = None
         self.cluster.stop()
         self._engine_models = {}
+
+
+def _settings_key(fields: dict[str, Any]) -> str:
+    """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again."""
+    return repr(sorted(fields.items()))

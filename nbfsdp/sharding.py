@@ -11,7 +11,10 @@ The root is always a unit. Activation checkpointing goes where a module's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -20,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from nbfsdp.config import FSDPConfig
+from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
 from nbfsdp.transfer import shard_slice
 
 
@@ -112,35 +115,112 @@ def device_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> De
     return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: torch.device) -> list[nn.Module]:
-    """Shard ``model`` in place as ``config`` says; return its units in forward order, root first."""
+@dataclass(eq=False)
+class ShardedModel:
+    """A model sharded on this rank, with what run-time changes need: its units and checkpointable modules."""
+
+    module: nn.Module
+    units: list[nn.Module]
+    """FSDP units in forward order, the root first."""
+    checkpointable: list[nn.Module]
+    """Where activation checkpointing applies when it is on (Composer's rules)."""
+    config: FSDPConfig
+    """The settings in force now, live changes included."""
+
+
+def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: torch.device) -> ShardedModel:
+    """Shard ``model`` in place as ``config`` says.
+
+    Checkpointing hooks go on every module where the rules would put them and
+    are switched on or off, so a running cell can toggle them (``apply_live``).
+    """
     units = wrap_units(model, config)
-    for module in activation_modules(model, units, config):
+    checkpointable = activation_modules(model, units, dataclasses.replace(config, activation_checkpointing=True))
+    for module in checkpointable:
         if config.activation_cpu_offload:
             _offload_saved_activations(module, pin_memory=device.type == "cuda")
-        if config.activation_checkpointing:
-            checkpoint(module)
-    param_dtype, reduce_dtype, _ = config.dtypes()
-    options = {
-        "mesh": mesh,
-        "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP",
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-    }
+        checkpoint(module)
+    options = {"mesh": mesh, "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP"}
+    options["mp_policy"] = _mp_policy(config)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for unit in units:  # bottom-up: a unit takes the parameters no unit below it took
         fully_shard(unit, **options)
     fully_shard(model, **options)
-    ordered = forward_order(model, units)
-    if config.forward_prefetch:
-        for current, following in zip(ordered[1:], ordered[2:], strict=False):
-            current.set_modules_to_forward_prefetch([following])
-    if config.effective_backward_prefetch == "NONE":
+    sharded = ShardedModel(model, forward_order(model, units), checkpointable, config)
+    _set_prefetch(sharded, config)
+    _set_checkpointing(sharded, config)
+    return sharded
+
+
+def _mp_policy(config: FSDPConfig) -> MixedPrecisionPolicy:
+    param_dtype, reduce_dtype, _ = config.dtypes()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _set_prefetch(sharded: ShardedModel, config: FSDPConfig) -> None:
+    ordered = sharded.units
+    for position, current in enumerate(ordered[1:], start=2):
+        following = ordered[position : position + 1] if config.forward_prefetch else []
+        current.set_modules_to_forward_prefetch(following)
+    for unit in ordered:
         # FSDP2 treats an empty list as "prefetch implicitly"; a unit's own entry is an explicit
         # list whose only member is already gathered when it is consulted, so nothing is prefetched
-        for unit in ordered:
-            unit.set_modules_to_backward_prefetch([unit])
-    return ordered
+        unit.set_modules_to_backward_prefetch([unit] if config.effective_backward_prefetch == "NONE" else [])
+
+
+def _set_checkpointing(sharded: ShardedModel, config: FSDPConfig) -> None:
+    for module in sharded.checkpointable:
+        checkpoint.state(module).enable_hook = config.activation_checkpointing
+
+
+def _set_mixed_precision(sharded: ShardedModel, config: FSDPConfig) -> None:
+    """Switch the units to ``config``'s dtypes between steps.
+
+    FSDP2 has no run-time setter for its ``MixedPrecisionPolicy`` (pytorch 2.13). Between steps
+    every parameter is sharded, so this sets what ``fully_shard`` and its lazy init derive from
+    the policy, and drops the all-gather buffers, which the next all-gather makes in the new dtype.
+    """
+    policy = _mp_policy(config)
+    for unit in sharded.units:
+        state = unit._get_fsdp_state()
+        state._mp_policy = policy
+        group = state._fsdp_param_group
+        if group is None:
+            continue
+        group.mp_policy = policy
+        group._init_mp_dtypes()
+        for param in group.fsdp_params:
+            param.all_gather_outputs = []
+            if hasattr(param, "_unsharded_param"):
+                del param._unsharded_param
+    cast_buffers(sharded.module, config.dtypes()[2])
+
+
+def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
+    """Apply settings changed while a cell runs, between two steps; return ``key=value`` for each change.
+
+    Sharding strategy moves between FULL_SHARD and SHARD_GRAD_OP only (same mesh), with FSDP2's
+    ``set_reshard_after_forward``; the root keeps FSDP2's own choice, as ``fully_shard`` sets it.
+    """
+    old = sharded.config
+    new = dataclasses.replace(old, **{k: v for k, v in settings.items() if k in LIVE_SETTINGS})
+    changed = [key for key in LIVE_SETTINGS if getattr(new, key) != getattr(old, key)]
+    if not changed:
+        return []
+    if "sharding_strategy" in changed and {old.sharding_strategy, new.sharding_strategy} - set(LIVE_STRATEGIES):
+        raise ValueError(
+            f"sharding_strategy cannot change from {old.sharding_strategy} to {new.sharding_strategy} "
+            "while a cell runs (another mesh); it applies from the next cell"
+        )
+    for unit in sharded.units[1:]:
+        unit.set_reshard_after_forward(new.sharding_strategy != "SHARD_GRAD_OP", recurse=False)
+    _set_prefetch(sharded, new)
+    _set_checkpointing(sharded, new)
+    if new.dtypes() != old.dtypes():
+        _set_mixed_precision(sharded, new)
+    sharded.config = new
+    return [f"{key}={getattr(new, key)}" for key in changed]
 
 
 def check_initializable(model: nn.Module) -> str | None:
@@ -209,15 +289,15 @@ def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], 
     return state
 
 
-def shard_model(skeleton: nn.Module, device: torch.device, config: FSDPConfig, mesh: DeviceMesh) -> nn.Module:
+def shard_model(skeleton: nn.Module, device: torch.device, config: FSDPConfig, mesh: DeviceMesh) -> ShardedModel:
     """Shard a meta-device ``skeleton`` with FSDP2 and allocate only this rank's (empty) shards.
 
     ``fully_shard`` on the meta device allocates nothing; ``to_empty`` then
     allocates the local shards alone, so a rank never holds the full model.
     """
-    apply_fsdp(skeleton, config, mesh, device)
+    sharded = apply_fsdp(skeleton, config, mesh, device)
     skeleton.to_empty(device="cpu" if config.cpu_offload else device)
-    return skeleton
+    return sharded
 
 
 def fill_shards(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -133,9 +133,11 @@ def test_a_mixed_precision_dict_from_composer(shell, tiny_model):
 
 UNITS_AND_CHECKPOINTS = """%%fsdp --world-size 2 {flags}
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed._composable import checkpoint
 from torch.distributed._composable.contract import _get_registry
 units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-checkpointed = [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {{}})]
+hooked = [(n, m) for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {{}})]
+checkpointed = [n for n, m in hooked if checkpoint.state(m).enable_hook]
 """
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import time
 
+import pytest
+import torch.nn as nn
+
+import nbfsdp
+from nbfsdp.config import FSDPConfig
+from nbfsdp.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(240)
@@ -77,3 +84,79 @@ def test_compare_shows_the_table_and_overlaid_loss_curves(kernel):
     assert kernel.stdout(messages).startswith("run")
     images = [m for _, m in messages if m["msg_type"] == "display_data" and "image/png" in m["content"]["data"]]
     assert len(images) == 1
+
+
+class _Clicker:
+    """Once the cell's dashboard shows the widget described ``description``, act on it as a person would."""
+
+    def __init__(self, kernel, description: str, data: dict, after_records: int = 3) -> None:
+        self.kernel, self.description, self.data = kernel, description, data
+        self.after_records = after_records
+        self.comm_id: str | None = None
+        self.figures = 0
+        self.sent_at: float | None = None
+
+    def __call__(self, msg: dict) -> None:
+        content = msg["content"]
+        if msg["msg_type"] == "comm_open":
+            state = content["data"].get("state", {})
+            if state.get("description") == self.description:
+                self.comm_id = content["comm_id"]
+        if msg["msg_type"] == "comm_msg" and ["value"] in content["data"].get("buffer_paths", []):
+            self.figures += 1  # a redraw: records are arriving, the cell is training
+        if self.comm_id and self.figures >= self.after_records and self.sent_at is None:
+            self.kernel.send_widget_message(self.comm_id, self.data)
+            self.sent_at = time.monotonic()
+
+
+def test_a_toggle_clicked_while_the_cell_runs_applies_on_every_rank(kernel):
+    clicker = _Clicker(kernel, "activation checkpointing", {"method": "update", "state": {"value": True}})
+    reply, messages = kernel.execute(
+        TEN_SECONDS.replace(
+            "nbfsdp.log(step=step", "nbfsdp.log(ckpt=ckpt.state(model[0]).enable_hook, step=step"
+        ).replace("import time", "import time\nfrom torch.distributed._composable import checkpoint as ckpt"),
+        on_message=clicker,
+    )
+    assert reply["content"]["status"] == "ok" and clicker.sent_at is not None
+    _, messages = kernel.execute(
+        "run = nbfsdp.last_run()\nprint((run.changes, [run.metric('ckpt', r) for r in (0, 1)]))"
+    )
+    changes, flags = eval(kernel.stdout(messages))
+    assert len(changes) == 1 and changes[0][1] == "activation_checkpointing=True"
+    step = changes[0][0]
+    assert 0 < step < 49
+    assert flags == [[s > step for s in range(50)]] * 2  # both ranks, from the same step on
+
+
+def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
+    clicker = _Clicker(kernel, "Stop", {"method": "custom", "content": {"event": "click"}})
+    started = time.monotonic()
+    reply, _ = kernel.execute(TEN_SECONDS.replace("range(50)", "range(500)"), on_message=clicker)
+    assert reply["content"]["status"] == "ok"
+    assert time.monotonic() - clicker.sent_at < 5 and time.monotonic() - started < 30
+    _, messages = kernel.execute(
+        "run = nbfsdp.last_run()\nprint((run.ok, run.cancelled, [run.metric('step', r)[-1] for r in (0, 1)]))"
+    )
+    ok, cancelled, last = eval(kernel.stdout(messages))
+    assert ok and cancelled and last[0] == last[1] < 499
+
+
+def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffers(shell):
+    """The figures a person sees: the step a setting changed, written on its marker; explain's buffers."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    predicted = nbfsdp.explain(model, world_size=2, wrap_cls="Linear").memory
+    assert predicted[0]["comm_buffers"] > 0
+    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    dashboard = LiveDashboard(2, "cpu", predicted, settings, lambda change: "", lambda: None)
+    memory = {"mem_params": 1000, "mem_grads": 1000, "mem_optim": 2000, "mem_activations": 500, "mem_peak": 4000}
+    records = [
+        {"rank": r, "step": s, "step_time": 0.01, "loss": 1 / (s + 1), **memory} for s in range(6) for r in (0, 1)
+    ]
+    for record in records[6:8]:  # step 3, both ranks
+        record["changed"] = "activation_checkpointing=True"
+    dashboard.add(records)
+    loss_axes, memory_axes, time_axes = dashboard.figure().axes
+    for axes in (loss_axes, time_axes):
+        assert [text.get_text() for text in axes.texts] == ["activation_checkpointing=True"]
+        assert [line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == ":"] == [3]
+    assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]

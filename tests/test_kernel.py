@@ -18,7 +18,10 @@ class Kernel:
     def __init__(self) -> None:
         self.manager, self.client = start_new_kernel(kernel_name="python3")
 
-    def execute(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[dict, list]:
+    def execute(
+        self, code: str, timeout: float = 120, interrupt_after: float | None = None, on_message=None
+    ) -> tuple[dict, list]:
+        """Run a cell; ``on_message(msg)`` sees each of its iopub messages as it arrives (to act mid-cell)."""
         msg_id = self.client.execute(code)
         started = time.monotonic()
         messages: list[tuple[float, dict]] = []
@@ -35,11 +38,17 @@ class Kernel:
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             messages.append((time.monotonic() - started, msg))
+            if on_message is not None:
+                on_message(msg)
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
         while (reply := self.client.get_shell_msg(timeout=timeout))["parent_header"].get("msg_id") != msg_id:
             pass  # a reply to an earlier request (kernel_info, say): not this cell's
         return reply, messages
+
+    def send_widget_message(self, comm_id: str, data: dict) -> None:
+        """What the browser sends when a person changes or clicks a widget."""
+        self.client.shell_channel.send(self.client.session.msg("comm_msg", {"comm_id": comm_id, "data": data}))
 
     def stdout(self, messages: list) -> str:
         return "".join(m["content"]["text"] for _, m in messages if m["msg_type"] == "stream")

@@ -67,7 +67,7 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 
 
 def test_bad_line_action_names_the_valid_ones(shell):
-    valid = r"\(choose from 'status', 'stop', 'explain', 'compare'\)"
+    valid = r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'wait', 'cancel'\)"
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")
 
@@ -89,3 +89,21 @@ def test_an_unpicklable_input_names_the_variable_and_why(shell):
     assert elapsed < 1
     assert len(nbfsdp.runs()) == runs_before
     assert isinstance(shell.user_ns["guard"], type(threading.Lock()))  # nothing lost in the notebook
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("panel model other", "%fsdp panel takes at most one model name"),
+        ("panel no_such_model", "%fsdp panel no_such_model: not an nn.Module in the notebook"),
+    ],
+)
+def test_bad_panel_arguments_are_usage_errors(shell, line, message):
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("fsdp", line)
+
+
+def test_wait_and_cancel_with_nothing_running_say_so(shell, capsys):
+    shell.run_line_magic("fsdp", "wait")
+    shell.run_line_magic("fsdp", "cancel")
+    assert capsys.readouterr().out.splitlines() == ["nbfsdp: no background run", "nbfsdp: nothing is running"]

@@ -1,0 +1,246 @@
+"""The quick start as a user sees it: JupyterLab in headless Chromium, run cell by cell by the page.
+
+The other tests check what the kernel sends; only a browser shows that the dashboard's widgets
+render, that its figure redraws while the cell runs and that a click on a toggle reaches the
+ranks. Chromium is Debian's package (``make test`` installs it when run as root); Playwright only
+drives it and downloads no browser. Screenshots, JupyterLab's log and the notebook as saved go to
+``test-artifacts/browser/``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import nbformat
+import psutil
+import pytest
+from playwright.sync_api import Locator, Page, expect, sync_playwright
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = "00-quickstart.ipynb"
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+CHROMIUM = shutil.which("chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+# Fresh per run: the user's own settings and remembered workspace (open tabs) must not leak in.
+LAB_SETTINGS = {
+    # 'none' keeps every cell laid out: off-screen cells are otherwise skipped and read as invisible.
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    # No "get Jupyter news?" toast over the screenshots (and no request to a news site).
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
+}
+TOGGLE = "activation checkpointing"
+# the dashboard's note once every rank switched (right after the click it only says "requested ...")
+TOGGLE_APPLIED = re.compile(r"step \d+: activation_checkpointing=True on every rank")
+
+pytestmark = [
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (`make test` installs it as root)"),
+    pytest.mark.skipif(importlib.util.find_spec("jupyterlab") is None, reason="JupyterLab (the lab extra) is missing"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def end_tree(server: subprocess.Popen) -> None:
+    """Stop JupyterLab, which shuts its kernels down; then kill whatever of its tree is left.
+
+    Kernels, the cluster's engines and its reaper run in sessions of their own, so they are
+    listed before the server goes (they are reparented after) and waited for by pid.
+    """
+    tree = psutil.Process(server.pid).children(recursive=True) if server.poll() is None else []
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    for process in alive:
+        process.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+class Lab(NamedTuple):
+    url: str  # the notebook's page, token included
+    notebook: Path  # the copy JupyterLab serves and saves
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    """JupyterLab on 127.0.0.1 serving a copy of the quick start (the repository's stays untouched)."""
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copy(REPO / "notebooks" / NOTEBOOK, root)
+    settings = tmp_path / "settings"
+    for name, values in LAB_SETTINGS.items():
+        (settings / name).parent.mkdir(parents=True, exist_ok=True)
+        (settings / name).write_text(json.dumps(values))
+    env = dict(
+        os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces")
+    )
+    port, token = free_port(), secrets.token_hex(16)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with open(ARTIFACTS / "jupyterlab.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1"]
+            + [f"--ServerApp.port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for_server(server, f"{base}/api/status?token={token}")
+        yield Lab(f"{base}/lab/tree/{NOTEBOOK}?token={token}", root / NOTEBOOK)
+    finally:
+        end_tree(server)
+        shutil.copy(root / NOTEBOOK, ARTIFACTS / f"saved-{NOTEBOOK}")
+
+
+def wait_for_server(server: subprocess.Popen, status_url: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"JupyterLab exited with {server.returncode}; see {ARTIFACTS / 'jupyterlab.log'}"
+        try:
+            with urllib.request.urlopen(status_url, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"JupyterLab did not answer within {timeout:.0f} s; see {ARTIFACTS / 'jupyterlab.log'}")
+
+
+def running(cell: Locator) -> bool:
+    """JupyterLab's ``[*]`` prompt; queued cells show it too, so ask only once the cell has output."""
+    return "*" in cell.locator(".jp-InputPrompt").inner_text()
+
+
+def shot(target: Page | Locator, name: str) -> None:
+    target.screenshot(path=ARTIFACTS / f"{name}.png")
+
+
+def watch_redraws(cell: Locator, wanted: int = 3) -> list[str]:
+    """The distinct drawings the figure showed while the cell ran (each redraw is a new blob URL).
+
+    Only loaded images count (the widget can start empty). Three, not two: the cell's very last
+    update, as it ends, also replaces the image.
+    """
+    figure = cell.locator(".jp-OutputArea-output img").first
+    sources: list[str] = []
+    while running(cell) and len(sources) < wanted:
+        src = figure.evaluate("img => img.complete && img.naturalWidth > 0 ? img.src : null")
+        if src and src not in sources:
+            sources.append(src)
+            shot(cell, f"running-{len(sources)}")
+        time.sleep(0.2)
+    return sources
+
+
+def click_toggle(cell: Locator) -> str | None:
+    """Tick the running cell's activation-checkpointing box; why it could not be seen applied, or None."""
+    checkbox = cell.locator(".widget-checkbox", has_text=TOGGLE).locator("input[type=checkbox]")
+    while not checkbox.count():
+        if not running(cell):
+            return f"the running cell's dashboard had no {TOGGLE!r} checkbox"
+        time.sleep(0.2)
+    if not running(cell):
+        return f"the training cell ended before its {TOGGLE!r} checkbox could be clicked"
+    checkbox.click()
+    try:
+        expect(cell.get_by_text(TOGGLE_APPLIED)).to_be_attached(timeout=60_000)
+    except AssertionError:
+        return f"{TOGGLE_APPLIED.pattern!r} did not appear within 60 s of clicking {TOGGLE!r}"
+    finally:
+        shot(cell, "toggled")
+    return None
+
+
+def failures(notebook: Path) -> list[str]:
+    """Error outputs of the saved notebook, and code cells Run All never reached (it stops at an error).
+
+    Read from the file, not the page: JupyterLab renders errors and the extension's legitimate
+    warnings alike, as stderr.
+    """
+    problems = []
+    for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        if cell.execution_count is None:
+            problems.append(f"cell {index} did not run")
+        problems += [f"cell {index}: {out.ename}: {out.evalue}" for out in cell.outputs if out.output_type == "error"]
+    return problems
+
+
+def test_quickstart_in_chromium(lab: Lab) -> None:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            run_quickstart(page, lab)
+        except BaseException:  # pytest's timeout too: the page as it was is the first thing to look at
+            shot(page, "failure")
+            raise
+        finally:
+            browser.close()
+
+
+def run_all(page: Page, attempts: int = 3) -> None:
+    """Run > Run All Cells, until a prompt shows the notebook started (a click while the page still
+    wires up its kernel can be lost: seen once in ten runs)."""
+    started = page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]")).first
+    for _ in range(attempts):
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.locator("li[data-command='runmenu:run-all']").click()
+        try:
+            expect(started).to_be_attached(timeout=20_000)
+            return
+        except AssertionError:
+            shot(page, "run-all-not-started")
+    pytest.fail(f"Run All Cells did not start the notebook in {attempts} tries")
+
+
+def run_quickstart(page: Page, lab: Lab) -> None:
+    """Run All, look at the training cell while it runs, click its toggle; that toggle is checked last."""
+    page.goto(lab.url)
+    expect(page.locator(".jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle", timeout=90_000)
+    shot(page, "opened")
+    run_all(page)
+
+    cell = page.locator(".jp-CodeCell").filter(has=page.locator(".jp-InputArea-editor", has_text="%%fsdp")).first
+    figure = cell.locator(".jp-OutputArea-output img").first
+    expect(figure).to_be_attached(timeout=180_000)
+    cell.scroll_into_view_if_needed()
+    assert running(cell), "the training cell ended before its dashboard could be looked at"
+    expect(cell.locator(".jp-OutputArea-output .jupyter-widgets").first).to_be_visible()
+    expect(figure).to_be_visible()
+    drawings = watch_redraws(cell)
+    assert drawings, "the dashboard's figure showed no drawing while the cell ran"
+    assert len(drawings) >= 3, f"the figure showed {len(drawings)} drawing(s) while the cell ran; it should redraw"
+
+    toggle_problem = click_toggle(cell)
+
+    expect(page.locator(".jp-InputPrompt", has_text="[*]")).to_have_count(0, timeout=180_000)
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    page.locator("li[data-command='docmanager:save']").click()
+    expect(page.locator(".jp-mod-dirty")).to_have_count(0, timeout=30_000)
+    shot(page, "finished")
+    shot(cell, "finished-training-cell")
+    problems = failures(lab.notebook)
+    assert not problems, problems
+    assert toggle_problem is None, toggle_problem

@@ -1,0 +1,220 @@
+"""Steering a running cell: settings toggled mid-run, cancel, --async, and panel defaults.
+
+The changes are made from another thread while the cell runs, as the
+dashboard's controls and Stop button make them (the same session methods).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbfsdp
+from nbfsdp.panel import SettingsPanel
+from tests.conftest import run_failing, run_ok
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 12
+
+TRAIN = """%%fsdp --world-size 2 --wrap-cls Block --mixed-precision FULL {flags}
+import time
+from torch.distributed._composable import checkpoint
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range({steps}):
+    x, y = batch_for(rank, step)
+    out = model(x)
+    loss = loss_fn(out.float(), y)
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(
+        step=step, loss=loss.item(), dtype=str(out.dtype),
+        checkpointing=checkpoint.state(model.blocks[0]).enable_hook,
+        reshard=model.blocks[0]._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
+    )
+    time.sleep(0.15)
+adam_steps = {{s["step"].item() for s in opt.state.values()}}
+"""
+
+
+def _session():
+    return nbfsdp._magics.session
+
+
+def _after(seconds: float, action) -> threading.Thread:
+    """Run ``action`` once the next cell has been running (on the ranks) for ``seconds``."""
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 120
+        while _session().active is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(seconds)
+        action()
+
+    thread = threading.Thread(target=wait_then_act)
+    thread.start()
+    return thread
+
+
+def _change_step(run) -> int:
+    """The step after which the change applied: the same on every rank."""
+    steps = {m["rank"]: m["step"] for m in run.metrics if "changed" in m}
+    assert sorted(steps) == [0, 1], run.metrics
+    assert len(set(steps.values())) == 1, steps
+    return steps[0]
+
+
+def _reference(shell, model, low_from: int | None = None) -> list[float]:
+    """One process, AdamW, the global batch; from step ``low_from`` on, PURE bf16 casts as FSDP2 makes them."""
+    ns = shell.user_ns
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        batches = [ns["batch_for"](rank, step) for rank in range(2)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        if low_from is not None and step >= low_from:  # forward and backward on a bf16 copy; fp32 weights step
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            loss = ns["loss_fn"](low(x.to(torch.bfloat16)).float(), y)
+            loss.backward()
+            for param, low_param in zip(model.parameters(), low.parameters(), strict=True):
+                param.grad = low_param.grad.float()
+        else:
+            loss = ns["loss_fn"](model(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _mean_losses(run) -> list[float]:
+    return [(run.metric("loss", 0)[s] + run.metric("loss", 1)[s]) / 2 for s in range(STEPS)]
+
+
+def test_toggles_apply_on_every_rank_at_one_step_and_training_stays_exact(shell, tiny_model):
+    reference = copy.deepcopy(tiny_model)
+    change = {
+        "activation_checkpointing": True,
+        "sharding_strategy": "SHARD_GRAD_OP",
+        "forward_prefetch": True,
+        "backward_prefetch": "NONE",
+    }
+    timer = _after(1.0, lambda: _session().change_settings(change))
+    run_ok(shell, TRAIN.format(flags="", steps=STEPS))
+    timer.join()
+    run = nbfsdp.last_run()
+    switched = _change_step(run)
+    assert 0 <= switched < STEPS - 2, "the change came while the cell ran"
+    for rank in (0, 1):
+        assert run.metric("checkpointing", rank) == [s > switched for s in range(STEPS)]
+        assert run.metric("reshard", rank) == [s <= switched for s in range(STEPS)]  # ZeRO-3, then ZeRO-2
+    assert [step for step, _ in run.changes] == [switched]
+    assert (
+        "activation_checkpointing=True" in run.changes[0][1] and "sharding_strategy=SHARD_GRAD_OP" in run.changes[0][1]
+    )
+    assert shell.user_ns["adam_steps"] == {float(STEPS)}  # one optimizer, never restarted
+    # the same math as one process, the setting changed or not (fp32)
+    torch.testing.assert_close(torch.tensor(_mean_losses(run)), torch.tensor(_reference(shell, reference)))
+    for (name, trained), (_, expected) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, expected, msg=lambda m, name=name: f"{name}: {m}")
+    _session().panel.clear()
+
+
+def test_mixed_precision_switched_mid_run_follows_a_run_that_used_it_from_that_step(shell, tiny_model):
+    reference = copy.deepcopy(tiny_model)
+    timer = _after(1.0, lambda: _session().change_settings({"mixed_precision": "PURE"}))
+    run_ok(shell, TRAIN.format(flags="", steps=STEPS))
+    timer.join()
+    run = nbfsdp.last_run()
+    switched = _change_step(run)
+    for rank in (0, 1):
+        assert run.metric("dtype", rank) == [
+            "torch.bfloat16" if s > switched else "torch.float32" for s in range(STEPS)
+        ]
+    assert shell.user_ns["adam_steps"] == {float(STEPS)}
+    expected = _reference(shell, reference, low_from=switched + 1)
+    measured = _mean_losses(run)
+    # fp32 until the switch, exactly; then within bf16 tolerance of the same casts
+    torch.testing.assert_close(torch.tensor(measured[: switched + 1]), torch.tensor(expected[: switched + 1]))
+    torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1.6e-2, atol=1e-5)
+    _session().panel.clear()
+
+
+def test_a_change_that_needs_another_mesh_waits_for_the_next_cell(shell, tiny_model):
+    messages = []
+    timer = _after(1.0, lambda: messages.append(_session().change_settings({"sharding_strategy": "NO_SHARD"})))
+    run_ok(shell, TRAIN.format(flags="", steps=8))
+    timer.join()
+    assert messages == ["sharding_strategy: from the next cell"]
+    assert not nbfsdp.last_run().changes
+    run_ok(shell, "%%fsdp --world-size 2\nrows = model.blocks[0].mlp[0].weight.to_local().shape[0]\n")
+    assert nbfsdp.last_run().config["sharding_strategy"] == "NO_SHARD"
+    assert shell.user_ns["rows"] == 32  # replicated: all 32 rows on every rank
+    _session().panel.clear()
+
+
+def test_cancel_ends_every_rank_at_one_step_and_the_cell_finishes_cleanly(shell, tiny_model):
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    shell.user_ns.pop("step", None)
+    timer = _after(1.5, _session().cancel)
+    started = time.monotonic()
+    run_ok(shell, TRAIN.format(flags="", steps=200))  # 200 steps would take 30 s
+    timer.join()
+    assert time.monotonic() - started < 10
+    run = nbfsdp.last_run()
+    assert run.ok and run.cancelled
+    last = {rank: run.metric("step", rank)[-1] for rank in (0, 1)}
+    assert last[0] == last[1] < 199
+    # a cancelled cell ends as a finished one: trained weights gathered, names assigned so far back
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in tiny_model.named_parameters())
+    assert shell.user_ns["step"] == last[0]
+
+
+def test_async_returns_at_once_and_wait_brings_every_step(shell, tiny_model):
+    shell.user_ns.pop("adam_steps", None)
+    started = time.monotonic()
+    run_ok(shell, TRAIN.format(flags="--async", steps=STEPS))
+    assert time.monotonic() - started < 2
+    assert "adam_steps" not in shell.user_ns  # still training
+    error, _ = run_failing(shell, "%%fsdp --world-size 2\npass\n")
+    assert isinstance(error, UsageError) and "%fsdp wait" in str(error)
+    shell.run_line_magic("fsdp", "wait")
+    run = nbfsdp.last_run()
+    assert run.ok and [m["step"] for m in run.metrics if m["rank"] == 0] == list(range(STEPS))
+    assert shell.user_ns["adam_steps"] == {float(STEPS)}  # names back, as a blocking cell
+    run_ok(shell, "%%fsdp --world-size 2\nafter = rank\n")  # and the cluster is free again
+    assert shell.user_ns["after"] == 0
+
+
+def test_an_async_run_can_be_cancelled(shell, tiny_model):
+    run_ok(shell, TRAIN.format(flags="--async", steps=200))
+    time.sleep(1.5)
+    shell.run_line_magic("fsdp", "cancel")
+    started = time.monotonic()
+    shell.run_line_magic("fsdp", "wait")
+    assert time.monotonic() - started < 5
+    assert nbfsdp.last_run().cancelled and nbfsdp.last_run().ok
+
+
+def test_panel_settings_become_the_next_cells_defaults_and_flags_still_win(shell, tiny_model):
+    panel = SettingsPanel(_session(), tiny_model, 2)
+    assert "params float32" in panel.plan.value
+    panel.controls.widgets["mixed_precision"].value = "PURE"  # as a person picks it
+    panel.controls.widgets["activation_checkpointing"].value = True
+    assert "params bfloat16" in panel.plan.value  # the plan beside the controls follows
+    try:
+        run_ok(shell, "%%fsdp --world-size 2\npass\n")
+        config = nbfsdp.last_run().config
+        assert config["mixed_precision"] == "PURE" and config["activation_checkpointing"] is True
+        run_ok(shell, "%%fsdp --world-size 2 --mixed-precision FULL\npass\n")
+        config = nbfsdp.last_run().config
+        assert config["mixed_precision"] == "FULL" and config["activation_checkpointing"] is True
+        shell.user_ns["composer"] = {"mixed_precision": "DEFAULT"}
+        run_ok(shell, "%%fsdp --world-size 2 --config composer\npass\n")
+        assert nbfsdp.last_run().config["mixed_precision"] == "DEFAULT"  # --config wins over the panel
+    finally:
+        _session().panel.clear()
