@@ -35,10 +35,10 @@ def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
 class RunControl:
     """The notebook's side: what the running cell should switch to, versioned."""
 
-    def __init__(self, directory: str, run_id: int, settings: dict[str, Any]) -> None:
+    def __init__(self, directory: str, run_id: int) -> None:
         self.path = Path(directory, f"control-{run_id}.json")
         self.version = 0
-        self.settings = dict(settings)
+        self.settings: dict[str, Any] = {}
         self.cancelled = False
         self._publish()
 

@@ -50,7 +50,7 @@ class SettingsControls:
             control.value = shown[key]  # before observing: only a person's changes are reported
             control.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")
         self._on_change = on_change
-        self.box = widgets.HBox(list(self.widgets.values()), layout={"flex_flow": "row wrap", "gap": "0 1em"})
+        self.box = widgets.HBox(list(self.widgets.values()), layout={"flex_flow": "row wrap"})
 
     def _changed(self, key: str, value: Any) -> None:
         if value != CUSTOM_PRECISION:

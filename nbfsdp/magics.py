@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import torch.nn as nn
@@ -18,7 +19,7 @@ from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 MAX_WORLD_SIZE = 64
-LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "wait", "cancel")
+LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "set", "wait", "cancel")
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 #: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
 CONFIG_FLAGS = (
@@ -26,6 +27,10 @@ CONFIG_FLAGS = (
     "activation_checkpointing", "activation_cpu_offload", "cpu_offload", "min_params", "wrap_cls", "replicas",
     "sync_module_states",
 )  # fmt: skip
+
+
+#: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
+SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name != "ignored"), "world_size")
 
 
 def _switch(flag: str, help_text: str):
@@ -154,7 +159,8 @@ class FSDPMagics(Magics):
         "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings); "
         "compare [N]: the last N runs (default 5) side by side; "
         "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
-        "wait: the results of an --async run; cancel: end the running cell at its next step.",
+        "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
+        "defaults); wait: the results of an --async run; cancel: end the running cell at its next step.",
     )
     @line_magic("fsdp")
     def fsdp_line(self, line: str) -> None:
@@ -167,6 +173,9 @@ class FSDPMagics(Magics):
             return
         if line.split()[:1] == ["panel"]:
             self._panel(line.split()[1:])
+            return
+        if line.split()[:1] == ["set"]:
+            self._set(line.split()[1:])
             return
         args = parse_argstring(self.fsdp_line, line)
         if args.action == "stop":
@@ -223,6 +232,23 @@ class FSDPMagics(Magics):
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png")
             display(Image(data=buffer.getvalue()))
+
+    def _set(self, words: list[str]) -> None:
+        settings = {}
+        for word in words:
+            key, equals, value = word.partition("=")
+            if not equals or not value:
+                raise UsageError(f"%fsdp set takes KEY=VALUE pairs (fsdp_config keys or world_size); got {word!r}")
+            if key not in SETTABLE:
+                raise UsageError(f"%fsdp set {key}: not a setting; valid: {', '.join(SETTABLE)}")
+            settings[key] = {"true": True, "false": False}.get(value.lower(), value)
+        if "world_size" in settings:
+            if not str(settings["world_size"]).isdigit():
+                raise UsageError(f"world_size must be a whole number; got {settings['world_size']!r}")
+            settings["world_size"] = _world_size(int(settings["world_size"]))
+        if not settings:
+            raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
+        print(f"nbfsdp: {self.session.change_settings(settings) or 'defaults of the next cells set'}")
 
     def _panel(self, words: list[str]) -> None:
         if len(words) > 1:

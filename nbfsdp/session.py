@@ -70,7 +70,6 @@ class CellRun:
     models: dict[str, nn.Module]
     skeletons: dict[str, bytes]
     tokens: dict[str, int]
-    fingerprints: dict[str, tuple]
     started: float
     thread: threading.Thread | None = None
     outcome: list[dict[str, Any]] | BaseException | None = None
@@ -129,7 +128,7 @@ class Session:
             )
             for rank in range(world_size)
         ]
-        control = RunControl(self.cluster.private_dir, cell_number, {})
+        control = RunControl(self.cluster.private_dir, cell_number)
         spec = {
             "code": cell,
             "filename": filename,
@@ -149,7 +148,7 @@ class Session:
         history.record(record)
         dashboard = self._dashboard(world, models, config, background)
         ranks = RankRun(self.cluster, spec, values, per_rank, view=dashboard, sink=dashboard if background else None)
-        run = CellRun(ranks, record, control, dashboard, models, skeletons, tokens, fingerprints, started)
+        run = CellRun(ranks, record, control, dashboard, models, skeletons, tokens, started)
         self.active = run
         if background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)

@@ -160,3 +160,21 @@ def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffer
         assert [text.get_text() for text in axes.texts] == ["activation_checkpointing=True"]
         assert [line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == ":"] == [3]
     assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]
+
+
+def test_an_async_cell_returns_at_once_and_its_dashboard_stays_live(kernel):
+    started = time.monotonic()
+    reply, _ = kernel.execute(TEN_SECONDS.replace("%%fsdp --world-size 2", "%%fsdp --world-size 2 --async"))
+    assert reply["content"]["status"] == "ok" and time.monotonic() - started < 2
+    redraws_after_return = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the kernel is idle; the figure keeps changing
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=0.2)
+        except Exception:
+            continue
+        if msg["msg_type"] == "comm_msg" and ["value"] in msg["content"]["data"].get("buffer_paths", []):
+            redraws_after_return.append(msg)
+    assert len(redraws_after_return) >= 3
+    reply, messages = kernel.execute("%fsdp wait\nprint(len(nbfsdp.last_run().metrics))")
+    assert reply["content"]["status"] == "ok" and kernel.stdout(messages).splitlines()[-1] == "100"  # 50 steps x 2

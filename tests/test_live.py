@@ -218,3 +218,16 @@ def test_panel_settings_become_the_next_cells_defaults_and_flags_still_win(shell
         assert nbfsdp.last_run().config["mixed_precision"] == "DEFAULT"  # --config wins over the panel
     finally:
         _session().panel.clear()
+
+
+def test_set_changes_an_async_run_mid_run(shell, tiny_model, capsys):
+    run_ok(shell, TRAIN.format(flags="--async", steps=STEPS))
+    while not nbfsdp.last_run().metrics and not _session().active.ranks.results[0].data:
+        time.sleep(0.05)  # the ranks are training
+    shell.run_line_magic("fsdp", "set activation_checkpointing=true")
+    assert "requested activation_checkpointing=True (from the next step)" in capsys.readouterr().out
+    shell.run_line_magic("fsdp", "wait")
+    run = nbfsdp.last_run()
+    switched = _change_step(run)
+    assert run.metric("checkpointing", 0) == [s > switched for s in range(STEPS)]
+    _session().panel.clear()

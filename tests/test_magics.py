@@ -67,7 +67,7 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 
 
 def test_bad_line_action_names_the_valid_ones(shell):
-    valid = r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'wait', 'cancel'\)"
+    valid = r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel'\)"
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")
 
@@ -107,3 +107,32 @@ def test_wait_and_cancel_with_nothing_running_say_so(shell, capsys):
     shell.run_line_magic("fsdp", "wait")
     shell.run_line_magic("fsdp", "cancel")
     assert capsys.readouterr().out.splitlines() == ["nbfsdp: no background run", "nbfsdp: nothing is running"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("set", "%fsdp set takes KEY=VALUE pairs"),
+        ("set activation_checkpointing", "takes KEY=VALUE pairs"),
+        ("set shard_everything=true", "shard_everything: not a setting; valid: sharding_strategy, mixed_precision"),
+        ("set mixed_precision=HALF", "mixed_precision must be one of FULL, DEFAULT, PURE; got 'HALF'"),
+        ("set world_size=0", "--world-size must be between 1 and 64, got 0"),
+    ],
+)
+def test_bad_set_arguments_are_usage_errors(shell, line, message):
+    panel_before = dict(nbfsdp._magics.session.panel)
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("fsdp", line)
+    assert nbfsdp._magics.session.panel == panel_before  # nothing half-set
+
+
+def test_set_between_cells_sets_the_next_cells_defaults(shell, capsys):
+    session = nbfsdp._magics.session
+    try:
+        shell.run_line_magic("fsdp", "set mixed_precision=full activation_checkpointing=true world_size=1")
+        assert capsys.readouterr().out == "nbfsdp: defaults of the next cells set\n"
+        assert session.panel == {"mixed_precision": "FULL", "activation_checkpointing": True}
+        assert session.panel_world_size == 1
+    finally:
+        session.panel.clear()
+        session.panel_world_size = None
