@@ -180,7 +180,9 @@ class FSDPCluster:
         self._cluster = ipp.Cluster(
             profile_dir=self._private_dir,
             controller_ip="127.0.0.1",
-            log_level=logging.WARNING,
+            # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
+            # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
+            log_level=logging.ERROR,
             delay=0.1,
         )
         self._cluster.start_controller_sync()

@@ -12,6 +12,7 @@ The root is always a unit. Activation checkpointing goes where a module's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,11 +147,19 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for unit in units:  # bottom-up: a unit takes the parameters no unit below it took
         fully_shard(unit, **options)
+    if config.sharding_strategy != "SHARD_GRAD_OP" and _ROOT_RESHARD_LEFT_TO_FSDP:
+        # FSDP2 keeps the root gathered from forward into backward, which needs it at once, only
+        # when the root's reshard_after_forward is left to it; True would gather it twice a step
+        options["reshard_after_forward"] = None
     fully_shard(model, **options)
     sharded = ShardedModel(model, forward_order(model, units), checkpointable, config)
     _set_prefetch(sharded, config)
     _set_checkpointing(sharded, config)
     return sharded
+
+
+#: FSDP2's default that lets it choose for the root (None since torch 2.8; before, it always chose).
+_ROOT_RESHARD_LEFT_TO_FSDP = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
 
 
 def _mp_policy(config: FSDPConfig) -> MixedPrecisionPolicy:

@@ -266,3 +266,19 @@ def test_low_precision_loss_stays_within_bf16_tolerance_of_a_reference_with_the_
         opt.zero_grad()
         expected.append(loss.item())
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1.6e-2, atol=1e-5)
+
+
+def test_full_shard_gathers_the_root_once_a_step_as_explain_counts(shell, tiny_model):
+    """FSDP2 leaves the root gathered from forward into backward; the blocks are resharded."""
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2 --wrap-cls Block
+from torch.distributed.tensor import DTensor
+x, y = batch_for(rank, 0)
+out = model(x)
+root_gathered = not isinstance(model.embed.weight, DTensor)
+block_gathered = not isinstance(model.blocks[0].mlp[0].weight, DTensor)
+loss_fn(out, y).backward()
+""",
+    )
+    assert shell.user_ns["root_gathered"] is True and shell.user_ns["block_gathered"] is False

@@ -125,8 +125,9 @@ def test_unload_stops_the_engines(kernel):
     _, messages = kernel.execute("print(nbfsdp._magics.session.cluster.world.pids)")
     pids = eval(kernel.stdout(messages))
     assert all(psutil.pid_exists(pid) for pid in pids)
-    reply, _ = kernel.execute("%unload_ext nbfsdp")
+    reply, messages = kernel.execute("%unload_ext nbfsdp")
     assert reply["content"]["status"] == "ok"
+    assert "engine set stopped" not in kernel.stdout(messages)  # no ipyparallel logs of engines ended on purpose
     deadline = time.monotonic() + 15
     while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
