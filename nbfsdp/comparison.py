@@ -1,7 +1,8 @@
 """``%fsdp compare`` and ``nbfsdp.compare``: what changed between recent runs, and what it did.
 
 A row per run: the settings that differ among the runs compared, each rank's
-peak memory, the median step time and rank 0's final loss; plus the loss
+peak memory, the median step time, rank 0's final loss and the settings changed
+while it ran (the dashboard's controls, ``%fsdp set``); plus the loss
 curves of those runs overlaid in one figure.
 """
 
@@ -37,6 +38,7 @@ def compare(last: int = 5) -> list[dict[str, Any]]:
                 "peak_memory": [max(m["mem_peak"] for m in run.metrics if m["rank"] == r) for r in ranks],
                 "median_step_time": statistics.median(step_times) if step_times else None,
                 "final_loss": losses[-1] if losses else None,
+                "changes": [f"step {step}: {change}" for step, change in run.changes],
             }
         )
     return rows
@@ -45,7 +47,8 @@ def compare(last: int = 5) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as aligned text."""
     setting_keys = list(rows[0]["settings"]) if rows else []
-    header = ["run", *setting_keys, "peak memory per rank", "median step", "final loss"]
+    changed = any(row["changes"] for row in rows)
+    header = ["run", *setting_keys, "peak memory per rank", "median step", "final loss"] + ["changed mid-run"] * changed
     lines = []
     for row in rows:
         peak = " ".join(f"{value / 2**20:.1f}" for value in row["peak_memory"]) + " MiB" if row["peak_memory"] else "-"
@@ -53,7 +56,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         loss = f"{row['final_loss']:.4g}" if row["final_loss"] is not None else "-"
         status = "" if row["ok"] else " (failed)"
         settings = [str(row["settings"][key]) for key in setting_keys]
-        lines.append([f"{row['run']}{status}", *settings, peak, step, loss])
+        mid_run = ["; ".join(row["changes"]) or "-"] if changed else []
+        lines.append([f"{row['run']}{status}", *settings, peak, step, loss, *mid_run])
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines, strict=True)]
     render = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([render(header), *(render(line) for line in lines)])

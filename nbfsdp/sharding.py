@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from IPython.core.error import UsageError
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -33,30 +34,43 @@ def _root_method(model: nn.Module, name: str) -> Callable[[nn.Module], object] |
     return method if callable(method) else None
 
 
+#: Containers without a forward of their own: FSDP2 cannot make them units (FSDP1's size policy,
+#: which Composer's min_params used, skipped them too and counted their parameters in the parent).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
 def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
-    """The non-root units in post-order (a unit's descendants come before it)."""
+    """The non-root units in post-order (a unit's descendants come before it).
+
+    Raises ``UsageError`` when an explicit rule picks a container that FSDP2 cannot shard.
+    """
     wrap_fn = _root_method(model, "fsdp_wrap_fn")
     units: list[nn.Module] = []
 
-    def unwrapped_params(module: nn.Module) -> int:
+    def unwrapped_params(name: str, module: nn.Module) -> int:
         count = sum(p.numel() for p in module.parameters(recurse=False))
-        count += sum(unwrapped_params(child) for child in module.children())
+        count += sum(
+            unwrapped_params(f"{name}.{key}" if name else key, child) for key, child in module.named_children()
+        )
         if module is model or count == 0:
             return count
         if hasattr(module, "_fsdp_wrap"):
-            wrap = bool(module._fsdp_wrap)
+            chosen = bool(module._fsdp_wrap)
         else:
-            wrap = (
-                bool(wrap_fn and wrap_fn(module))
-                or type(module).__name__ in config.wrap_cls
-                or count >= config.min_params
-            )
-        if wrap:
+            chosen = bool(wrap_fn and wrap_fn(module)) or type(module).__name__ in config.wrap_cls
+        if isinstance(module, _CONTAINERS):
+            if chosen:
+                raise UsageError(
+                    f"{name} ({type(module).__name__}) has no forward, so FSDP2 cannot make it a unit; "
+                    "choose its elements instead (--wrap-cls, _fsdp_wrap or fsdp_wrap_fn)"
+                )
+            return count
+        if chosen or count >= config.min_params:
             units.append(module)
             return 0
         return count
 
-    unwrapped_params(model)
+    unwrapped_params("", model)
     return units
 
 

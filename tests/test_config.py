@@ -282,3 +282,15 @@ loss_fn(out, y).backward()
 """,
     )
     assert shell.user_ns["root_gathered"] is True and shell.user_ns["block_gathered"] is False
+
+
+def test_the_size_rule_skips_containers_without_forward_and_explicit_rules_are_refused(shell, tiny_model):
+    # the blocks' ModuleList reaches 2,000 parameters before any Block (1,104) does: FSDP1's size
+    # policy skipped such containers, and FSDP2 cannot shard one, so its parameters go to the root
+    assert _units_and_checkpoints(shell, "--min-params 2000")[0] == [""]
+    runs_before = len(nbfsdp.runs())
+    error, _ = run_failing(shell, "%%fsdp --world-size 2 --wrap-cls ModuleList\nmodel\n")
+    assert isinstance(error, UsageError)
+    assert "blocks (ModuleList) has no forward, so FSDP2 cannot make it a unit" in str(error)
+    assert len(nbfsdp.runs()) == runs_before
+    assert "has no forward" in str(pytest.raises(UsageError, nbfsdp.explain, tiny_model, wrap_cls="ModuleList").value)
