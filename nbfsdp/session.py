@@ -101,7 +101,8 @@ class Session:
         self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig, background: bool = False
     ) -> None:
         if self.active is not None:
-            raise UsageError("an --async run is still going: `%fsdp wait` for it or `%fsdp cancel` it first")
+            state = "still going" if self.active.thread.is_alive() else "done"
+            raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
         validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
         cell_number = next(self._cells)
