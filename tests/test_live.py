@@ -6,6 +6,7 @@ dashboard's controls and Stop button make them (the same session methods).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -43,6 +44,17 @@ adam_steps = {{s["step"].item() for s in opt.state.values()}}
 
 def _session():
     return nbfsdp._magics.session
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind(shell):
+    """A failed test here must not leave an --async run that makes every later cell a UsageError."""
+    yield
+    if _session().active is not None:
+        _session().active.ranks.interrupt()  # ends it now, log calls or not
+        with contextlib.suppress(BaseException):  # the interrupt it ends with
+            shell.run_line_magic("fsdp", "wait")
+    _session().panel.clear()
 
 
 def _after(seconds: float, action) -> threading.Thread:
@@ -123,7 +135,6 @@ def test_toggles_apply_on_every_rank_at_one_step_and_training_stays_exact(shell,
     torch.testing.assert_close(torch.tensor(_mean_losses(run)), torch.tensor(_reference(shell, reference)))
     for (name, trained), (_, expected) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(trained, expected, msg=lambda m, name=name: f"{name}: {m}")
-    _session().panel.clear()
 
 
 def test_mixed_precision_switched_mid_run_follows_a_run_that_used_it_from_that_step(shell, tiny_model):
@@ -143,7 +154,6 @@ def test_mixed_precision_switched_mid_run_follows_a_run_that_used_it_from_that_s
     # fp32 until the switch, exactly; then within bf16 tolerance of the same casts
     torch.testing.assert_close(torch.tensor(measured[: switched + 1]), torch.tensor(expected[: switched + 1]))
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1.6e-2, atol=1e-5)
-    _session().panel.clear()
 
 
 def test_a_change_that_needs_another_mesh_waits_for_the_next_cell(shell, tiny_model):
@@ -156,7 +166,6 @@ def test_a_change_that_needs_another_mesh_waits_for_the_next_cell(shell, tiny_mo
     run_ok(shell, "%%fsdp --world-size 2\nrows = model.blocks[0].mlp[0].weight.to_local().shape[0]\n")
     assert nbfsdp.last_run().config["sharding_strategy"] == "NO_SHARD"
     assert shell.user_ns["rows"] == 32  # replicated: all 32 rows on every rank
-    _session().panel.clear()
 
 
 def test_cancel_ends_every_rank_at_one_step_and_the_cell_finishes_cleanly(shell, tiny_model):
@@ -177,6 +186,7 @@ def test_cancel_ends_every_rank_at_one_step_and_the_cell_finishes_cleanly(shell,
 
 
 def test_async_returns_at_once_and_wait_brings_every_step(shell, tiny_model):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")  # a running cluster (a session's first cell starts it first)
     shell.user_ns.pop("adam_steps", None)
     started = time.monotonic()
     run_ok(shell, TRAIN.format(flags="--async", steps=STEPS))
@@ -232,4 +242,3 @@ def test_set_changes_an_async_run_mid_run(shell, tiny_model, capsys):
     run = nbfsdp.last_run()
     switched = _change_step(run)
     assert run.metric("checkpointing", 0) == [s > switched for s in range(STEPS)]
-    _session().panel.clear()
