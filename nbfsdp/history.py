@@ -15,7 +15,10 @@ class RunRecord:
     config: dict[str, Any]
     """The effective settings, in Composer's ``fsdp_config`` vocabulary where one exists."""
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per ``nbfsdp.log`` call: ``rank``, ``step``, ``step_time``, the logged names, ``mem_*``."""
+    """One dict per ``nbfsdp.log`` call: ``rank``, ``step``, ``step_time``, the logged names, ``mem_*``.
+
+    Filled as the ranks stream their records while the cell runs (an ``--async`` one too), then
+    replaced by every rank's complete list in step order when it ends."""
     elapsed: float = 0.0
     """Wall-clock seconds of the whole cell, as the notebook saw it."""
     ok: bool = True

@@ -94,35 +94,40 @@ def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
 
 
 class LiveView(Protocol):
-    """Where streamed records and rank states go while a cell runs (the dashboard)."""
+    """What shows a cell while it runs (the dashboard): redrawn as records arrive, told of dead ranks."""
 
-    def add(self, records: list[dict[str, Any]]) -> None: ...
     def refresh(self, final: bool = False) -> None: ...
     def rank_state(self, rank: int, state: str) -> None: ...
 
 
 class _RecordStream:
-    """New records each rank has published since the last look."""
+    """New records each rank has published since the last look, handed to ``on_records``."""
 
-    def __init__(self, results: list[ipp.AsyncResult], view: LiveView | None) -> None:
-        self._results, self._view = results, view
+    def __init__(
+        self,
+        results: list[ipp.AsyncResult],
+        on_records: Callable[[list[dict[str, Any]]], None] | None,
+        view: LiveView | None,
+    ) -> None:
+        self._results, self._on_records, self._view = results, on_records, view
         self._seen: list[set[str]] = [set() for _ in results]
 
     def pump(self) -> None:
-        if self._view is None:
-            return
-        for result, seen in zip(self._results, self._seen, strict=True):
-            data = result.data
-            for key in [k for k in data if k not in seen]:
-                seen.add(key)
-                self._view.add(data[key])
-        self._view.refresh()
+        if self._on_records is not None:
+            for result, seen in zip(self._results, self._seen, strict=True):
+                data = result.data
+                for key in [k for k in data if k not in seen]:
+                    seen.add(key)
+                    self._on_records(data[key])
+        if self._view is not None:
+            self._view.refresh()
 
 
 class RankRun:
     """One cell submitted to every rank; ``watch`` follows it to its end, here or in a background thread.
 
-    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r.
+    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r. ``on_records``
+    gets each batch of records the ranks stream while they run.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class RankRun:
         per_rank: list[tuple],
         view: LiveView | None = None,
         sink: OutputSink | None = None,
+        on_records: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.world = cluster.world
@@ -142,7 +148,7 @@ class RankRun:
         ]
         self.view = view
         self._streamer = _OutputStreamer(self.results, sink or CellStreams())
-        self._records = _RecordStream(self.results, view)
+        self._records = _RecordStream(self.results, on_records, view)
         self._interrupt = threading.Event()
 
     def interrupt(self) -> None:

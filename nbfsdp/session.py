@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import itertools
 import pickle
 import sys
@@ -148,7 +149,15 @@ class Session:
         )
         history.record(record)
         dashboard = self._dashboard(world, models, config, background)
-        ranks = RankRun(self.cluster, spec, values, per_rank, view=dashboard, sink=dashboard if background else None)
+        ranks = RankRun(
+            self.cluster,
+            spec,
+            values,
+            per_rank,
+            view=dashboard,
+            sink=dashboard if background else None,
+            on_records=functools.partial(_stream_into, record, dashboard),
+        )
         run = CellRun(ranks, record, control, dashboard, models, skeletons, tokens, started)
         self.active = run
         if background:
@@ -316,6 +325,16 @@ class Session:
             self.active = None
         self.cluster.stop()
         self._engine_models = {}
+
+
+def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:
+    """Records as the ranks send them: into ``last_run().metrics`` while the cell runs, and onto the dashboard.
+
+    When the cell ends, ``metrics`` becomes every rank's complete list, in step order.
+    """
+    record.metrics.extend(records)
+    if dashboard is not None:
+        dashboard.add(records)
 
 
 def _settings_key(fields: dict[str, Any]) -> str:
