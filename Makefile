@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test browser lint clean
+.PHONY: lab test browser lint clean bench
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,9 +35,14 @@ browser:
 
 ## Same set-up, then the whole suite: lint, tests on real processes and in a browser, notebooks under nbval
 test: $(STAMP) browser
-	$(BIN)/ruff check nbfsdp tests
-	$(BIN)/ruff format --check nbfsdp tests
+	$(BIN)/ruff check nbfsdp tests benchmarks
+	$(BIN)/ruff format --check nbfsdp tests benchmarks
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
+
+## Same set-up, then nbfsdp against torchrun and raw ipyparallel (about 10 min on 2 cores): the table is
+## printed, JSON, markdown and a plot land in benchmarks/results/ (e.g. BENCH_ARGS="--quick" or "--only gpu")
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -10,19 +10,37 @@
 
 Afterwards ``model`` holds the trained weights and ``nbfsdp.last_run()`` the
 metrics of every rank. See ``notebooks/00-quickstart.ipynb``.
+
+``%load_ext nbfsdp`` returns at once: torch, the magics and the engines the
+first ``%%fsdp`` cell would start (the default world size: the number of GPUs,
+or 2) come up on a background thread, so that cell often finds them ready.
+The environment variable ``NBFSDP_PREWARM`` chooses: unset, that default world
+size; ``0``, ``off``, ``false`` or ``no``, nothing starts before the first cell
+(the extension then loads in the foreground); a whole number N from 1 to 64, a
+world of N ranks.
+
+Importing the package itself loads no torch: the public names below are
+imported on first use (so an engine importing ``nbfsdp`` pays only for what it
+runs).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from nbfsdp.comparison import compare
-from nbfsdp.explain import Plan, explain
-from nbfsdp.history import RunRecord, last_run, runs
-from nbfsdp.metrics import log
+import importlib
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
+
+    from nbfsdp.comparison import compare
+    from nbfsdp.history import RunRecord, last_run, runs
+    from nbfsdp.magics import FSDPMagics
+    from nbfsdp.metrics import log
+    from nbfsdp.planning import Plan, explain
 
 __all__ = [
     "Plan",
@@ -36,23 +54,146 @@ __all__ = [
     "unload_ipython_extension",
 ]
 
-_magics = None
+#: The public names, and the module each comes from on first use.
+_LAZY = {
+    "Plan": "nbfsdp.planning",
+    "explain": "nbfsdp.planning",
+    "compare": "nbfsdp.comparison",
+    "RunRecord": "nbfsdp.history",
+    "last_run": "nbfsdp.history",
+    "runs": "nbfsdp.history",
+    "log": "nbfsdp.metrics",
+}
+
+PREWARM_ENV = "NBFSDP_PREWARM"
+PREWARM_OFF = ("0", "off", "false", "no")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'nbfsdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+_magics: FSDPMagics | None = None
+"""The loaded ``%%fsdp`` magics: their ``session`` and its ``cluster``."""
+_loading: _Loading | None = None
+
+
+def prewarm_world_size() -> int | None:
+    """What ``NBFSDP_PREWARM`` asks of ``%load_ext``: None the default world size, 0 nothing, else N ranks.
+
+    A value that is none of these is reported, and nothing starts in the background.
+    """
+    from nbfsdp.cluster import MAX_WORLD_SIZE
+
+    value = os.environ.get(PREWARM_ENV, "").strip()
+    if not value:
+        return None
+    if value.lower() in PREWARM_OFF:
+        return 0
+    if value.isdigit() and 1 <= int(value) <= MAX_WORLD_SIZE:
+        return int(value)
+    print(
+        f"nbfsdp: {PREWARM_ENV}={value!r} is not valid, so nothing starts in the background; use 0, off, false "
+        f"or no (no background start), a world size from 1 to {MAX_WORLD_SIZE}, or leave it unset (the default "
+        "world size: the number of GPUs, or 2)",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def load_ipython_extension(shell: InteractiveShell) -> None:
-    """Register ``%%fsdp`` and ``%fsdp``; a second load keeps the running session."""
-    global _magics
-    if _magics is not None and _magics.shell is shell:
-        return
-    from nbfsdp.magics import FSDPMagics
+    """Register ``%%fsdp`` and ``%fsdp`` and start the engines in the background (``NBFSDP_PREWARM``).
 
-    _magics = FSDPMagics(shell)
-    shell.register_magics(_magics)
+    A second load keeps the running session.
+    """
+    global _loading
+    if (_magics is not None and _magics.shell is shell) or (_loading is not None and _loading.shell is shell):
+        return
+    world_size = prewarm_world_size()
+    if world_size == 0:
+        _register(shell)
+        return
+    _loading = _Loading(shell, world_size)
+    shell.register_magic_function(_loading.magic, "line_cell", "fsdp")
+    _loading.thread.start()
 
 
 def unload_ipython_extension(shell: InteractiveShell) -> None:
-    """Stop the cluster this extension started."""
-    global _magics
+    """Stop the cluster this extension started (once a background start has finished)."""
+    global _magics, _loading
+    if _loading is not None:
+        _loading.join()
+        _loading = None
     if _magics is not None:
         _magics.stop()
         _magics = None
+
+
+def _register(shell: InteractiveShell) -> FSDPMagics:
+    global _magics
+    from nbfsdp.magics import FSDPMagics
+
+    magics = FSDPMagics(shell)
+    shell.register_magics(magics)
+    _magics = magics
+    return magics
+
+
+class _Loading:
+    """The rest of ``%load_ext nbfsdp`` on a daemon thread: torch, the magics, the engines.
+
+    Until it is done, ``%%fsdp`` and ``%fsdp`` are ``magic``, which waits for it
+    (interruptibly) and hands over; ``%fsdp status`` answers without waiting.
+    The thread registers the real magics once the cluster's own background
+    start is under way, so every later use of the cluster waits for that.
+    """
+
+    def __init__(self, shell: InteractiveShell, world_size: int | None) -> None:
+        self.shell = shell
+        self.world_size = world_size
+        self.started = time.monotonic()
+        self.error: BaseException | None = None
+        """Why loading in the background failed, if it did (the foreground load then raises it again)."""
+        self.thread = threading.Thread(target=self._load, name="nbfsdp-load", daemon=True)
+
+    def _load(self) -> None:
+        global _magics
+        try:
+            from nbfsdp.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
+
+            magics = FSDPMagics(self.shell)
+            self.world_size = _world_size(self.world_size)  # imports torch to count the GPUs
+            magics.session.cluster.start_in_background(self.world_size, DEFAULT_TIMEOUT_SECONDS, since=self.started)
+            self.shell.register_magics(magics)
+            _magics = magics
+        except BaseException as error:  # the magics then load in the foreground, where the error shows
+            self.error = error
+
+    def join(self) -> None:
+        """Wait for the thread, in slices so that Ctrl-C still interrupts the wait."""
+        while self.thread.is_alive():
+            self.thread.join(0.1)
+
+    def wait(self) -> FSDPMagics:
+        """The loaded magics, once the thread is done (loading them here if it failed)."""
+        self.join()
+        if _magics is None or _magics.shell is not self.shell:
+            return _register(self.shell)
+        return _magics
+
+    def magic(self, line: str, cell: str | None = None) -> Any:
+        """``%%fsdp`` / ``%fsdp`` while nbfsdp loads in the background; ``%%fsdp?`` shows every flag once loaded."""
+        if cell is None and line.split()[:1] == ["status"] and self.thread.is_alive():
+            engines = f"{self.world_size} engines" if self.world_size else "the engines"
+            print(f"nbfsdp: starting {engines} in the background (since {time.monotonic() - self.started:.1f} s)")
+            return None
+        magics = self.wait()
+        return magics.fsdp_line(line) if cell is None else magics.fsdp(line, cell)

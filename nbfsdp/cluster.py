@@ -12,6 +12,17 @@ listens on 127.0.0.1, connection files live in a fresh 0700 directory, and the
 process group's rendezvous is a ``FileStore`` in that directory (torch's
 ``TCPStore`` would listen on every interface). Each new world gets a fresh
 store file, since a reused store can hang a second ``init_process_group``.
+
+``start_in_background`` runs what ``ensure_world`` would on a daemon thread
+(``%load_ext`` uses it so the first cell finds the engines ready). The
+ipyparallel client serves one thread at a time, so every other use of the
+cluster first waits for that thread, in short slices that Ctrl-C can
+interrupt; a background start that failed is kept, not printed, and the next
+``ensure_world`` starts again from scratch (and raises, if it fails again).
+The process ids go to the reaper as soon as each process is launched, so a
+kernel killed mid-start leaves nothing behind.
+
+Importing this module loads neither torch nor ipyparallel.
 """
 
 from __future__ import annotations
@@ -23,17 +34,33 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ipyparallel as ipp
 import psutil
 
-from nbfsdp import engine, reaper
+from nbfsdp import reaper
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
 
 ENGINE_START_TIMEOUT = 120.0
+MAX_WORLD_SIZE = 64
+#: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
+#: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
+HEARTBEAT_MS = 500
+HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
+#: Each engine runs this as it starts: what ``engine.setup`` needs (torch above all) is imported on a
+#: thread while the engine registers, not only once every engine has registered and setup arrives.
+EARLY_IMPORT = (
+    '__import__("threading").Thread(target=__import__, args=("nbfsdp.engine",), name="nbfsdp-import", '
+    "daemon=True).start()"
+)
+#: How often a wait for the background start lets a KeyboardInterrupt through.
+_JOIN_SLICE_SECONDS = 0.1
 
 
 @dataclass
@@ -66,6 +93,13 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+@dataclass
+class _BackgroundStart:
+    thread: threading.Thread
+    world_size: int
+    since: float  # time.monotonic()
+
+
 class FSDPCluster:
     """Starts, reuses, resizes and stops the engines and their process group."""
 
@@ -75,12 +109,38 @@ class FSDPCluster:
         self._client: ipp.Client | None = None
         self._engine_layout: tuple[int, bool] | None = None  # (engines, one GPU each)
         self._generation = 0
+        self._background: _BackgroundStart | None = None
+        self.background_error: BaseException | None = None
+        """Why the last background start failed (the next ``ensure_world`` starts again)."""
         self.world: World | None = None
         self.processes_started = 0
 
     # ------------------------------------------------------------------ public
+    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
+        """Start what ``ensure_world(world_size, timeout)`` would, on a daemon thread; return at once.
+
+        ``since`` (``time.monotonic()``, default now) is when the start was asked for, for ``starting``.
+        """
+        self._wait_for_background()
+        self.background_error = None
+        thread = threading.Thread(
+            target=self._start_quietly, args=(world_size, timeout), name="nbfsdp-prewarm", daemon=True
+        )
+        self._background = _BackgroundStart(thread, world_size, time.monotonic() if since is None else since)
+        thread.start()
+
+    @property
+    def starting(self) -> tuple[int, float] | None:
+        """While a background start runs: its world size and the seconds since it began. Never waits."""
+        background = self._background
+        if background is None or not background.thread.is_alive():
+            return None
+        return background.world_size, time.monotonic() - background.since
+
     def ensure_world(self, world_size: int, timeout: float) -> World:
         """A healthy world of ``world_size`` ranks, reusing what already runs."""
+        self._wait_for_background()
+        self.background_error = None  # this start replaces a failed one
         world = self.world
         if world and not world.broken and world.world_size == world_size and world.timeout == timeout:
             return world
@@ -96,11 +156,13 @@ class FSDPCluster:
 
     @property
     def client(self) -> ipp.Client:
+        self._wait_for_background()
         assert self._client is not None, "no cluster running"
         return self._client
 
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose engine process has ended, with how it ended."""
+        self._wait_for_background()
         dead: dict[int, str] = {}
         for rank, pid in enumerate(self.world.pids if self.world else []):
             try:
@@ -112,19 +174,22 @@ class FSDPCluster:
         return dead
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        self._wait_for_background()
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.world.pids[rank], signum)
 
     def kill_engines(self) -> None:
         """End every engine now (even one stuck in a collective); the next world restarts them."""
+        self._wait_for_background()
         if self.world:
             self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
         self._engine_layout = None
         self.world = None
 
     def stop(self) -> None:
-        """Stop engines and controller and remove the private directory."""
+        """Stop engines and controller and remove the private directory (after a background start ends)."""
+        self._wait_for_background()
         if self._client is not None:
             self._client.close()
         if self._cluster is not None:
@@ -140,14 +205,34 @@ class FSDPCluster:
     @property
     def private_dir(self) -> str:
         """The cluster's 0700 directory: connection files, the rendezvous store, run control files."""
+        self._wait_for_background()
         assert self._private_dir is not None, "no cluster running"
         return self._private_dir
 
     @property
     def running(self) -> bool:
+        self._wait_for_background()
         return self._cluster is not None
 
     # ----------------------------------------------------------------- helpers
+    def _start_quietly(self, world_size: int, timeout: float) -> None:
+        """The background thread: its error is kept for the next ``ensure_world``, never printed into a cell."""
+        try:
+            self.ensure_world(world_size, timeout)
+        except BaseException as error:
+            self.background_error = error
+            with contextlib.suppress(Exception):
+                self.stop()  # a clean slate: the next ensure_world starts from scratch
+
+    def _wait_for_background(self) -> None:
+        """Let a background start finish before anything else touches the cluster."""
+        background = self._background
+        if background is None or background.thread is threading.current_thread():
+            return
+        while background.thread.is_alive():
+            background.thread.join(_JOIN_SLICE_SECONDS)  # in slices: a KeyboardInterrupt reaches this thread
+        self._background = None
+
     def _exit_code(self, pid: int) -> int | None:
         for engine_set in self._cluster.engines.values() if self._cluster else []:
             for launcher in getattr(engine_set, "launchers", {}).values():
@@ -177,31 +262,42 @@ class FSDPCluster:
         self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
         reaper.record(self._private_dir, os.getpid(), [])
         reaper.start(os.getpid(), self._private_dir)
+        import ipyparallel as ipp
+
         self._cluster = ipp.Cluster(
             profile_dir=self._private_dir,
             controller_ip="127.0.0.1",
             # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
             # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
             log_level=logging.ERROR,
-            delay=0.1,
+            controller_args=[
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
         )
         self._cluster.start_controller_sync()
+        # each process is recorded as soon as it is launched: a kernel killed mid-start leaves none behind
+        reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
         threads = str(cpu_threads_per_rank(world_size))
         if use_gpus:  # one engine set per GPU, so each engine sees exactly one
-            for gpu in range(world_size):
-                env = {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}
-                self._cluster.start_engines_sync(1, environment=env)
+            engine_sets = [
+                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}) for gpu in range(world_size)
+            ]
         else:
-            env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads}
-            self._cluster.start_engines_sync(world_size, environment=env)
+            engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
+        early_import = [f"--IPEngine.startup_command={EARLY_IMPORT}"]
+        for count, env in engine_sets:
+            # delay: ipyparallel's pause between the engines of a set (0.1 s each)
+            self._cluster.start_engines_sync(count, environment=env, engine_args=early_import, delay=0)
+            reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
         self.processes_started += world_size
         self._client = self._cluster.connect_client_sync()
         self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
         self._engine_layout = (world_size, use_gpus)
-        reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
 
     def cluster_pids(self) -> list[int]:
         """The controller's and every engine's process id."""
+        self._wait_for_background()
         launchers = [self._cluster.controller] + [
             launcher for engine_set in self._cluster.engines.values() for launcher in engine_set.launchers.values()
         ]
@@ -215,6 +311,8 @@ class FSDPCluster:
         return [engine_id for _, engine_id in sorted(zip((int(v) for v in visible), ids, strict=True))]
 
     def _setup_world(self, world_size: int, backend: str, timeout: float) -> World:
+        from nbfsdp import engine  # torch: imported by the first world, not by importing this module
+
         self._generation += 1
         store_path = os.path.join(self._private_dir, f"store-{self._generation}")
         engine_ids = self._rank_order(backend == "nccl")

@@ -3,7 +3,9 @@
 Metrics arrive while the cell runs (each engine publishes its new records
 with ipyparallel's ``datapub``; ``runner`` hands them here). Figures are
 drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` at most once
-a second, so a fast training loop never waits for drawing. The same display
+a second, by a worker process of the lowest CPU priority (``nbfsdp.renderer``),
+so drawing takes no CPU time from the ranks and a fast training loop never
+waits for it. The same display
 carries a PNG of the last drawing, so nbconvert, nbval and a terminal
 IPython, which cannot show widgets, still get the figures as a static image.
 """
@@ -11,22 +13,23 @@ IPython, which cannot show widgets, still get the figures as a static image.
 from __future__ import annotations
 
 import html
-import io
+import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import ipywidgets as widgets
 from IPython.display import display
 from matplotlib.figure import Figure
 
+from nbfsdp import figures, renderer
 from nbfsdp.controls import SettingsControls
 from nbfsdp.widget_events import answer_while_cells_run
 
-#: Memory categories drawn per rank, in stacking order.
-MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations")
 REDRAW_SECONDS = 1.0
+#: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
+FINAL_DRAWING_SECONDS = 10.0
 
 
 class LiveDashboard:
@@ -51,6 +54,10 @@ class LiveDashboard:
         self.records: list[dict[str, Any]] = []
         self.redraws = 0
         self._last_draw = 0.0
+        self._drawing: Future[bytes] | None = None
+        self._finished = False
+        self._show_lock = threading.Lock()
+        renderer.start()
         self._states = ["running"] * world_size
         self._notes: list[str] = []
         self._device = device
@@ -98,18 +105,41 @@ class LiveDashboard:
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:
-        """Redraw if a second has passed since the last drawing; at once for the first points and the end."""
+        """Redraw if a second has passed since the last drawing began and it has ended; at once for the
+        first points; at the end waiting for it, so the cell's output holds its complete figure."""
         now = time.monotonic()
+        drawing = self._drawing is not None and not self._drawing.done()
         first_points = self.records and not self.redraws
-        if not (final or first_points or now - self._last_draw >= REDRAW_SECONDS):
+        if not final and (drawing or not (first_points or now - self._last_draw >= REDRAW_SECONDS)):
             return
         self._last_draw = now
         self._status.value = self._status_table()
-        if self.records:
-            self._figure.value = self._draw()
-            self.redraws += 1
-        if final and self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
+        if final:
+            with self._show_lock:
+                self._finished = True  # a live drawing that ends later must not replace the final one
+            if self.records:
+                self._show(self._final_drawing())
+            if self._handle is not None:
+                self._handle.update(self._bundle(), raw=True)
+        elif self.records:
+            self._drawing = renderer.render(list(self.records), self.world_size, self.predicted)
+            self._drawing.add_done_callback(self._drawn)
+
+    def _drawn(self, drawing: Future[bytes]) -> None:
+        """A live drawing is done (on the worker's result thread); a failed one leaves the last up."""
+        with self._show_lock:
+            if drawing.exception() is None and not self._finished:
+                self._show(drawing.result())
+
+    def _final_drawing(self) -> bytes:
+        try:
+            return renderer.render(self.records, self.world_size, self.predicted).result(FINAL_DRAWING_SECONDS)
+        except Exception:  # the worker died or is starved: draw here, once
+            return figures.png(self.records, self.world_size, self.predicted)
+
+    def _show(self, png: bytes) -> None:
+        self._figure.value = png
+        self.redraws += 1
 
     # -- drawing
     def _bundle(self) -> dict[str, Any]:
@@ -136,71 +166,6 @@ class LiveDashboard:
             f"<table><tr><th>rank</th><th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
         )
 
-    def _draw(self) -> bytes:
-        buffer = io.BytesIO()
-        self.figure().savefig(buffer, format="png")
-        return buffer.getvalue()
-
     def figure(self) -> Figure:
         """The loss, memory and step-time figures of the records so far."""
-        by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for record in self.records:
-            by_rank[record["rank"]].append(record)
-        figure = Figure(figsize=(12, 3.2), dpi=72)
-        loss_axes, memory_axes, time_axes = figure.subplots(1, 3)
-        for rank, records in sorted(by_rank.items()):
-            steps = [r["step"] for r in records]
-            if any("loss" in r for r in records):
-                loss_axes.plot(
-                    [r["step"] for r in records if "loss" in r],
-                    [r["loss"] for r in records if "loss" in r],
-                    label=f"rank {rank}",
-                )
-            time_axes.plot(steps, [r["step_time"] * 1000 for r in records], label=f"rank {rank}")
-            bottom = 0.0
-            for category in MEMORY_CATEGORIES:
-                value = records[-1].get(category, 0) / 2**20
-                memory_axes.bar(
-                    rank,
-                    value,
-                    bottom=bottom,
-                    color=f"C{MEMORY_CATEGORIES.index(category)}",
-                    label=category.removeprefix("mem_") if rank == min(by_rank) else None,
-                )
-                bottom += value
-        if self.predicted:
-            for rank, predicted in enumerate(self.predicted):
-                if rank in by_rank and predicted["comm_buffers"]:  # not measurable on CPU: explain's figure
-                    measured = sum(by_rank[rank][-1].get(c, 0) for c in MEMORY_CATEGORIES) / 2**20
-                    memory_axes.bar(
-                        rank, predicted["comm_buffers"] / 2**20, bottom=measured, color="none", edgecolor="grey",
-                        hatch="//", label="comm buffers (explain)" if rank == min(by_rank) else None,
-                    )  # fmt: skip
-                total = (predicted["params"] + predicted["grads"] + predicted["optim"]) / 2**20
-                memory_axes.hlines(
-                    total,
-                    rank - 0.4,
-                    rank + 0.4,
-                    colors="black",
-                    linestyles="--",
-                    label="explain: params+grads+optim" if rank == 0 else None,
-                )
-        for record in self.records:  # the settings changed mid-run, marked where they took effect
-            if "changed" in record and record["rank"] == 0:
-                for axes in (loss_axes, time_axes):
-                    axes.axvline(record["step"], color="grey", linestyle=":")
-                    axes.annotate(
-                        record["changed"], (record["step"], 1), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=6, color="grey",
-                    )  # fmt: skip
-        loss_axes.set(title="loss", xlabel="step")
-        memory_axes.set(title="memory per rank (MiB, last step)", xlabel="rank")
-        memory_axes.set_xticks(range(self.world_size))
-        time_axes.set(title="step time (ms)", xlabel="step")
-        for axes in (loss_axes, time_axes):
-            if axes.get_legend_handles_labels()[0]:
-                axes.legend(fontsize=7)
-        if memory_axes.get_legend_handles_labels()[0]:
-            memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        figure.tight_layout()
-        return figure
+        return figures.figure(self.records, self.world_size, self.predicted)

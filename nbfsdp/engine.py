@@ -1,7 +1,8 @@
 """Code that runs on the engines: the process group, the cell's namespace, sharding, gather.
 
 The client calls ``setup`` once per world and ``run_cell`` once per cell, on
-every rank at once. State lives in this module between cells: the namespace
+every rank at once, after ``receive_shards`` for each piece of any model the
+cell needs anew. State lives in this module between cells: the namespace
 the cells run in and the sharded models, so optimizer state and anything else
 a cell leaves on the engines survive until the world is restarted.
 """
@@ -32,7 +33,7 @@ import nbfsdp
 from nbfsdp import metrics, transfer
 from nbfsdp.config import FSDPConfig
 from nbfsdp.control import CellCancelled, RankControl
-from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, fill_shards, materialize, shard_model
+from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 
 _PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
 #: Errors a rank raises only because a peer tore the world down first.
@@ -48,6 +49,7 @@ class _World:
     namespace: dict[str, Any] = field(default_factory=dict)
     models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
     meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
+    incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
 
 
 _world: _World | None = None
@@ -125,11 +127,27 @@ def _user_traceback(error: BaseException) -> str:
     return "".join(summary.format())
 
 
-def _load_models(
-    world: _World, spec: dict[str, Any], skeletons: dict[str, bytes], flat: np.ndarray, index: transfer.ShardIndex
-) -> None:
-    """Shard and fill the models the notebook sent; check the engine still holds the ones it did not."""
-    shards = transfer.unpack_shards(flat, index)
+def receive_shards(
+    generation: int, allocate: dict[str, tuple[int, transfer.TensorLayout, bool]], keys: list, *data: np.ndarray
+) -> int:
+    """One piece of this rank's shards (``nbfsdp.delivery``); the bytes received.
+
+    ``allocate`` (with the first piece) names each model's token and tensors:
+    their storage is allocated here, once, and later becomes FSDP2's own.
+    """
+    world = _world
+    if world is None or world.generation != generation:
+        raise RuntimeError("world not set up")
+    for name, (token, tensors, on_cpu) in allocate.items():
+        world.incoming.pop(name, None)  # a re-sent model: free the old storage first
+        world.incoming[name] = (token, transfer.allocate(tensors, torch.device("cpu") if on_cpu else world.device))
+    for (name, fqn, start), piece in zip(keys, data, strict=True):
+        transfer.write_piece(world.incoming[name][1][fqn], start, piece)
+    return sum(piece.nbytes for piece in data)
+
+
+def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes]) -> None:
+    """Shard the models the notebook sent, on their delivered shards; check the engine still holds the others."""
     config = FSDPConfig(**spec["fsdp"])
     shape = config.mesh_shape(world.world_size)
     if skeletons and shape not in world.meshes:
@@ -137,11 +155,15 @@ def _load_models(
     for name in spec["models"]:
         token = spec["model_tokens"][name]
         if name in skeletons:
-            sharded = shard_model(transfer.load_skeleton(skeletons[name]), world.device, config, world.meshes[shape])
+            skeleton = transfer.load_skeleton(skeletons[name])
             if name in spec["materialize"]:
+                sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
                 _materialize(world, sharded.module, config, shape[1], spec["seed"])
             else:
-                fill_shards(sharded.module, shards.get(name, {}), world.device)
+                delivered_token, shards = world.incoming.pop(name, (None, {}))
+                if delivered_token != token:
+                    raise RuntimeError(f"engine did not receive its shards of {name!r}; run the cell again")
+                sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
             cast_buffers(sharded.module, config.dtypes()[2])
             world.models[name] = (token, sharded)
         elif world.models.get(name, (None,))[0] != token:
@@ -190,9 +212,7 @@ def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[st
     return list(dict.fromkeys(changed))
 
 
-def run_cell(
-    spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes], flat: np.ndarray, index: transfer.ShardIndex
-) -> dict[str, Any]:
+def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -> dict[str, Any]:
     """Run one cell on this rank; return its outcome, never raise.
 
     On any error the process group is torn down at once: peers blocked in a
@@ -204,7 +224,7 @@ def run_cell(
         return {"ok": False, "error": "world not set up", "traceback": "", "secondary": False}
     recorder = None
     try:
-        _load_models(world, spec, skeletons, flat, index)
+        _load_models(world, spec, skeletons)
         cell_models = [world.models[name][1] for name in spec["models"]]
         models = {name: sharded.module for name, (_, sharded) in world.models.items()}
         namespace = world.namespace

@@ -29,6 +29,9 @@ class RunRecord:
     """Settings changed while the cell ran: (step after which they applied, ``key=value, ...``)."""
     cancelled: bool = False
     """Ended early by ``%fsdp cancel`` or the Stop button, at a step boundary on every rank."""
+    sent_bytes: list[int] = field(default_factory=list)
+    """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
+    counted them on arrival), their skeletons and the other names the cell reads."""
 
     def metric(self, name: str, rank: int = 0) -> list[Any]:
         """One rank's values of ``name``, in step order."""

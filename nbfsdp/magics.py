@@ -12,13 +12,12 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import Image, display
 
 from nbfsdp import comparison, config
-from nbfsdp.cluster import visible_gpus
-from nbfsdp.explain import plan
+from nbfsdp.cluster import MAX_WORLD_SIZE, visible_gpus
 from nbfsdp.panel import SettingsPanel
+from nbfsdp.planning import plan
 from nbfsdp.session import Session
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
-MAX_WORLD_SIZE = 64
 LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "set", "wait", "cancel")
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 #: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
@@ -188,9 +187,20 @@ class FSDPMagics(Magics):
         if args.action == "cancel":
             self.session.cancel()
             return
-        world = self.session.cluster.world
+        self._status()
+
+    def _status(self) -> None:
+        """The world and its ranks; while engines start in the background, that, without waiting."""
+        cluster = self.session.cluster
+        if (starting := cluster.starting) is not None:
+            world_size, seconds = starting
+            print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
+            return
+        world = cluster.world
         if world is None:
-            print("nbfsdp: no cluster running")
+            failed = cluster.background_error
+            why = f" (the background start failed: {failed}; the next cell starts again)" if failed else ""
+            print(f"nbfsdp: no cluster running{why}")
             return
         print(
             f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s"

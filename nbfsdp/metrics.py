@@ -42,7 +42,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         if tensor is None:
             continue
         if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
+            # its local shard; to_local() is an autograd op, measurably slow at every optimizer step
+            tensor = tensor._local_tensor
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
@@ -70,7 +71,7 @@ class MemoryMeter:
         self._params = {id(p): p for p in params}
         self._params_bytes = storage_bytes(self._params.values())
         self._grads_bytes: int | None = None
-        self._optim_bytes: dict[int, int] = {}
+        self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._activations = 0
         self._activations_peak = 0
@@ -131,8 +132,13 @@ class MemoryMeter:
         self._grads_bytes = storage_bytes(p.grad for p in params)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        state = (t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-        self._optim_bytes[id(optimizer)] = storage_bytes(state)
+        self._optimizers[id(optimizer)] = optimizer  # its state is measured when a record is made
+
+    def _optim_state_bytes(self) -> int:
+        return sum(
+            storage_bytes(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+            for optimizer in self._optimizers.values()
+        )
 
     # -- one record's figures
     def read(self) -> dict[str, int]:
@@ -143,7 +149,7 @@ class MemoryMeter:
         figures = {
             "mem_params": self._params_bytes,
             "mem_grads": grads,
-            "mem_optim": sum(self._optim_bytes.values()),
+            "mem_optim": self._optim_state_bytes(),
             "mem_activations": self._activations_peak,
         }
         if self._device.type == "cuda":

@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from nbfsdp.cluster import visible_gpus
 from nbfsdp.config import resolve, validate
 from nbfsdp.controls import SettingsControls
-from nbfsdp.explain import plan
+from nbfsdp.planning import plan
 from nbfsdp.widget_events import answer_while_cells_run
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ this watcher in its own session, so it survives the kernel:
     python -m nbfsdp.reaper KERNEL_PID PRIVATE_DIR
 
 It checks once a second; when the kernel has exited it kills the processes
-listed in ``PRIVATE_DIR/pids.json`` and removes the directory. When the
+listed in ``PRIVATE_DIR/pids.json``, with what they started (the controller's
+schedulers are processes of their own), and removes the directory. When the
 cluster is stopped normally the directory disappears and the watcher exits.
 The same clean-up runs for stale directories of dead kernels when the next
 cluster starts (``clean_stale``), in case a watcher itself was killed.
@@ -48,18 +49,43 @@ def record(private_dir: str, kernel_pid: int, pids: list[int]) -> None:
     partial.replace(target)
 
 
+def _is_ipyparallel(process: psutil.Process) -> bool:
+    return any("ipyparallel" in part for part in process.cmdline())
+
+
+def cluster_processes(pids: list[int]) -> list[psutil.Process]:
+    """The recorded processes and everything they started, orphans included.
+
+    ipyparallel starts the controller and each engine in a session of its own,
+    and the controller's schedulers are processes of that session: they live
+    on, orphaned, when the controller dies before ending them (killed, or
+    stopped while still starting them up), but keep the session id. A pid
+    recorded long ago may be another process now: only ipyparallel's are ended,
+    with their children.
+    """
+    found: dict[int, psutil.Process] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            if _is_ipyparallel(process):
+                found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
+    sessions = set(pids)
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.pid not in found and os.getsid(process.pid) in sessions and _is_ipyparallel(process):
+                found[process.pid] = process
+    return list(found.values())
+
+
 def end_cluster(private_dir: Path) -> None:
-    """Kill the processes the directory lists, then remove it."""
+    """Kill the processes the directory lists (see ``cluster_processes``), then remove it."""
     try:
         pids = json.loads((private_dir / PIDS_FILE).read_text())["pids"]
     except (OSError, ValueError, KeyError):
         pids = []
-    for pid in pids:
-        # a pid recorded long ago may be another process now: only ipyparallel's are ended
+    for process in cluster_processes(pids):
         with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            if any("ipyparallel" in part for part in process.cmdline()):
-                process.send_signal(signal.SIGKILL)
+            process.send_signal(signal.SIGKILL)
     shutil.rmtree(private_dir, ignore_errors=True)
 
 

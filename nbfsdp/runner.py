@@ -11,6 +11,7 @@ killed, its world restarted by the next cell.
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import sys
 import threading
@@ -23,7 +24,8 @@ import ipyparallel as ipp
 from nbfsdp import engine
 from nbfsdp.cluster import FSDPCluster
 
-POLL_SECONDS = 0.02
+#: How often a running cell's output, records and widget events are looked at (about 1% of a core).
+POLL_SECONDS = 0.05
 LIVENESS_SECONDS = 0.25
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
@@ -126,7 +128,7 @@ class _RecordStream:
 class RankRun:
     """One cell submitted to every rank; ``watch`` follows it to its end, here or in a background thread.
 
-    ``per_rank[r]`` is ``(skeletons, flat shard buffer, its index)`` for rank r. ``on_records``
+    ``skeletons`` are the models sent anew (their shards were delivered already). ``on_records``
     gets each batch of records the ranks stream while they run.
     """
 
@@ -135,7 +137,7 @@ class RankRun:
         cluster: FSDPCluster,
         spec: dict[str, Any],
         values: bytes,
-        per_rank: list[tuple],
+        skeletons: dict[str, bytes],
         view: LiveView | None = None,
         sink: OutputSink | None = None,
         on_records: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -143,8 +145,8 @@ class RankRun:
         self.cluster = cluster
         self.world = cluster.world
         self.results = [
-            cluster.client[engine_id].apply_async(engine.run_cell, spec, values, *per_rank[rank])
-            for rank, engine_id in enumerate(self.world.engine_ids)
+            cluster.client[engine_id].apply_async(engine.run_cell, spec, values, skeletons)
+            for engine_id in self.world.engine_ids
         ]
         self.view = view
         self._streamer = _OutputStreamer(self.results, sink or CellStreams())
@@ -210,7 +212,9 @@ def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> 
             return
         if on_poll is not None:
             on_poll()
-        time.sleep(POLL_SECONDS)
+        # woken at once by a rank's result, so the cell ends as soon as the last rank does
+        pending = [result for rank, result in enumerate(results) if rank not in outcomes]
+        concurrent.futures.wait(pending, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
 
 
 def _stop_ranks(run: RankRun, outcomes: dict, immediately: bool) -> None:

@@ -29,7 +29,8 @@ from nbfsdp.cluster import FSDPCluster, World, visible_gpus
 from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
 from nbfsdp.control import RunControl
 from nbfsdp.dashboard import LiveDashboard
-from nbfsdp.explain import plan
+from nbfsdp.delivery import deliver
+from nbfsdp.planning import plan
 from nbfsdp.runner import RankRun
 from nbfsdp.sharding import check_initializable, wrap_units
 from nbfsdp.widget_events import pending_events
@@ -121,15 +122,12 @@ class Session:
             self._engine_models, self._models_generation = {}, world.generation
         to_send = [name for name in models if self._engine_models.get(name, (None,))[0] != fingerprints[name]]
         tokens = {name: next(self._tokens) if name in to_send else self._engine_models[name][1] for name in models}
-        sending = {name: models[name] for name in to_send}
-        _, shard_degree = config.mesh_shape(world_size)  # rank r holds shard r % shard_degree
-        per_rank = [
-            (
-                {name: skeletons[name] for name in to_send},
-                *transfer.pack_shards(sending, rank % shard_degree, shard_degree),
-            )
-            for rank in range(world_size)
-        ]
+        materialize = [name for name in to_send if _on_meta(models[name])]
+        delivering = {name: models[name] for name in to_send if name not in materialize}
+        _, shard_degree = config.mesh_shape(world_size)
+        received = deliver(self.cluster, world, delivering, tokens, shard_degree, config.cpu_offload)
+        sending = {name: skeletons[name] for name in to_send}
+        sent_bytes = [n + len(values) + sum(map(len, sending.values())) for n in received]
         control = RunControl(self.cluster.private_dir, cell_number)
         spec = {
             "code": cell,
@@ -140,12 +138,14 @@ class Session:
             "assigned": assigned,
             "gather": sorted(models) if gather else [],
             "fsdp": dataclasses.asdict(config),
-            "materialize": [name for name in to_send if _on_meta(models[name])],
+            "materialize": materialize,
             "seed": torch.initial_seed() % 2**63,
             "control": str(control.path),
         }
         record = history.RunRecord(
-            world_size=world_size, config=self._effective_settings(world, timeout, gather, config, models)
+            world_size=world_size,
+            config=self._effective_settings(world, timeout, gather, config, models),
+            sent_bytes=sent_bytes,
         )
         history.record(record)
         dashboard = self._dashboard(world, models, config, background)
@@ -153,7 +153,7 @@ class Session:
             self.cluster,
             spec,
             values,
-            per_rank,
+            sending,
             view=dashboard,
             sink=dashboard if background else None,
             on_records=functools.partial(_stream_into, record, dashboard),

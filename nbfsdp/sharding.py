@@ -312,33 +312,75 @@ def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], 
     return state
 
 
-def shard_model(skeleton: nn.Module, device: torch.device, config: FSDPConfig, mesh: DeviceMesh) -> ShardedModel:
-    """Shard a meta-device ``skeleton`` with FSDP2 and allocate only this rank's (empty) shards.
+def shard_model(
+    skeleton: nn.Module,
+    device: torch.device,
+    config: FSDPConfig,
+    mesh: DeviceMesh,
+    shards: dict[str, torch.Tensor] | None = None,
+) -> ShardedModel:
+    """Shard a meta-device ``skeleton`` with FSDP2 on this rank's ``shards`` (by fqn), or on empty ones.
 
-    ``fully_shard`` on the meta device allocates nothing; ``to_empty`` then
-    allocates the local shards alone, so a rank never holds the full model.
+    ``fully_shard`` on the meta device allocates nothing; the local shards are
+    then the tensors the notebook delivered (``adopt_shards``), or ``to_empty``'s
+    fresh ones for a model initialized on the ranks. A rank never holds the full model.
     """
     sharded = apply_fsdp(skeleton, config, mesh, device)
-    skeleton.to_empty(device="cpu" if config.cpu_offload else device)
+    storage = "cpu" if config.cpu_offload else device
+    if shards is None:
+        skeleton.to_empty(device=storage)
+    elif torch.device(storage).type != mesh.device_type:
+        # CPU offload on GPUs: DTensor.from_local would move the shard to the GPU, so copy instead
+        skeleton.to_empty(device=storage)
+        _copy_shards(skeleton, shards, device)
+    else:
+        adopt_shards(skeleton, shards)
     return sharded
 
 
-def fill_shards(model: nn.Module, shard: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Copy what the notebook sent into this rank's shards, and its buffers."""
+def _check_shape(fqn: str, data: torch.Tensor, local: torch.Tensor) -> None:
+    if local.shape != data.shape:
+        raise RuntimeError(
+            f"shard of {fqn!r} has shape {tuple(data.shape)} but FSDP2 holds "
+            f"{tuple(local.shape)} on this rank; is a custom shard placement in use?"
+        )
+
+
+def adopt_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Make the delivered tensors this rank's shards and buffers without copying them.
+
+    Where ``to_empty`` would hand each meta tensor a fresh ``empty_like``,
+    ``_apply`` hands it the delivered tensor, and FSDP2's own ``_apply`` then
+    takes it as the sharded storage. FSDP2 copies only a shard it must pad
+    (dim 0 not divisible by the shard count).
+    """
+    names = {id(t): fqn for fqn, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def delivered(tensor: torch.Tensor) -> torch.Tensor:
+        fqn = names[id(tensor)]
+        data = shards[fqn]
+        if not isinstance(tensor, DTensor):
+            _check_shape(fqn, data, tensor)
+            return data
+        _check_shape(fqn, data, tensor.to_local())
+        return DTensor.from_local(
+            data, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+
+    with torch.no_grad():
+        model._apply(delivered)
+
+
+def _copy_shards(model: nn.Module, shards: dict[str, torch.Tensor], device: torch.device) -> None:
     with torch.no_grad():
         for fqn, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
-            data = shard[fqn]
-            if local.shape != data.shape:
-                raise RuntimeError(
-                    f"shard of {fqn!r} has shape {tuple(data.shape)} but FSDP2 holds "
-                    f"{tuple(local.shape)} on this rank; is a custom shard placement in use?"
-                )
-            local.copy_(data)
+            _check_shape(fqn, shards[fqn], local)
+            local.copy_(shards[fqn])
         for name, module in model.named_modules():
             for key, buffer in module._buffers.items():
                 if buffer is not None:
-                    module._buffers[key] = shard[f"{name}.{key}" if name else key].to(device, copy=True)
+                    module._buffers[key] = shards[f"{name}.{key}" if name else key].to(device)
 
 
 def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

@@ -5,7 +5,8 @@ model (an ``nn.Module`` with parameters) is only a reference; the model itself
 travels as a *skeleton* (the module pickled with its tensors replaced by their
 shape and dtype) plus that rank's dim-0 chunk of every parameter, which is the
 exact slice FSDP2's ``fully_shard`` keeps on that rank. No rank ever receives a
-whole copy of a model's parameters.
+whole copy of a model's parameters; the chunks travel as bytes in bounded
+pieces (``nbfsdp.delivery``).
 
 Pickling is cloudpickle's (classes and functions defined in the notebook go by
 value, importable modules by reference, so engines import them again); the
@@ -19,6 +20,7 @@ import hashlib
 import io
 import pickle
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,9 +128,20 @@ def model_skeleton(model: nn.Module) -> bytes:
     return _dumps(model, references)
 
 
-#: One tensor inside a rank's flat shard buffer: (model, fqn, dtype, shape, offset, nbytes).
-ShardIndex = list[tuple[str, str, str, tuple[int, ...], int, int]]
-_ALIGNMENT = 64
+def piece_bytes(shard_bytes: int) -> int:
+    """Bytes of shard data per message: about 1/32 of a rank's shard, between 1 and 16 MiB.
+
+    A rank holds its shards plus the last few pieces it received (measured: about
+    four, as the allocator keeps freed receive buffers), so small pieces keep its
+    peak near its shard; bigger ones for big shards save round trips.
+    """
+    return min(16 * 2**20, max(2**20, shard_bytes // 32))
+
+
+#: What a rank allocates for one model before its pieces arrive: (fqn, shape, dtype) per tensor.
+TensorLayout = list[tuple[str, tuple[int, ...], str]]
+#: Where a piece goes: (model name, fqn, first byte in that tensor).
+PieceKey = tuple[str, str, int]
 
 
 def shard_slice(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
@@ -137,46 +150,53 @@ def shard_slice(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
     return chunks[index] if index < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
 
 
-def pack_shards(models: dict[str, nn.Module], index: int, count: int) -> tuple[np.ndarray, ShardIndex]:
-    """Shard ``index`` of ``count`` of every parameter and a copy of every buffer, as one flat byte array.
+def rank_tensors(model: nn.Module, index: int, count: int) -> dict[str, torch.Tensor]:
+    """What rank ``index`` of ``count`` receives of a model: each parameter's dim-0 chunk (a view, no
+    copy), each buffer whole. ``count`` is the mesh's shard degree: the world size, or fewer ranks per
+    replica with NO_SHARD (1) and HYBRID_SHARD."""
+    tensors = {fqn: shard_slice(p.detach(), index, count) for fqn, p in model.named_parameters()}
+    tensors.update((fqn, b.detach()) for fqn, b in model.named_buffers())
+    return tensors
 
-    ``count`` is the mesh's shard degree: the world size, or fewer ranks per
-    replica with NO_SHARD (1) and HYBRID_SHARD.
 
-    One numpy array travels as a single zero-copy zmq frame under ipyparallel
-    (pickled tensors would be copied into bytes first), so a rank's peak while
-    receiving is its shard plus the FSDP storage it is copied into.
+def layout(tensors: dict[str, torch.Tensor]) -> TensorLayout:
+    return [(fqn, tuple(t.shape), _dtype_name(t.dtype)) for fqn, t in tensors.items()]
+
+
+def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as flat uint8: a view of a contiguous CPU tensor, else one copy of it.
+
+    A numpy array travels as its own zero-copy zmq frame under ipyparallel, where a
+    pickled tensor would first be copied into bytes (numpy has no bfloat16: bytes do).
     """
-    pieces: list[tuple[str, str, torch.Tensor]] = []
-    for name, model in models.items():
-        params = [(fqn, p) for fqn, p in model.named_parameters() if not p.is_meta]  # meta: made on the ranks
-        pieces += [(name, fqn, shard_slice(p.detach(), index, count)) for fqn, p in params]
-        pieces += [(name, fqn, b.detach()) for fqn, b in model.named_buffers() if not b.is_meta]
-    layout: ShardIndex = []
-    offset = 0
-    for name, fqn, tensor in pieces:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((name, fqn, _dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
-    flat = np.empty(offset, dtype=np.uint8)
-    target = torch.from_numpy(flat)
-    with torch.no_grad():
-        for (_, _, _, shape, start, nbytes), (_, _, tensor) in zip(layout, pieces, strict=True):
-            if nbytes:
-                target[start : start + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
-    return flat, layout
+    flat = tensor.detach().cpu().contiguous().view(-1)
+    return flat.view(torch.uint8).numpy()
 
 
-def unpack_shards(flat: np.ndarray, index: ShardIndex) -> dict[str, dict[str, torch.Tensor]]:
-    """Views into the received buffer, by model and fqn (read-only: only copied from)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the zmq frame is read-only; we only read it
-        source = torch.from_numpy(np.asarray(flat))
-    shards: dict[str, dict[str, torch.Tensor]] = {}
-    for name, fqn, dtype, shape, start, nbytes in index:
-        view = source[start : start + nbytes].view(getattr(torch, dtype)).view(shape)
-        shards.setdefault(name, {})[fqn] = view
-    return shards
+def pieces(tensors: dict[str, dict[str, torch.Tensor]], limit: int) -> Iterator[list]:
+    """Messages of ``limit`` bytes of tensor data (the last one less), as lists of ``(PieceKey, bytes)``.
+
+    A tensor may span several messages. Lazy, so a tensor that must be copied
+    (not contiguous, or on a GPU) is copied only while its own pieces travel.
+    """
+    batch: list[tuple[PieceKey, np.ndarray]] = []
+    size = 0
+    for name, by_fqn in tensors.items():
+        for fqn, tensor in by_fqn.items():
+            if tensor.numel() == 0:
+                continue
+            data = _as_bytes(tensor)
+            start = 0
+            while start < data.nbytes:
+                part = data[start : start + limit - size]
+                batch.append(((name, fqn, start), part))
+                size += part.nbytes
+                start += part.nbytes
+                if size == limit:
+                    yield batch
+                    batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def model_fingerprint(model: nn.Module, skeleton: bytes) -> tuple:
@@ -245,6 +265,19 @@ class _SkeletonUnpickler(pickle.Unpickler):
             empty = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
             self._tensors[fqn] = nn.Parameter(empty, requires_grad=rest[0]) if kind == "meta_param" else empty
         return self._tensors[fqn]
+
+
+def allocate(tensors: TensorLayout, device: torch.device) -> dict[str, torch.Tensor]:
+    """Storage for a rank's shards, filled by ``write_piece`` and then adopted by FSDP2 as it is."""
+    return {fqn: torch.empty(shape, dtype=getattr(torch, dtype), device=device) for fqn, shape, dtype in tensors}
+
+
+def write_piece(target: torch.Tensor, start: int, data: np.ndarray) -> None:
+    """Copy received bytes into ``target`` from byte ``start`` (the frame itself is read-only)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only numpy; it is only read
+        source = torch.from_numpy(data)
+    target.view(-1).view(torch.uint8)[start : start + source.numel()].copy_(source)
 
 
 def load_skeleton(data: bytes) -> nn.Module:

@@ -7,6 +7,7 @@ leave a working one behind.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -14,6 +15,12 @@ import torch
 from IPython.testing.globalipapp import start_ipython
 
 import nbfsdp
+
+# `%load_ext nbfsdp` starts engines in the background unless NBFSDP_PREWARM says not to. The tests here,
+# and the kernels they and nbval start (which inherit this environment), expect the extension to load in
+# the foreground and the first cell to start the engines: a prewarm would race their own starts, add
+# engines to tests that count processes, and slow every kernel. tests/test_prewarm.py sets its own value.
+os.environ["NBFSDP_PREWARM"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
+import psutil
 import pytest
 import torch.nn as nn
 
 import nbfsdp
+from nbfsdp import renderer
 from nbfsdp.config import FSDPConfig
 from nbfsdp.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
@@ -178,3 +181,37 @@ def test_an_async_cell_returns_at_once_and_its_dashboard_stays_live(kernel):
     assert len(redraws_after_return) >= 3
     reply, messages = kernel.execute("%fsdp wait\nprint(len(nbfsdp.last_run().metrics))")
     assert reply["content"]["status"] == "ok" and kernel.stdout(messages).splitlines()[-1] == "100"  # 50 steps x 2
+
+
+def test_figures_are_drawn_by_a_process_of_the_lowest_cpu_priority_in_a_session_of_its_own(shell):
+    """Ranks share the cores with the notebook: a drawing may only take CPU time they leave idle.
+
+    Linux shares CPU between sessions first (autogroup), so the worker has its own, lowered.
+    """
+    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard.add([{"rank": r, "step": s, "step_time": 0.01, "loss": 1.0} for s in range(200) for r in (0, 1)])
+    dashboard.refresh()
+    assert dashboard.redraws == 0 and not dashboard._figure.value  # the caller went on without drawing
+    deadline = time.monotonic() + 30
+    while not dashboard.redraws and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dashboard.redraws == 1 and bytes(dashboard._figure.value).startswith(b"\x89PNG")
+    worker = psutil.Process(renderer.worker_pid())
+    assert worker.nice() == 19 and os.getpriority(os.PRIO_PROCESS, 0) == 0  # the kernel's own: untouched
+    assert os.sched_getscheduler(worker.pid) == os.SCHED_IDLE != os.sched_getscheduler(0)
+    assert os.getsid(worker.pid) == worker.pid != os.getsid(0)
+    if os.path.exists("/proc/self/autogroup"):
+        with open(f"/proc/{worker.pid}/autogroup") as theirs, open("/proc/self/autogroup") as ours:
+            assert theirs.read().split()[-1] == "19" and ours.read().split()[-1] == "0"
+
+
+def test_the_drawing_process_ends_with_its_kernel():
+    k = Kernel()
+    try:
+        _, messages = k.execute("from nbfsdp import renderer\nprint(renderer.worker_pid())")
+        worker = psutil.Process(int(k.stdout(messages).split()[-1]))
+        assert worker.is_running() and worker.ppid() == k.manager.provisioner.pid
+    finally:
+        k.shutdown()  # now=True: the kernel is killed, nothing of its own runs at exit
+    worker.wait(timeout=10)  # raises TimeoutExpired if the worker outlives its kernel

@@ -1,0 +1,88 @@
+"""``make bench``: nbfsdp measured against its reference in one run, alternating A B A B.
+
+    python -m benchmarks [--quick] [--only NAME [NAME ...]] [--out DIR]
+
+Benchmarks (each module's docstring says what it measures and how):
+
+1. ``step_time``    the same FSDP loop in ``%%fsdp`` (log each step, dashboard on) vs torchrun, ws 2 and 4
+2. ``warm_cell``    a trivial ``%%fsdp --world-size 4`` cell on a warm cluster vs a raw ipyparallel execute
+3. ``cold_start``   the first ``%%fsdp --world-size 4`` cell in a fresh kernel vs torchrun's cold start
+4. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
+5. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
+6. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
+
+Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out`` (default ``benchmarks/results``)
+and prints the table. ``--quick`` runs tiny sizes, few rounds and world size 2 where the point allows (the
+smoke test in ``tests/test_bench.py``). Exit status 1 if a benchmark failed to run (not if a target is
+missed: the table says that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+
+from benchmarks import cold_start, gpu, log_overhead, machine, model_transfer, report, step_time, warm_cell
+from benchmarks.context import Context
+
+#: Report order (the issue's numbering).
+BENCHMARKS = {m.NAME: m for m in (step_time, warm_cell, cold_start, model_transfer, log_overhead, gpu)}
+#: Run order: the three that share the warm kernel first, its world size growing 2 -> 4 only once.
+RUN_ORDER = ("log_overhead", "step_time", "warm_cell", "cold_start", "transfer", "gpu")
+SHARE_WARM_KERNEL = {"log_overhead", "step_time", "warm_cell"}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (smoke test, ~3 minutes)")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    chosen = [name for name in RUN_ORDER if not args.only or name in args.only]
+    info = machine.info()
+    ctx = Context(quick=args.quick)
+    results: dict[str, dict] = {}
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    try:
+        for name in chosen:
+            if name not in SHARE_WARM_KERNEL:
+                ctx.close_warm_kernel()  # its idle engines would share the cores with what comes next
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            began = time.perf_counter()
+            try:
+                results[name] = BENCHMARKS[name].run(ctx)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+                print(results[name]["error"], file=sys.stderr)
+            timings[name] = time.perf_counter() - began
+            print(f"[bench] {name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        ctx.close_warm_kernel()
+    children = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in psutil.Process().children(recursive=True)]
+    extra = {
+        "quick": args.quick,
+        "seconds": {**timings, "total": time.perf_counter() - started},
+        "leftover_processes": ctx.leftovers + children,
+    }
+    ordered = {name: results[name] for name in BENCHMARKS if name in results}
+    text = report.write(ordered, info, args.out, extra)
+    print(text)
+    print(f"[bench] written under {args.out} in {extra['seconds']['total']:.0f} s", file=sys.stderr)
+    if extra["leftover_processes"]:
+        print(f"[bench] processes left running: {extra['leftover_processes']}", file=sys.stderr)
+    return 1 if any("error" in r for r in results.values()) or extra["leftover_processes"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

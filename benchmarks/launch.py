@@ -1,0 +1,72 @@
+"""Launching torchrun worlds for the benchmarks: the command, its environment, its wall time.
+
+Every launch is ``python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE ARGS`` from the
+repository root, with this interpreter. ``OMP_NUM_THREADS`` is removed from the environment so that torchrun
+applies its own default (1 thread per process when it starts several), as a user's torchrun would; gloo is
+pinned to the loopback interface, as nbfsdp pins its engines, so both sides talk over the same transport.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks import loops
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def loopback_interface() -> str | None:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def torchrun_env(cpu_only: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    if cpu_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    loopback = loopback_interface()
+    if loopback:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    return env
+
+
+def torchrun(nproc: int, module: str, args: list[str], cpu_only: bool, timeout: float = 300) -> float:
+    """Run ``module`` on ``nproc`` processes under torchrun; its wall time in seconds (launcher included).
+
+    ``cpu_only`` hides the GPUs, as the CPU benchmarks' kernels hide them from nbfsdp's engines."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", module, *args,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=REPO, env=torchrun_env(cpu_only), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    elapsed = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"torchrun {module} on {nproc} processes failed ({done.returncode}):\n{tail}")
+    return elapsed
+
+
+def torchrun_loop(world_size: int, sizes: loops.LoopSizes, device: str = "cpu") -> dict:
+    """One torchrun run of the benchmark loop; rank 0's step times, losses, units and threads."""
+    with tempfile.TemporaryDirectory(prefix="nbfsdp-bench-") as tmp:
+        config, out = Path(tmp, "config.json"), Path(tmp, "out.json")
+        config.write_text(json.dumps({**sizes.as_dict(), "device": device}))
+        wall = torchrun(world_size, "benchmarks.torchrun_loop", [str(config), str(out)], cpu_only=device == "cpu")
+        result = json.loads(out.read_text())
+    result["wall_s"] = wall
+    return result

@@ -1,0 +1,74 @@
+"""What ``nbfsdp.log`` every step and the live dashboard's redraws cost a training loop.
+
+The same ``%%fsdp`` loop as ``step_time`` (world size 2, about 10 steps a second on the project's 2-core
+machine), run alternately without (A) and with (B) ``nbfsdp.log(step=..., loss=...)`` each step, dashboard
+on in both. With logging the ranks stream records to the kernel every 0.25 s and the kernel redraws the
+figures once a second, on the same cores: a cost that lands on a step now and then, so this compares the
+**mean** step time after the warm-up (throughput), and reports the median-based figure beside it.
+Target: overhead (B/A - 1) at most 2% of step time.
+
+Run alone: ``python -m benchmarks --only log_overhead``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from benchmarks import loops, notebook_loop
+from benchmarks.context import Context
+from benchmarks.measurement import Measurement, median
+
+NAME = "log_overhead"
+TARGET_PERCENT = 2.0
+WORLD_SIZE = 2
+
+
+def run(ctx: Context) -> dict:
+    base = loops.CPU_QUICK if ctx.quick else loops.CPU_FULL
+    sizes = dataclasses.replace(base, steps=base.warmup + (10 if ctx.quick else 30))
+    rounds = ctx.rounds(full=5, quick=2)
+    kernel = ctx.warm_kernel()
+    notebook_loop.start_world(kernel, WORLD_SIZE, sizes)
+    means = {False: [], True: []}
+    medians = {False: [], True: []}
+    records = 0
+    for _ in range(rounds):
+        for log_each_step in (False, True):
+            result = notebook_loop.run(kernel, WORLD_SIZE, sizes, log_each_step=log_each_step)
+            steps = result["step_times"][sizes.warmup :]
+            means[log_each_step].append(statistics.fmean(steps) * 1000)
+            medians[log_each_step].append(statistics.median(steps) * 1000)
+            if log_each_step:
+                records = result["records"]
+    per_round = [(b / a - 1) * 100 for a, b in zip(means[False], means[True], strict=True)]
+    overhead = (median(means[True]) / median(means[False]) - 1) * 100
+    overhead_median = (median(medians[True]) / median(medians[False]) - 1) * 100
+    rows = [
+        Measurement(
+            what=f"CPU ws{WORLD_SIZE}: nbfsdp.log each step + live plot, overhead of mean step time",
+            value=overhead,
+            unit="%",
+            target=TARGET_PERCENT,
+            op="<=",
+            a_label="no log",
+            a=median(means[False]),
+            b_label="log",
+            b=median(means[True]),
+            ab_unit="ms",
+            samples_a=means[False],
+            samples_b=means[True],
+            samples_value=per_round,
+            note=f"by median step instead: {overhead_median:+.2f}%",
+        )
+    ]
+    return {
+        "measurements": rows,
+        "rounds": rounds,
+        "world_size": WORLD_SIZE,
+        "sizes": sizes.as_dict(),
+        "mean_step_ms": {"no_log": means[False], "log": means[True]},
+        "median_step_ms": {"no_log": medians[False], "log": medians[True]},
+        "overhead_percent_by_median": overhead_median,
+        "records_per_logged_cell": records,
+    }

@@ -1,0 +1,155 @@
+"""The training loop every step-time benchmark runs, as source text, and the FSDP settings both sides use.
+
+The ``%%fsdp`` cell and ``torchrun_loop.py`` execute literally the same text:
+``setup_source(sizes)`` (sizes, the model class, the batch function) and then
+``LOOP_SOURCE`` (AdamW, forward, backward, step, ``loss.item()`` every step,
+``nbfsdp.log`` every step when ``LOG_EACH_STEP`` is true). The cell gets its
+names from the notebook the way nbfsdp sends them; the torchrun script builds
+the same namespace itself and shards the same modules with plain FSDP2 calls.
+
+Sharding is pinned on both sides rather than left to defaults: every ``Block``
+is its own FSDP unit (``--wrap-cls Block``; torchrun: ``fully_shard`` on each
+``Block``, then on the root), mixed precision as ``MIXED_PRECISION`` says
+(nbfsdp's default ``DEFAULT`` is fp32 parameters with bf16 gradient
+reduction), implicit backward prefetch, no forward prefetch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+#: The model and the batch of every rank and step, seeded so that both sides see the same numbers.
+MODEL_SOURCE = '''
+import time
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def batch_for(rank, step, device):
+    """This rank's batch at this step: TOKENS rows of WIDTH features, the same on every launcher."""
+    g = torch.Generator(device=device).manual_seed(1000 * step + rank)
+    x = torch.randn(TOKENS, WIDTH, generator=g, device=device)
+    return x, torch.randn(TOKENS, WIDTH, generator=g, device=device)
+'''
+
+#: The loop itself. Reads model, rank, device (nbfsdp injects them; torchrun_loop.py defines them),
+#: the sizes and batch_for from setup_source, and LOG_EACH_STEP. Leaves losses and step_times (rank 0's
+#: come back from a %%fsdp cell as names), and deletes the optimizer so nothing big stays on the engines.
+LOOP_SOURCE = """
+opt = torch.optim.AdamW(model.parameters(), lr=LR)
+losses, step_times = [], []
+for step in range(STEPS):
+    started = time.perf_counter()
+    x, y = batch_for(rank, step, device)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+    if LOG_EACH_STEP:
+        nbfsdp.log(step=step, loss=losses[-1])
+    step_times.append(time.perf_counter() - started)
+del opt, x, y, loss
+"""
+
+#: Every Block is an FSDP unit on both sides (the root is always one).
+WRAP_CLS = "Block"
+#: nbfsdp's mixed-precision names -> FSDP2's (param_dtype, reduce_dtype), as nbfsdp maps them (bf16).
+MIXED_PRECISION_DTYPES = {"FULL": ("float32", "float32"), "DEFAULT": ("float32", "bfloat16")}
+MIXED_PRECISION_DTYPES["PURE"] = ("bfloat16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoopSizes:
+    """One configuration of the loop: model size, per-rank batch, steps, and FSDP mixed precision."""
+
+    width: int
+    depth: int
+    tokens: int
+    """Rows of each rank's batch (per-rank batch: the same at every world size)."""
+    steps: int
+    warmup: int
+    """Leading steps left out of the median (FSDP's lazy init, AdamW's state allocation)."""
+    seed: int = 0
+    lr: float = 1e-3
+    mixed_precision: str = "DEFAULT"
+
+    @property
+    def params(self) -> int:
+        """Parameter count of ``Net(width, depth)``."""
+        w = self.width
+        block = 2 * w + (w * 4 * w + 4 * w) + (4 * w * w + w)
+        return self.depth * block + 2 * w + w * w + w
+
+    def flops_per_step(self, world_size: int) -> float:
+        """Model FLOPs of one step over all ranks: 6 * parameters * tokens (forward 2, backward 4)."""
+        return 6.0 * self.params * self.tokens * world_size
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "params": self.params}
+
+
+#: ~100 ms a step at world size 2 on the project's 2-core CPU machine (1 thread a rank).
+CPU_FULL = LoopSizes(width=256, depth=4, tokens=192, steps=25, warmup=5)
+CPU_QUICK = LoopSizes(width=128, depth=3, tokens=128, steps=8, warmup=3)
+#: One GPU, bf16 compute (PURE): ~270M parameters, 8192 tokens a step.
+GPU_FULL = LoopSizes(width=2048, depth=8, tokens=8192, steps=40, warmup=10, mixed_precision="PURE")
+GPU_QUICK = LoopSizes(width=1024, depth=4, tokens=4096, steps=15, warmup=5, mixed_precision="PURE")
+
+
+def setup_source(sizes: LoopSizes) -> str:
+    """The notebook's set-up cell: sizes as globals, then the model class and batch function."""
+    constants = (
+        f"WIDTH = {sizes.width}\nDEPTH = {sizes.depth}\nTOKENS = {sizes.tokens}\n"
+        f"STEPS = {sizes.steps}\nLR = {sizes.lr!r}\nSEED = {sizes.seed}\n"
+    )
+    return constants + MODEL_SOURCE
+
+
+#: Builds the model in the notebook (and on each torchrun rank, before sharding): same seed, same weights.
+NEW_MODEL_SOURCE = "torch.manual_seed(SEED)\nmodel = Net(WIDTH, DEPTH)\n"
+
+
+def cell_flags(world_size: int, sizes: LoopSizes) -> str:
+    """The ``%%fsdp`` line: the sharding torchrun_loop.py applies by hand, spelled as flags."""
+    return (
+        f"--world-size {world_size} --no-gather --wrap-cls {WRAP_CLS} --mixed-precision {sizes.mixed_precision} "
+        "--precision bf16 --backward-prefetch BACKWARD_PRE"
+    )
+
+
+def fsdp_cell(world_size: int, sizes: LoopSizes) -> str:
+    """The whole ``%%fsdp`` training cell."""
+    return f"%%fsdp {cell_flags(world_size, sizes)}\n{LOOP_SOURCE}"
+
+
+def median_step(step_times: list[float], sizes: LoopSizes) -> float:
+    """Median of the steps after the warm-up."""
+    import statistics
+
+    return statistics.median(step_times[sizes.warmup :])

@@ -1,0 +1,41 @@
+"""The benchmark loop as a ``%%fsdp`` cell in a kernel: the notebook side of each step-time comparison.
+
+Each run defines the sizes, model class and batch function in the notebook (``loops.setup_source``), builds
+a fresh model under the seed (so every round starts from the same weights and the model is sent again),
+runs ``loops.fsdp_cell`` and reads back rank 0's step times and losses (names the cell assigned), the FSDP
+units nbfsdp chose and the engines' thread counts. In a kernel the live dashboard is always on.
+"""
+
+from __future__ import annotations
+
+from benchmarks import loops
+from benchmarks.kernel import Kernel
+
+#: Printed after the cell, in the notebook: what the cell left and how nbfsdp ran it.
+_READ_BACK = """
+import json as _json
+import nbfsdp as _nbfsdp
+_run = _nbfsdp.last_run()
+_world = _nbfsdp._magics.session.cluster.world
+print(_json.dumps({
+    "step_times": step_times, "losses": losses, "units": _run.config["fsdp_units"]["model"],
+    "records": len(_run.metrics), "cell_elapsed_s": _run.elapsed, "backend": _world.backend,
+    "engine_threads": [e["threads"] for e in _world.engines], "devices": [e["device"] for e in _world.engines],
+}))
+"""
+
+
+def start_world(kernel: Kernel, world_size: int, sizes: loops.LoopSizes) -> None:
+    """Load nbfsdp and have the world of this size running (engines, torch, process group): not timed."""
+    kernel.execute("%load_ext nbfsdp")
+    kernel.execute(f"%%fsdp {loops.cell_flags(world_size, sizes)}\npass")
+
+
+def run(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, log_each_step: bool = True) -> dict:
+    """One ``%%fsdp`` run of the loop on a warm world; rank 0's step times and losses and how it ran."""
+    kernel.execute(loops.setup_source(sizes))
+    kernel.execute(f"LOG_EACH_STEP = {log_each_step}\n{loops.NEW_MODEL_SOURCE}")
+    reply = kernel.execute(loops.fsdp_cell(world_size, sizes))
+    result = kernel.execute(_READ_BACK).json()
+    result["cell_round_trip_s"] = reply.elapsed
+    return result

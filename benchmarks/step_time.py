@@ -1,0 +1,114 @@
+"""Step time of one FSDP training loop: inside ``%%fsdp`` against the same loop under torchrun (CPU, gloo).
+
+Measured: rank 0's ``perf_counter`` around each step (batch, forward, backward, AdamW step, ``loss.item()``,
+and in the cell ``nbfsdp.log`` with the live dashboard on), median after the warm-up steps. Each round runs
+torchrun (A) then the ``%%fsdp`` cell in a warm kernel (B); the figure is the median over rounds of each
+side's per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
+Both sides must report the same rank-0 losses: the same loop text, weights, batches and FSDP units.
+
+Run alone: ``python -m benchmarks --only step_time``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks import launch, loops, notebook_loop
+from benchmarks.context import Context
+from benchmarks.kernel import Kernel
+from benchmarks.measurement import Measurement, median
+
+NAME = "step_time"
+TARGET_RATIO = 1.03
+TARGET_THROUGHPUT = 0.98
+
+
+def parity(a_losses: list[float], b_losses: list[float]) -> float:
+    """Largest absolute difference between two runs' losses (inf when their lengths differ)."""
+    if len(a_losses) != len(b_losses):
+        return float("inf")
+    return max((abs(a - b) for a, b in zip(a_losses, b_losses, strict=True)), default=0.0)
+
+
+def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int, device: str = "cpu") -> dict:
+    """Alternate torchrun (A) and ``%%fsdp`` (B) rounds of the loop; per-round medians and the first round's
+    losses, units and threads of each side."""
+    notebook_loop.start_world(kernel, world_size, sizes)
+    a_rounds, b_rounds, first = [], [], {}
+    for index in range(rounds):
+        a = launch.torchrun_loop(world_size, sizes, device)
+        b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
+        a_rounds.append(loops.median_step(a["step_times"], sizes))
+        b_rounds.append(loops.median_step(b["step_times"], sizes))
+        if index == 0:
+            first = {"torchrun": a, "fsdp": b}
+    return {
+        "world_size": world_size,
+        "sizes": sizes.as_dict(),
+        "torchrun_round_medians_s": a_rounds,
+        "fsdp_round_medians_s": b_rounds,
+        "torchrun_median_s": statistics.median(a_rounds),
+        "fsdp_median_s": statistics.median(b_rounds),
+        "ratio": statistics.median(b_rounds) / statistics.median(a_rounds),
+        "losses_torchrun": first["torchrun"]["losses"],
+        "losses_fsdp": first["fsdp"]["losses"],
+        "loss_max_abs_diff": parity(first["torchrun"]["losses"], first["fsdp"]["losses"]),
+        "units_torchrun": first["torchrun"]["units"],
+        "units_fsdp": first["fsdp"]["units"],
+        "step_times_torchrun_s": first["torchrun"]["step_times"],
+        "step_times_fsdp_s": first["fsdp"]["step_times"],
+        "threads_torchrun": {
+            "torch_threads": first["torchrun"]["torch_threads"],
+            "OMP_NUM_THREADS": first["torchrun"]["omp_num_threads"],
+        },
+        "threads_fsdp_engines": first["fsdp"]["engine_threads"],
+        "fsdp_records_per_cell": first["fsdp"]["records"],
+        "torchrun_wall_s": first["torchrun"]["wall_s"],
+        "fsdp_cell_round_trip_s": first["fsdp"]["cell_round_trip_s"],
+    }
+
+
+def measurements(result: dict, label: str, throughput: bool = False, loss_tolerance: float = 1e-5) -> list[Measurement]:
+    """The rows of one comparison: the step-time ratio %%fsdp / torchrun (target at most 1.03), or with
+    ``throughput`` its inverse, %%fsdp's speed relative to torchrun (target at least 0.98); and loss parity."""
+    a, b = result["torchrun_round_medians_s"], result["fsdp_round_medians_s"]
+    ms = [x * 1000 for x in a], [x * 1000 for x in b]
+    ratios = [(x / y if throughput else y / x) for x, y in zip(a, b, strict=True)]
+    same_units = result["units_torchrun"] == result["units_fsdp"]
+    units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
+    value = median(ms[0]) / median(ms[1]) if throughput else median(ms[1]) / median(ms[0])
+    what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
+    return [
+        Measurement(
+            what=f"{label}: {what} (median of round medians)",
+            value=value,
+            unit="x",
+            target=TARGET_THROUGHPUT if throughput else TARGET_RATIO,
+            op=">=" if throughput else "<=",
+            a_label="torchrun",
+            a=median(ms[0]),
+            b_label="%%fsdp",
+            b=median(ms[1]),
+            ab_unit="ms",
+            samples_a=ms[0],
+            samples_b=ms[1],
+            samples_value=ratios,
+        ),
+        Measurement(
+            what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
+            value=result["loss_max_abs_diff"] if same_units else float("inf"),
+            unit="",
+            target=loss_tolerance,
+            op="<=",
+            note=f"FSDP units {'the same' if same_units else 'DIFFER'}: {units}",
+        ),
+    ]
+
+
+def run(ctx: Context) -> dict:
+    sizes = loops.CPU_QUICK if ctx.quick else loops.CPU_FULL
+    rounds = ctx.rounds(full=5, quick=2)
+    worlds = (2,) if ctx.quick else (2, 4)
+    results = {f"ws{ws}": compare(ctx.warm_kernel(), ws, sizes, rounds) for ws in worlds}
+    rows = [m for key, r in results.items() for m in measurements(r, f"CPU {key}")]
+    return {"measurements": rows, "rounds": rounds, "by_world_size": results}

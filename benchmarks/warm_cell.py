@@ -1,0 +1,82 @@
+"""Latency of a trivial ``%%fsdp`` cell on a warm cluster, against a raw ipyparallel execute.
+
+A: ``view.execute("pass", block=True)`` on the bench's own ipyparallel cluster of as many engines
+(controller on 127.0.0.1): what any cell on that many engines costs at least.
+B: ``%%fsdp --world-size N`` + ``pass`` sent to a kernel whose world already runs, timed from sending the
+execute request to having its reply and the idle status (what a notebook waits for), dashboard included.
+Alternating A B after a warm-up; medians of the samples. Target: B's median at most 100 ms. N is 4
+(``--quick``: 2).
+
+Run alone: ``python -m benchmarks --only warm_cell``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+
+import ipyparallel as ipp
+
+from benchmarks.context import Context
+from benchmarks.measurement import Measurement, median
+
+NAME = "warm_cell"
+TARGET_MS = 100.0
+
+
+class RawCluster:
+    """An ipyparallel cluster of ``n`` engines on 127.0.0.1, with nothing of nbfsdp in it."""
+
+    def __init__(self, n: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="nbfsdp-bench-ipp-")
+        self.cluster = ipp.Cluster(n=n, profile_dir=self._dir, controller_ip="127.0.0.1", log_level=logging.ERROR)
+        self.client = self.cluster.start_and_connect_sync()
+        self.client.wait_for_engines(n, timeout=120, interactive=False)
+        self.view = self.client[:]
+
+    def execute(self) -> float:
+        started = time.perf_counter()
+        self.view.execute("pass", block=True)
+        return time.perf_counter() - started
+
+    def stop(self) -> None:
+        self.client.close()
+        self.cluster.stop_cluster_sync()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def run(ctx: Context) -> dict:
+    world_size = 2 if ctx.quick else 4
+    samples, warmup = (10, 3) if ctx.quick else (30, 5)
+    cell = f"%%fsdp --world-size {world_size}\npass"
+    kernel = ctx.warm_kernel()
+    kernel.execute(cell)  # the world of this size is up before anything is timed
+    raw = RawCluster(world_size)
+    try:
+        a, b = [], []
+        for index in range(warmup + samples):
+            a_time = raw.execute()
+            b_time = kernel.execute(cell).elapsed
+            if index >= warmup:
+                a.append(a_time * 1000)
+                b.append(b_time * 1000)
+    finally:
+        raw.stop()
+    row = Measurement(
+        what=f"warm trivial `%%fsdp --world-size {world_size}` cell, kernel round trip (median)",
+        value=median(b),
+        unit="ms",
+        target=TARGET_MS,
+        op="<=",
+        a_label=f"raw ipyparallel execute, {world_size} engines",
+        a=median(a),
+        b_label="%%fsdp",
+        b=median(b),
+        ab_unit="ms",
+        samples_a=a,
+        samples_b=b,
+        note=f"%%fsdp / raw: {median(b) / median(a):.2f}x",
+    )
+    return {"measurements": [row], "world_size": world_size, "samples": samples, "warmup": warmup}

@@ -1,0 +1,78 @@
+"""Where the dashboard's figures are drawn: a process of the lowest CPU priority, in a session of its own.
+
+The ranks share the machine's cores with the notebook, and a drawing costs
+about 100 ms of CPU. Drawn in the kernel, that time was taken from the ranks
+(measured: steps 50-100% slower whenever a drawing ran, 6% over a run at two
+ranks on two cores). A low nice value for a drawing thread does not help:
+the kernel and every engine each run in a session of their own, and Linux's
+scheduler with autogroup (the default on many distributions) shares the CPU
+equally between sessions, whatever a thread's nice value. So drawings are
+made by one worker process that starts a session of its own and lowers that
+session's priority to the minimum, under the SCHED_IDLE policy: a rank waking
+from a collective preempts it at once (at nice 19 alone it kept the CPU to the
+end of its time slice, and steps were still 7% slower). It draws with the CPU
+time the ranks leave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from nbfsdp import figures
+
+_worker: ProcessPoolExecutor | None = None
+
+
+def _start_worker(kernel: int) -> None:
+    """In the worker: a session of its own (so lowering it leaves the kernel's alone), nice 19, and an
+    end when the kernel ends (a pool's worker would otherwise wait for work forever, orphaned)."""
+    if hasattr(os, "setsid"):
+        os.setsid()
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+        autogroup.write("19")  # the session's share against other sessions (Linux with autogroup)
+    threading.Thread(target=_end_with, args=(kernel,), name="nbfsdp-end-with-kernel", daemon=True).start()
+
+
+def _end_with(kernel: int) -> None:
+    while os.getppid() == kernel:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _pool() -> ProcessPoolExecutor:
+    global _worker
+    if _worker is None:
+        # spawn: a fork of a kernel would copy its threads' locks mid-use
+        context = multiprocessing.get_context("spawn")
+        _worker = ProcessPoolExecutor(1, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),))
+    return _worker
+
+
+def start() -> None:
+    """Start the worker now (importing matplotlib there takes a second), so the first drawing is not late."""
+    _pool().submit(os.getpid)
+
+
+def render(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> Future[bytes]:
+    """A PNG of the dashboard's figures, drawn by the worker (a new one if the last one died)."""
+    global _worker
+    try:
+        return _pool().submit(figures.png, records, world_size, predicted)
+    except BrokenProcessPool:
+        _worker = None
+        return _pool().submit(figures.png, records, world_size, predicted)
+
+
+def worker_pid() -> int:
+    """The worker's process id (starting it if need be)."""
+    return _pool().submit(os.getpid).result()

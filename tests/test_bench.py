@@ -1,0 +1,110 @@
+"""``python -m benchmarks --quick``: every benchmark runs and is reported, and its comparisons are fair.
+
+One quick run (a few minutes on 2 cores) in a subprocess, as ``make bench`` would start it; the tests read
+what it wrote. Beyond "it ran": the torchrun loop and the ``%%fsdp`` loop report the same rank-0 losses and
+the same FSDP units (literally the same loop on the same shards), and the transfer benchmark's ranks hold
+exactly the model between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = ("step_time", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu")
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "NBFSDP_PREWARM": "0"}  # the cold-start benchmark sets its own per kernel
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    return out, json.loads((out / "results.json").read_text()), done.stdout
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def test_every_benchmark_reports_numeric_medians(bench):
+    _, results, _ = bench
+    assert set(results["benchmarks"]) == set(BENCHMARKS)
+    for name, result in results["benchmarks"].items():
+        if name == "gpu" and not torch.cuda.is_available():
+            assert result == {"skipped": "no GPU"}
+            continue
+        assert "error" not in result, result.get("error")
+        assert result["measurements"], name
+        for m in result["measurements"]:
+            assert _number(m["value"]) or m["note"], (name, m["what"])  # not measured only with a reason
+            if m["samples_a"] or m["samples_b"]:  # A and B are medians of per-round samples
+                assert _number(m["a"]) and _number(m["b"]), (name, m["what"])
+                assert all(_number(s) for s in m["samples_a"]), (name, m["what"])
+            assert m["ok"] in (True, False, None)
+    machine = results["machine"]
+    assert machine["cpu_count"] >= 1 and machine["torch"] == torch.__version__ and machine["git_commit"]
+
+
+def test_markdown_has_a_row_per_measurement_and_is_printed(bench):
+    out, results, stdout = bench
+    text = (out / "results.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| what ")]
+    expected = sum(len(r.get("measurements", [None])) for r in results["benchmarks"].values())
+    assert len(rows) == expected
+    assert all(len(re.split(r"(?<!\\)\|", row)) == 8 for row in rows)  # 6 columns, escaped pipes aside
+    assert text.splitlines()[2] == "| what | A | B | ratio/value | target | ok |"
+    assert rows[0] in stdout
+
+
+def test_plot_exists(bench):
+    out, _, _ = bench
+    png = (out / "results.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_torchrun_and_fsdp_run_literally_the_same_loop(bench):
+    """Same weights, batches, loop text and FSDP units: rank 0's losses agree step for step."""
+    _, results, _ = bench
+    step_time = results["benchmarks"]["step_time"]
+    for result in step_time["by_world_size"].values():
+        assert len(result["losses_fsdp"]) == result["sizes"]["steps"]
+        torch.testing.assert_close(torch.tensor(result["losses_fsdp"]), torch.tensor(result["losses_torchrun"]))
+        assert result["units_fsdp"] == result["units_torchrun"]
+        assert len(result["units_fsdp"]) == result["sizes"]["depth"] + 1  # every Block, and the root
+        world_size = result["world_size"]
+        assert result["threads_torchrun"]["torch_threads"] == 1  # torchrun's OMP_NUM_THREADS=1 for several
+        assert result["threads_fsdp_engines"] == [max(1, len(os.sched_getaffinity(0)) // world_size)] * world_size
+        assert result["fsdp_records_per_cell"] == result["sizes"]["steps"] * world_size  # nbfsdp.log each step
+
+
+def test_transfer_ranks_hold_exactly_the_model(bench):
+    _, results, _ = bench
+    for round_ in results["benchmarks"]["transfer"]["rounds"]:
+        assert sum(round_["shard_bytes"].values()) == round_["model_bytes"]
+        assert len(round_["shard_bytes"]) == results["benchmarks"]["transfer"]["world_size"]
+        # the peaks are real: the notebook built the model after its baseline was taken
+        assert round_["peak_bytes"]["notebook"] - round_["baseline_bytes"]["notebook"] > 0.95 * round_["model_bytes"]
+
+
+def test_no_processes_left_behind(bench):
+    _, results, _ = bench
+    assert results["leftover_processes"] == []
