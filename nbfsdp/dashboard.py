@@ -2,10 +2,11 @@
 
 Metrics arrive while the cell runs (each engine publishes its new records
 with ipyparallel's ``datapub``; ``runner`` hands them here). Figures are
-drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` at most once
-a second, by a worker process of the lowest CPU priority (``nbfsdp.renderer``),
-so drawing takes no CPU time from the ranks and a fast training loop never
-waits for it. The same display
+drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` by a worker
+process of the lowest CPU priority (``nbfsdp.renderer``), so a fast training
+loop never waits for drawing. Even time the ranks leave idle is not free
+(a core's sibling thread, its caches), so drawings come at most once a second
+and use at most a tenth of a core. The same display
 carries a PNG of the last drawing, so nbconvert, nbval and a terminal
 IPython, which cannot show widgets, still get the figures as a static image.
 """
@@ -28,6 +29,8 @@ from nbfsdp.controls import SettingsControls
 from nbfsdp.widget_events import answer_while_cells_run
 
 REDRAW_SECONDS = 1.0
+#: Live drawings use at most this share of a core: the next waits 1/share times the last one's CPU time.
+DRAWING_CPU_SHARE = 0.1
 #: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
 FINAL_DRAWING_SECONDS = 10.0
 
@@ -54,7 +57,8 @@ class LiveDashboard:
         self.records: list[dict[str, Any]] = []
         self.redraws = 0
         self._last_draw = 0.0
-        self._drawing: Future[bytes] | None = None
+        self._drawing: Future[tuple[bytes, float]] | None = None
+        self._pause = REDRAW_SECONDS
         self._finished = False
         self._show_lock = threading.Lock()
         renderer.start()
@@ -105,12 +109,13 @@ class LiveDashboard:
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:
-        """Redraw if a second has passed since the last drawing began and it has ended; at once for the
-        first points; at the end waiting for it, so the cell's output holds its complete figure."""
+        """Redraw once the last drawing has ended and its pause since it began has passed (a second, or ten
+        times its CPU time); at once for the first points; at the end waiting for it, so the cell's output
+        holds its complete figure."""
         now = time.monotonic()
         drawing = self._drawing is not None and not self._drawing.done()
         first_points = self.records and not self.redraws
-        if not final and (drawing or not (first_points or now - self._last_draw >= REDRAW_SECONDS)):
+        if not final and (drawing or not (first_points or now - self._last_draw >= self._pause)):
             return
         self._last_draw = now
         self._status.value = self._status_table()
@@ -125,15 +130,17 @@ class LiveDashboard:
             self._drawing = renderer.render(list(self.records), self.world_size, self.predicted)
             self._drawing.add_done_callback(self._drawn)
 
-    def _drawn(self, drawing: Future[bytes]) -> None:
+    def _drawn(self, drawing: Future[tuple[bytes, float]]) -> None:
         """A live drawing is done (on the worker's result thread); a failed one leaves the last up."""
         with self._show_lock:
             if drawing.exception() is None and not self._finished:
-                self._show(drawing.result())
+                png, cpu_seconds = drawing.result()
+                self._show(png)
+                self._pause = max(REDRAW_SECONDS, cpu_seconds / DRAWING_CPU_SHARE)
 
     def _final_drawing(self) -> bytes:
         try:
-            return renderer.render(self.records, self.world_size, self.predicted).result(FINAL_DRAWING_SECONDS)
+            return renderer.render(self.records, self.world_size, self.predicted).result(FINAL_DRAWING_SECONDS)[0]
         except Exception:  # the worker died or is starved: draw here, once
             return figures.png(self.records, self.world_size, self.predicted)
 

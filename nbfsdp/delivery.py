@@ -73,9 +73,11 @@ def _wait(cluster: FSDPCluster, world: World, rank: int, result: ipp.AsyncResult
             raise RankError(rank, f"engine died while receiving its shards: {dead[rank]}")
     try:
         return result.get()
-    except ipp_error.RemoteError as error:
+    except (ipp_error.RemoteError, ipp_error.EngineError) as error:
         world.broken = True
+        # the controller may report the death first, as an EngineError (raised, or remote)
+        died = isinstance(error, ipp_error.EngineError) or error.ename == "EngineError"
+        if died or rank in cluster.dead_ranks():
+            how = cluster.dead_ranks().get(rank, "it stopped answering")
+            raise RankError(rank, f"engine died while receiving its shards: {how}") from None
         raise RankError(rank, f"{error.ename}: {error.evalue} (while receiving its shards)") from None
-    except ipp_error.EngineError as error:
-        world.broken = True
-        raise RankError(rank, f"engine died while receiving its shards: {error}") from None

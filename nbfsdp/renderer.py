@@ -63,14 +63,23 @@ def start() -> None:
     _pool().submit(os.getpid)
 
 
-def render(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> Future[bytes]:
-    """A PNG of the dashboard's figures, drawn by the worker (a new one if the last one died)."""
+def _timed_png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> tuple:
+    started = time.process_time()
+    png = figures.png(records, world_size, predicted)
+    return png, time.process_time() - started
+
+
+def render(
+    records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None
+) -> Future[tuple[bytes, float]]:
+    """A PNG of the dashboard's figures and the CPU seconds it cost, drawn by the worker (a new one if the
+    last one died)."""
     global _worker
     try:
-        return _pool().submit(figures.png, records, world_size, predicted)
+        return _pool().submit(_timed_png, records, world_size, predicted)
     except BrokenProcessPool:
         _worker = None
-        return _pool().submit(figures.png, records, world_size, predicted)
+        return _pool().submit(_timed_png, records, world_size, predicted)
 
 
 def worker_pid() -> int:
