@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
-
-from nbfsdp import figures
 
 _worker: ProcessPoolExecutor | None = None
 
@@ -34,7 +33,8 @@ def _start_worker(kernel: int) -> None:
     """In the worker: a session of its own (so lowering it leaves the kernel's alone), nice 19, and an
     end when the kernel ends (a pool's worker would otherwise wait for work forever, orphaned)."""
     if hasattr(os, "setsid"):
-        os.setsid()
+        os.setsid()  # out of the kernel's process group: a Ctrl-C in the notebook is not for this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -58,30 +58,42 @@ def _pool() -> ProcessPoolExecutor:
     return _worker
 
 
+def _submit(function: Any, *args: Any) -> Future:
+    """Run ``function(*args)`` in the worker; a worker that died is replaced first."""
+    global _worker
+    try:
+        return _pool().submit(function, *args)
+    except BrokenProcessPool:
+        _worker = None
+        return _pool().submit(function, *args)
+
+
 def start() -> None:
     """Start the worker now (importing matplotlib there takes a second), so the first drawing is not late."""
-    _pool().submit(os.getpid)
+    _submit(_import_figures)
 
 
-def _timed_png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> tuple:
-    started = time.process_time()
-    png = figures.png(records, world_size, predicted)
-    return png, time.process_time() - started
+def _import_figures() -> None:
+    from nbfsdp import figures  # noqa: F401
 
 
 def render(
     records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None
 ) -> Future[tuple[bytes, float]]:
-    """A PNG of the dashboard's figures and the CPU seconds it cost, drawn by the worker (a new one if the
-    last one died)."""
-    global _worker
-    try:
-        return _pool().submit(_timed_png, records, world_size, predicted)
-    except BrokenProcessPool:
-        _worker = None
-        return _pool().submit(_timed_png, records, world_size, predicted)
+    """A PNG of the dashboard's figures and the CPU seconds it cost, drawn by the worker."""
+    return _submit(_timed_png, records, world_size, predicted)
 
 
 def worker_pid() -> int:
     """The worker's process id (starting it if need be)."""
-    return _pool().submit(os.getpid).result()
+    return _submit(os.getpid).result()
+
+
+def _timed_png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> tuple:
+    # imported here, once the worker has left the kernel's session: matplotlib takes a second to load,
+    # and a Ctrl-C sent to the kernel's process group meanwhile would end the worker
+    from nbfsdp import figures
+
+    started = time.process_time()
+    png = figures.png(records, world_size, predicted)
+    return png, time.process_time() - started
