@@ -135,7 +135,8 @@ for step in range(3):
     for (rss0, threads0, fds0), (rss, threads, fds) in zip(after_first, after_fifty, strict=True):
         assert rss - rss0 < 50 * 2**20, f"engine memory grew {(rss - rss0) / 2**20:.0f} MiB"
         assert threads <= threads0 and fds <= fds0
-    assert len(psutil.Process().children(recursive=True)) == children
+    # no new processes (fewer is fine: one an earlier test left, a drawing worker say, may end meanwhile)
+    assert len(psutil.Process().children(recursive=True)) <= children
 
 
 def test_a_cell_that_never_logs_works(shell, tiny_model):
