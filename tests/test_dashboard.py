@@ -201,9 +201,18 @@ def test_figures_are_drawn_by_a_process_of_the_lowest_cpu_priority_in_a_session_
     assert worker.nice() == 19 and os.getpriority(os.PRIO_PROCESS, 0) == 0  # the kernel's own: untouched
     assert os.sched_getscheduler(worker.pid) == os.SCHED_IDLE != os.sched_getscheduler(0)
     assert os.getsid(worker.pid) == worker.pid != os.getsid(0)
-    if os.path.exists("/proc/self/autogroup"):
-        with open(f"/proc/{worker.pid}/autogroup") as theirs, open("/proc/self/autogroup") as ours:
-            assert theirs.read().split()[-1] == "19" and ours.read().split()[-1] == "0"
+    # "/autogroup-N nice K" where autogroup governs; empty inside a cgroup (CI containers), absent without it
+    ours = _read_if_exists("/proc/self/autogroup")
+    if ours:
+        assert _read_if_exists(f"/proc/{worker.pid}/autogroup").split()[-1] == "19" and ours.split()[-1] == "0"
+
+
+def _read_if_exists(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read()
+    except FileNotFoundError:
+        return ""
 
 
 def test_the_drawing_process_ends_with_its_kernel():
