@@ -5,8 +5,9 @@ with ipyparallel's ``datapub``; ``runner`` hands them here). Figures are
 drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` by a worker
 process of the lowest CPU priority (``nbfsdp.renderer``), so a fast training
 loop never waits for drawing. Even time the ranks leave idle is not free
-(a core's sibling thread, its caches), so drawings come at most once a second
-and use at most a tenth of a core. The same display
+(a core's sibling thread, its caches, waking ranks): drawings come at most
+once a second, and use at most a tenth of a core while the machine has a
+core to spare, a fiftieth while the ranks keep every core busy. The same display
 carries a PNG of the last drawing, so nbconvert, nbval and a terminal
 IPython, which cannot show widgets, still get the figures as a static image.
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 import html
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import ipywidgets as widgets
+import psutil
 from IPython.display import display
 from matplotlib.figure import Figure
 
@@ -29,8 +32,12 @@ from nbfsdp.controls import SettingsControls
 from nbfsdp.widget_events import answer_while_cells_run
 
 REDRAW_SECONDS = 1.0
-#: Live drawings use at most this share of a core: the next waits 1/share times the last one's CPU time.
+#: Live drawings use at most this share of a core (the next waits 1/share times the last one's CPU time)
+#: while the machine left a core idle since the last drawing...
 DRAWING_CPU_SHARE = 0.1
+#: ... and this much while the ranks kept every core busy. Measured at two ranks on two cores: a worker
+#: drawing with 12% of a core slowed every step by 6%, though the ranks preempt it whenever they wake.
+BUSY_DRAWING_CPU_SHARE = 0.02
 #: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
 FINAL_DRAWING_SECONDS = 10.0
 
@@ -58,7 +65,11 @@ class LiveDashboard:
         self.redraws = 0
         self._last_draw = 0.0
         self._drawing: Future[tuple[bytes, float]] | None = None
-        self._pause = REDRAW_SECONDS
+        self._drawing_cpu = 0.0  # the last live drawing's CPU seconds
+        self._key = uuid.uuid4().hex  # the worker keeps this dashboard's figure under it
+        self._drawn_records = self._drawing_records = 0
+        self._idle_mark = time.monotonic(), psutil.cpu_times().idle
+        self._idle_cores = 0.0
         self._finished = False
         self._show_lock = threading.Lock()
         renderer.start()
@@ -109,13 +120,13 @@ class LiveDashboard:
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:
-        """Redraw once the last drawing has ended and its pause since it began has passed (a second, or ten
-        times its CPU time); at once for the first points; at the end waiting for it, so the cell's output
-        holds its complete figure."""
+        """Redraw once the last drawing has ended and its pause since it began has passed; at once for the
+        first points; at the end waiting for it, so the cell's output holds its complete figure."""
         now = time.monotonic()
+        self._watch_idle_cores(now)
         drawing = self._drawing is not None and not self._drawing.done()
         first_points = self.records and not self.redraws
-        if not final and (drawing or not (first_points or now - self._last_draw >= self._pause)):
+        if not final and (drawing or not (first_points or now - self._last_draw >= self._pause())):
             return
         self._last_draw = now
         self._status.value = self._status_table()
@@ -126,23 +137,45 @@ class LiveDashboard:
                 self._show(self._final_drawing())
             if self._handle is not None:
                 self._handle.update(self._bundle(), raw=True)
-        elif self.records:
-            self._drawing = renderer.render(list(self.records), self.world_size, self.predicted)
+        elif self.records:  # only the records since the last drawing travel to the worker's figure
+            first, self._drawing_records = self._drawn_records, len(self.records)
+            self._drawing = renderer.render(self._key, self.world_size, self.predicted, self.records[first:], first)
             self._drawing.add_done_callback(self._drawn)
 
     def _drawn(self, drawing: Future[tuple[bytes, float]]) -> None:
-        """A live drawing is done (on the worker's result thread); a failed one leaves the last up."""
+        """A live drawing is done (on the worker's result thread); a failed one leaves the last up, and the
+        next one starts the figure afresh."""
         with self._show_lock:
-            if drawing.exception() is None and not self._finished:
-                png, cpu_seconds = drawing.result()
+            if drawing.exception() is not None:
+                self._drawn_records = 0
+            elif not self._finished:
+                png, self._drawing_cpu = drawing.result()
+                self._drawn_records = self._drawing_records
                 self._show(png)
-                self._pause = max(REDRAW_SECONDS, cpu_seconds / DRAWING_CPU_SHARE)
+
+    def _pause(self) -> float:
+        """Seconds from one live drawing's start to the next: at least a second, and long enough that
+        drawings keep to their share of a core (a fiftieth while no core was left idle)."""
+        share = DRAWING_CPU_SHARE if self._idle_cores >= 1.0 else BUSY_DRAWING_CPU_SHARE
+        return max(REDRAW_SECONDS, self._drawing_cpu / share)
+
+    def _watch_idle_cores(self, now: float) -> None:
+        """Cores the machine left idle, on average over about the last second."""
+        then, idle_then = self._idle_mark
+        if now - then >= 1.0:
+            idle = psutil.cpu_times().idle
+            self._idle_cores = (idle - idle_then) / (now - then)
+            self._idle_mark = now, idle
 
     def _final_drawing(self) -> bytes:
+        """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
         try:
-            return renderer.render(self.records, self.world_size, self.predicted).result(FINAL_DRAWING_SECONDS)[0]
+            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0)
+            return drawing.result(FINAL_DRAWING_SECONDS)[0]
         except Exception:  # the worker died or is starved: draw here, once
             return figures.png(self.records, self.world_size, self.predicted)
+        finally:
+            renderer.forget(self._key)
 
     def _show(self, png: bytes) -> None:
         self._figure.value = png

@@ -8,16 +8,18 @@ Memory is measured, not predicted, by category:
 - ``mem_optim``: its optimizer state, read after each optimizer step;
 - ``mem_activations``: the peak since the last record of tensors autograd
   saved for backward (FSDP's unsharded parameters excluded), counted through
-  ``torch.autograd.graph.saved_tensors_hooks``;
+  saved-tensor hooks. Those cost ~20 us per saved tensor (1-3% of a small
+  CPU step), so they count a cell's first steps, the step after a settings
+  change, and then one step about every second; records between repeat the
+  last figure counted;
 - ``mem_peak``: on GPU the allocator's peak since the last record
   (``cuda_max_allocated``); on CPU, which has no allocator statistics,
   ``mem_params + mem_optim + max(mem_activations, mem_grads)``: the tracked
   tensors at their peak, without backward temporaries or communication buffers.
 
 Each figure counts storages once, as ``FSDPMemTracker`` does, so padding of
-uneven shards is included. The hooks cost a few microseconds per saved tensor
-and per optimizer step; ``FSDPMemTracker`` instruments every operator and is
-kept as the oracle that tests compare these numbers with.
+uneven shards is included. ``FSDPMemTracker`` instruments every operator and
+is kept as the oracle that tests compare these numbers with.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from nbfsdp.control import RankControl
+
+#: Steps at the start of a cell whose activations are all counted.
+COUNTED_FIRST_STEPS = 3
+#: After those, activations are counted on one step about this often.
+ACTIVATIONS_EVERY_SECONDS = 1.0
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -75,6 +82,10 @@ class MemoryMeter:
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._activations = 0
         self._activations_peak = 0
+        self._activations_figure = 0  # the peak of the last step whose activations were counted
+        self._counting = False
+        self._reads = 0
+        self._counted_step_began = 0.0
 
     # -- installing the hooks for the duration of a cell
     def __enter__(self) -> MemoryMeter:
@@ -82,16 +93,35 @@ class MemoryMeter:
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_hooks.__enter__()
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        self._counting, self._counted_step_began = True, time.perf_counter()
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._saved_hooks.__exit__(*exc_info)
+        if self._counting:  # the cell's own hooks, if it pushed any, were popped as its blocks ended
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         for handle in self._handles:
             handle.remove()
+
+    def count_next_step(self) -> None:
+        """Count the activations of the step after this record (a setting changed: they may too)."""
+        self._count_activations(True)
+
+    def _count_activations(self, on: bool) -> None:
+        """Between steps, push or pop the saved-tensor hooks. Hooks are a stack and a cell's own
+        ``with saved_tensors_hooks(...)`` must pop its own, so this happens only while none of the cell's
+        are pushed. torch before 2.8 cannot tell: there every step is counted."""
+        if _top_saved_tensors_hooks is None:
+            return
+        top = _top_saved_tensors_hooks(False)
+        if on and not self._counting and top is None:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._counting, self._activations_peak = True, self._activations
+        elif not on and self._counting and top == (self._pack, self._unpack):
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._counting = False
 
     # -- autograd's saved tensors: activations
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -142,7 +172,10 @@ class MemoryMeter:
 
     # -- one record's figures
     def read(self) -> dict[str, int]:
-        """This step's figures; peaks restart from here."""
+        """This step's figures; peaks restart from here, and whether the next step's activations are counted
+        is decided."""
+        if self._counting:  # this step's activations were counted: a new figure
+            self._activations_figure, self._activations_peak = self._activations_peak, self._activations
         grads = self._grads_bytes
         if grads is None:
             grads = storage_bytes(p.grad for p in self._params.values())
@@ -150,7 +183,7 @@ class MemoryMeter:
             "mem_params": self._params_bytes,
             "mem_grads": grads,
             "mem_optim": self._optim_state_bytes(),
-            "mem_activations": self._activations_peak,
+            "mem_activations": self._activations_figure,
         }
         if self._device.type == "cuda":
             figures["cuda_allocated"] = torch.cuda.memory_allocated(self._device)
@@ -161,8 +194,17 @@ class MemoryMeter:
         else:
             figures["mem_peak"] = figures["mem_params"] + figures["mem_optim"] + max(figures["mem_activations"], grads)
         self._grads_bytes = None
-        self._activations_peak = self._activations
+        self._reads += 1
+        now = time.perf_counter()
+        count = self._reads < COUNTED_FIRST_STEPS or now - self._counted_step_began >= ACTIVATIONS_EVERY_SECONDS
+        self._count_activations(count)
+        if count:
+            self._counted_step_began = now
         return figures
+
+
+#: The saved-tensor hooks in force on this thread, if any: torch has no public way to ask (2.8 on).
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 #: How often a rank sends its new records to the notebook while a cell runs.
@@ -207,6 +249,7 @@ class Recorder:
         try:
             if self._control is not None and (changed := self._control.at_log(len(self.records) - 1)):
                 entry["changed"] = ", ".join(changed)  # in force from the next step
+                self.meter.count_next_step()
         finally:  # a cancel raises here: its last record still goes out
             if now - self._sent_at >= PUBLISH_SECONDS or "changed" in entry:
                 self.send()

@@ -69,19 +69,45 @@ def _submit(function: Any, *args: Any) -> Future:
 
 
 def start() -> None:
-    """Start the worker now (importing matplotlib there takes a second), so the first drawing is not late."""
-    _submit(_import_figures)
+    """Start the worker now and have it draw once (importing matplotlib and loading its fonts take a second),
+    so that the first live drawing is not late and costs what later ones do."""
+    _submit(_warm_up)
 
 
-def _import_figures() -> None:
-    from nbfsdp import figures  # noqa: F401
+def _warm_up() -> None:
+    global _warm
+    if not _warm:
+        from nbfsdp.figures import DashboardFigure
+
+        DashboardFigure(1, None).add([{"rank": 0, "step": 0, "step_time": 0.0, "loss": 0.0}]).png()
+        _warm = True
+
+
+_warm = False  # in the worker: it has drawn once
+
+
+class LostFigure(Exception):
+    """The worker no longer has this dashboard's figure (it was replaced): send every record again."""
+
+
+#: In the worker: the figure of each live dashboard, so a drawing only adds the records since the last one.
+_figures: dict[str, Any] = {}
+#: Dashboards whose final drawing never came (their kernel cell was interrupted) are dropped beyond this many.
+MAX_FIGURES = 8
 
 
 def render(
-    records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None
+    key: str, world_size: int, predicted: list[dict[str, int]] | None, records: list[dict[str, Any]], first: int
 ) -> Future[tuple[bytes, float]]:
-    """A PNG of the dashboard's figures and the CPU seconds it cost, drawn by the worker."""
-    return _submit(_timed_png, records, world_size, predicted)
+    """A PNG of dashboard ``key``'s figures with ``records`` added, and the CPU seconds it cost, drawn by the
+    worker. ``records`` start at index ``first`` of the dashboard's records: 0 draws a new figure, more adds
+    to the figure the worker kept (``LostFigure`` if it has no such figure)."""
+    return _submit(_draw, key, world_size, predicted, records, first)
+
+
+def forget(key: str) -> None:
+    """Dashboard ``key`` will not draw again: the worker drops its figure."""
+    _submit(_figures.pop, key, None)
 
 
 def worker_pid() -> int:
@@ -89,11 +115,19 @@ def worker_pid() -> int:
     return _submit(os.getpid).result()
 
 
-def _timed_png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> tuple:
+def _draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int) -> tuple:
     # imported here, once the worker has left the kernel's session: matplotlib takes a second to load,
     # and a Ctrl-C sent to the kernel's process group meanwhile would end the worker
-    from nbfsdp import figures
+    from nbfsdp.figures import DashboardFigure
 
     started = time.process_time()
-    png = figures.png(records, world_size, predicted)
+    if first == 0:
+        _figures.pop(key, None)
+        while len(_figures) >= MAX_FIGURES:
+            _figures.pop(next(iter(_figures)))
+        _figures[key] = DashboardFigure(world_size, predicted)
+    drawing = _figures.get(key)
+    if drawing is None or drawing.records != first:
+        raise LostFigure(key)
+    png = drawing.add(records).png()
     return png, time.process_time() - started

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -11,6 +13,7 @@ import pytest
 import torch.nn as nn
 
 import nbfsdp
+from nbfsdp import dashboard as dashboard_module
 from nbfsdp import renderer
 from nbfsdp.config import FSDPConfig
 from nbfsdp.dashboard import LiveDashboard
@@ -224,3 +227,70 @@ def test_the_drawing_process_ends_with_its_kernel():
     finally:
         k.shutdown()  # now=True: the kernel is killed, nothing of its own runs at exit
     worker.wait(timeout=10)  # raises TimeoutExpired if the worker outlives its kernel
+
+
+def _records(steps: range, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
+    return [{"rank": r, "step": s, "step_time": 0.01, "loss": 1 / (s + 1)} for s in steps for r in ranks]
+
+
+def _wait_for_drawing(dashboard: LiveDashboard, redraws: int) -> None:
+    deadline = time.monotonic() + 30
+    while (dashboard.redraws < redraws or not dashboard._drawing.done()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_live_drawings_add_new_records_to_the_workers_figure_and_start_afresh_when_it_was_lost(shell):
+    """Only the records since the last drawing travel; a worker that died (and its figure with it) is
+    replaced, the drawing that found no figure fails, and the next sends every record again."""
+    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard.add(_records(range(10)))
+    dashboard.refresh()
+    _wait_for_drawing(dashboard, 1)
+    dashboard.add(_records(range(10, 15)))
+    dashboard._last_draw = 0.0  # its pause is over
+    dashboard.refresh()
+    _wait_for_drawing(dashboard, 2)
+    assert dashboard._drawn_records == 30  # 20 records, then 10 more: the worker's figure had the 20
+    psutil.Process(renderer.worker_pid()).kill()
+    dashboard.add(_records(range(15, 16)))
+    dashboard._last_draw = 0.0
+    dashboard.refresh()  # to the dead worker, or to its replacement, which has no figure to add to
+    assert dashboard._drawing.exception(timeout=30) is not None and dashboard.redraws == 2
+    deadline = time.monotonic() + 5  # the future's callbacks run just after its waiters wake
+    while dashboard._drawn_records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dashboard._drawn_records == 0
+    dashboard._last_draw = 0.0
+    dashboard.refresh()
+    _wait_for_drawing(dashboard, 3)
+    assert dashboard.redraws == 3 and dashboard._drawn_records == 32
+
+
+def test_drawings_keep_to_a_fiftieth_of_a_core_while_every_core_is_busy(shell):
+    """Even a SCHED_IDLE drawing slows ranks that keep every core busy (12% of a core cost two ranks on two
+    cores 6% of each step): the pause after a drawing stretches to 50 times its CPU time."""
+    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard.add(_records(range(50)))
+    dashboard.refresh()
+    _wait_for_drawing(dashboard, 1)
+    assert 0 < dashboard._drawing_cpu < 1
+    cores = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        for _ in range(2):  # the idle share is measured over about a second
+            dashboard._watch_idle_cores(time.monotonic())
+            time.sleep(1.1)
+        dashboard._watch_idle_cores(time.monotonic())
+        assert dashboard._idle_cores < 0.5
+        busy_pause = dashboard._pause()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert busy_pause == pytest.approx(max(1.0, dashboard._drawing_cpu / dashboard_module.BUSY_DRAWING_CPU_SHARE))
+    time.sleep(1.1)
+    dashboard._watch_idle_cores(time.monotonic())
+    assert dashboard._idle_cores >= 1.0 and dashboard._pause() < busy_pause

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
+import torch.nn as nn
 
 import nbfsdp
+from nbfsdp import metrics
 from tests.conftest import gpu, run_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,3 +73,58 @@ def test_cuda_figures_match_fsdp_mem_tracker_total(shell, tiny_model):
     record = next(m for m in nbfsdp.last_run().metrics if m["rank"] == 0 and m["step"] == 1)
     assert {"cuda_allocated", "cuda_reserved", "cuda_max_allocated"} <= record.keys()
     assert _within(record["mem_peak"], oracle["peak"]["Total"])
+
+
+def _hooks_in_force() -> object:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _train(model: nn.Module, steps: int, recorder: metrics.Recorder, pause: float = 0.0) -> list[bool]:
+    """``steps`` steps, each logged; whether saved-tensor hooks were in force during each."""
+    counted = []
+    for step in range(steps):
+        counted.append(_hooks_in_force() is not None)
+        model(torch.randn(4, 8)).sum().backward()
+        time.sleep(pause)
+        recorder.record({"step": step})
+    return counted
+
+
+@pytest.mark.skipif(metrics._top_saved_tensors_hooks is None, reason="torch < 2.8 counts every step")
+def test_activations_are_counted_on_the_first_steps_then_about_once_a_second(monkeypatch):
+    """Saved-tensor hooks cost ~20 us a tensor on every step they are in force (1-3% of a small CPU step):
+    they count a cell's first steps, then one step per ACTIVATIONS_EVERY_SECONDS; records between repeat
+    the last figure counted."""
+    monkeypatch.setattr(metrics, "ACTIVATIONS_EVERY_SECONDS", 0.1)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    with metrics.MemoryMeter(torch.device("cpu"), model.parameters()) as meter:
+        recorder = metrics.Recorder(0, meter)
+        counted = _train(model, 40, recorder, pause=0.01)
+        meter.count_next_step()  # what a settings change asks for
+        counted += _train(model, 1, recorder)
+    assert _hooks_in_force() is None  # the cell's end leaves none behind
+    assert counted[: metrics.COUNTED_FIRST_STEPS] == [True] * metrics.COUNTED_FIRST_STEPS
+    assert 3 <= sum(counted[metrics.COUNTED_FIRST_STEPS : 40]) <= 7  # ~0.4 s of steps: one each 0.1 s
+    assert counted[-1]
+    figures = [record["mem_activations"] for record in recorder.records]
+    assert figures[0] > 0 and len(set(figures)) == 1  # the same model and batch every step: one figure
+
+
+def test_a_cells_own_saved_tensor_hooks_keep_their_place_when_it_logs_inside_them():
+    """Hooks are a stack: a log call inside the cell's ``with saved_tensors_hooks`` must neither push the
+    meter's above the cell's (the cell would pop them) nor pop the cell's."""
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    packed = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.shape)
+        return tensor
+
+    with metrics.MemoryMeter(torch.device("cpu"), model.parameters()) as meter:
+        recorder = metrics.Recorder(0, meter)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        with hooks:
+            _train(model, 6, recorder)
+            assert _hooks_in_force() == (pack, hooks.unpack_hook)
+        _train(model, 2, recorder)
+    assert len(packed) >= 6 and _hooks_in_force() is None
