@@ -57,17 +57,15 @@ def one_round(ctx: Context, world_size: int, width: int, depth: int) -> dict:
         run = kernel.execute(
             "_run = nbfsdp.last_run()\n"
             "print(json.dumps({'shard_bytes': {m['rank']: m['shard_bytes'] for m in _run.metrics},"
-            " 'sent_bytes': getattr(_run, 'sent_bytes', None), 'elapsed': _run.elapsed}))"
+            " 'sent_bytes': _run.sent_bytes, 'elapsed': _run.elapsed}))"
         ).json()
     finally:
         ctx.shutdown(kernel)
     shard = {int(rank): size for rank, size in run["shard_bytes"].items()}
     engine_ratio = {rank: (peak[f"rank {rank}"] - baseline[f"rank {rank}"]) / shard[rank] for rank in shard}
-    sent = run["sent_bytes"] or None  # an empty list: nbfsdp did not count this cell
-    sent_ratio = None
-    if sent is not None:
-        ratios = [s / (model_bytes / world_size) for s in sent]
-        sent_ratio = max(ratios, key=lambda r: abs(r - 1.0))
+    sent = run["sent_bytes"]
+    ratios = [s / (model_bytes / world_size) for s in sent]
+    sent_ratio = max(ratios, key=lambda r: abs(r - 1.0))
     return {
         "model_bytes": model_bytes,
         "shard_bytes": shard,
@@ -106,38 +104,25 @@ def run(ctx: Context) -> dict:
             target=0.05,
             op="±",
             samples_value=sent,
-            note="" if sent[0] is not None else "nbfsdp.last_run().sent_bytes does not exist yet",
         ),
-        Measurement(
-            what=f"{label}: engine peak above baseline / its local shard, worst rank",
-            value=median(engine),
-            unit="x",
-            target=1.3,
-            op="<=",
-            a_label="local shard",
-            a=median(shard_mib),
-            b_label="engine peak growth",
-            b=median(engine_mib),
-            ab_unit="MiB",
-            samples_value=engine,
-        ),
-        Measurement(
-            what=f"{label}: notebook peak growth (model built + sent) / model bytes",
-            value=median(notebook),
-            unit="x",
-            target=1.1,
-            op="<=",
-            a_label="model",
-            a=model_mib,
-            b_label="notebook peak growth",
-            b=median(notebook_mib),
-            ab_unit="MiB",
-            samples_value=notebook,
-        ),
-    ]
+        _growth_row(f"{label}: engine peak above baseline / its local shard, worst rank", engine, 1.3,
+                    ("local shard", median(shard_mib)), ("engine peak growth", median(engine_mib))),
+        _growth_row(f"{label}: notebook peak growth (model built + sent) / model bytes", notebook, 1.1,
+                    ("model", model_mib), ("notebook peak growth", median(notebook_mib))),
+    ]  # fmt: skip
     return {
         "measurements": rows,
         "world_size": world_size,
         "model": f"{depth} x Linear({width}, {width})",
         "rounds": rounds,
     }
+
+
+def _growth_row(
+    what: str, ratios: list[float], target: float, base: tuple[str, float], growth: tuple[str, float]
+) -> Measurement:
+    """A memory growth as a multiple of ``base`` (at most ``target``), both also shown in MiB."""
+    return Measurement(
+        what=what, value=median(ratios), unit="x", target=target, op="<=", a_label=base[0], a=base[1],
+        b_label=growth[0], b=growth[1], ab_unit="MiB", samples_value=ratios,
+    )  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+import psutil
 import pytest
 import torch
 from IPython.testing.globalipapp import start_ipython
@@ -52,6 +53,22 @@ def run_failing(shell, code: str) -> tuple[BaseException, float]:
     error = result.error_in_exec or result.error_before_exec
     assert error is not None, "the cell was expected to fail"
     return error, elapsed
+
+
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def left_behind(pids: list[int] | set[int], seconds: float) -> list[int]:
+    """The processes of ``pids`` still running after waiting up to ``seconds`` for all of them to end."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.25)
+    return sorted(p for p in pids if not gone(p))
 
 
 TINY_MODEL = """

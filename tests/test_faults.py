@@ -17,24 +17,10 @@ import pytest
 import torch
 
 import nbfsdp
-from tests.conftest import gpu, run_ok
+from tests.conftest import gone, gpu, left_behind, run_ok
 from tests.test_kernel import Kernel
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_until_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
-        time.sleep(0.25)
-    return [p for p in pids if not _gone(p)]
 
 
 def _kernel_with_cluster() -> tuple[Kernel, int, list[int], str]:
@@ -49,14 +35,14 @@ def _kernel_with_cluster() -> tuple[Kernel, int, list[int], str]:
         "print(json.dumps([os.getpid(), c.cluster_pids(), c._private_dir]))"
     )
     kernel_pid, pids, private_dir = json.loads(kernel.stdout(messages))
-    assert len(pids) == 3 and not any(_gone(p) for p in pids)
+    assert len(pids) == 3 and not any(gone(p) for p in pids)
     return kernel, kernel_pid, pids, private_dir
 
 
 def test_no_engine_or_controller_outlives_a_killed_kernel(shell):
     kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
     os.kill(kernel_pid, signal.SIGKILL)
-    assert _wait_until_gone(pids, 30) == []
+    assert left_behind(pids, 30) == []
     assert not Path(private_dir).exists()
     kernel.client.stop_channels()
     kernel.manager.cleanup_resources()
@@ -67,9 +53,9 @@ def test_no_engine_or_controller_outlives_a_kernel_shut_down_or_restarted(shell,
     kernel, _, pids, _ = _kernel_with_cluster()
     if how == "restart":
         kernel.manager.restart_kernel(now=False)
-        assert _wait_until_gone(pids, 30) == []
+        assert left_behind(pids, 30) == []
     kernel.shutdown()
-    assert _wait_until_gone(pids, 30) == []
+    assert left_behind(pids, 30) == []
 
 
 def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster):
@@ -79,10 +65,10 @@ def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, c
     watchers[0].kill()  # without its watcher, the dead kernel's cluster would live on
     os.kill(kernel_pid, signal.SIGKILL)
     time.sleep(2)
-    assert not any(_gone(p) for p in pids)
+    assert not any(gone(p) for p in pids)
     cluster.stop()  # the next cluster to start cleans up
     run_ok(shell, "%%fsdp --world-size 2\npass\n")
-    assert _wait_until_gone(pids, 10) == []
+    assert left_behind(pids, 10) == []
     kernel.client.stop_channels()
     kernel.manager.cleanup_resources()
 

@@ -18,6 +18,7 @@ from jupyter_client.manager import start_new_kernel
 
 import nbfsdp
 from nbfsdp.cluster import FSDPCluster
+from tests.conftest import gone, left_behind
 from tests.test_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,7 +63,7 @@ class PrewarmKernel(Kernel):
         found = []
         for child in children:
             try:
-                if any("ipyparallel" in part for part in child.cmdline()) and not _gone(child.pid):
+                if any("ipyparallel" in part for part in child.cmdline()) and not gone(child.pid):
                     found.append(child)
             except psutil.Error:
                 continue
@@ -95,20 +96,6 @@ class PrewarmKernel(Kernel):
         raise AssertionError(f"no world of {world_size} after {READY_TIMEOUT:g}s; last status: {answers[-1:]}")
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _left_behind(pids: set[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
-        time.sleep(0.25)
-    return sorted(p for p in pids if not _gone(p))
-
-
 @pytest.fixture
 def kernels():
     """Start kernels with ``kernels(prewarm)``; afterwards each is shut down and none leaves an engine behind."""
@@ -123,7 +110,7 @@ def kernels():
         kernel.cluster_processes()
         kernel.shutdown()
     for kernel in started:
-        assert _left_behind(kernel.seen, 30) == [], "engines or a controller outlived their kernel"
+        assert left_behind(kernel.seen, 30) == [], "engines or a controller outlived their kernel"
 
 
 def _timed(kernel: PrewarmKernel, code: str) -> tuple[str, float]:
@@ -179,7 +166,7 @@ def test_a_cell_of_another_world_size_than_prewarmed_runs_on_its_own(kernels):
     two = kernel.value("nbfsdp._magics.session.cluster.world.pids")
     assert len(two) == 2 and not set(one) & set(two)
     assert "world size 2, backend gloo" in kernel.output("%fsdp status")
-    assert all(_gone(pid) for pid in one)
+    assert all(gone(pid) for pid in one)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +211,7 @@ def test_a_kernel_gone_while_the_engines_start_leaves_none_behind(kernels, how):
         os.kill(kernel.pid, signal.SIGKILL)  # no clean-up runs: the reaper must end the cluster
     else:
         kernel.manager.shutdown_kernel(now=False)  # a shutdown request, as a notebook sends
-    assert _left_behind(kernel.seen, 30) == []
+    assert left_behind(kernel.seen, 30) == []
     kernel.shutdown()
 
 
@@ -244,7 +231,7 @@ def test_stop_or_unload_while_the_engines_start_waits_then_ends_them(kernels, ac
     while not kernel.cluster_processes():
         time.sleep(0.05)
     kernel.output(action)
-    assert _left_behind(kernel.seen, 10) == []
+    assert left_behind(kernel.seen, 10) == []
     assert kernel.cluster_processes() == []
     kernel.output("%load_ext nbfsdp")  # after an unload, loads again (and starts again in the background)
     kernel.output(ALL_REDUCE.format(n=2))
