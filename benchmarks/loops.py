@@ -115,7 +115,7 @@ class LoopSizes:
 
 
 #: ~100 ms a step at world size 2 on the project's 2-core CPU machine (1 thread a rank).
-CPU_FULL = LoopSizes(width=256, depth=4, tokens=192, steps=25, warmup=5)
+CPU_FULL = LoopSizes(width=256, depth=4, tokens=192, steps=40, warmup=8)
 CPU_QUICK = LoopSizes(width=128, depth=3, tokens=128, steps=8, warmup=3)
 #: One GPU, bf16 compute (PURE): ~270M parameters, 8192 tokens a step.
 GPU_FULL = LoopSizes(width=2048, depth=8, tokens=8192, steps=40, warmup=10, mixed_precision="PURE")

@@ -107,7 +107,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
 
 def run(ctx: Context) -> dict:
     sizes = loops.CPU_QUICK if ctx.quick else loops.CPU_FULL
-    rounds = ctx.rounds(full=5, quick=2)
+    rounds = ctx.rounds(full=6, quick=2)
     worlds = (2,) if ctx.quick else (2, 4)
     results = {f"ws{ws}": compare(ctx.warm_kernel(), ws, sizes, rounds) for ws in worlds}
     rows = [m for key, r in results.items() for m in measurements(r, f"CPU {key}")]

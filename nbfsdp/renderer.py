@@ -11,7 +11,8 @@ made by one worker process that starts a session of its own and lowers that
 session's priority to the minimum, under the SCHED_IDLE policy: a rank waking
 from a collective preempts it at once (at nice 19 alone it kept the CPU to the
 end of its time slice, and steps were still 7% slower). It draws with the CPU
-time the ranks leave.
+time the ranks leave, and keeps each live dashboard's figure, so that a
+drawing only adds the records that arrived since the last one.
 """
 
 from __future__ import annotations
