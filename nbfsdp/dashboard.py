@@ -171,11 +171,11 @@ class LiveDashboard:
         """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
         try:
             drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0)
-            return drawing.result(FINAL_DRAWING_SECONDS)[0]
+            png = drawing.result(FINAL_DRAWING_SECONDS)[0]
         except Exception:  # the worker died or is starved: draw here, once
             return figures.png(self.records, self.world_size, self.predicted)
-        finally:
-            renderer.forget(self._key)
+        renderer.forget(self._key)
+        return png
 
     def _show(self, png: bytes) -> None:
         self._figure.value = png

@@ -70,6 +70,7 @@ class DashboardFigure:
 
     def add(self, records: list[dict[str, Any]]) -> DashboardFigure:
         """Take these records (in the order they were made) into the figures."""
+        latest: dict[int, dict[str, Any]] = {}
         for record in records:
             rank, series = record["rank"], self._series[record["rank"]]
             series["steps"].append(record["step"])
@@ -77,9 +78,11 @@ class DashboardFigure:
             if "loss" in record:
                 series["loss_steps"].append(record["step"])
                 series["loss"].append(record["loss"])
-            self._stack_memory(rank, record)
+            latest[rank] = record
             if "changed" in record and rank == 0:  # a setting changed mid-run, marked where it took effect
                 self._mark(record["step"], record["changed"])
+        for rank, record in latest.items():
+            self._stack_memory(rank, record)
         self.records += len(records)
         for rank, series in enumerate(self._series):
             self._loss[rank].set_data(series["loss_steps"], series["loss"])

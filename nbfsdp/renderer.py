@@ -75,6 +75,9 @@ def start() -> None:
     _submit(_warm_up)
 
 
+_warm = False  # in the worker: it has drawn once
+
+
 def _warm_up() -> None:
     global _warm
     if not _warm:
@@ -82,9 +85,6 @@ def _warm_up() -> None:
 
         DashboardFigure(1, None).add([{"rank": 0, "step": 0, "step_time": 0.0, "loss": 0.0}]).png()
         _warm = True
-
-
-_warm = False  # in the worker: it has drawn once
 
 
 class LostFigure(Exception):
@@ -108,7 +108,11 @@ def render(
 
 def forget(key: str) -> None:
     """Dashboard ``key`` will not draw again: the worker drops its figure."""
-    _submit(_figures.pop, key, None)
+    _submit(_drop, key)
+
+
+def _drop(key: str) -> None:
+    _figures.pop(key, None)  # in the worker (a bound ``_figures.pop`` would pickle the kernel's dict)
 
 
 def worker_pid() -> int:

@@ -265,6 +265,14 @@ def test_live_drawings_add_new_records_to_the_workers_figure_and_start_afresh_wh
     dashboard.refresh()
     _wait_for_drawing(dashboard, 3)
     assert dashboard.redraws == 3 and dashboard._drawn_records == 32
+    assert _worker_keeps_figure(dashboard._key)
+    dashboard.finish(None, "done")  # the final drawing, from every record; then the worker drops the figure
+    assert dashboard.redraws == 4 and not _worker_keeps_figure(dashboard._key)
+
+
+def _worker_keeps_figure(key: str) -> bool:
+    # evaluated in the worker (a function of this module would make it import the test suite)
+    return renderer._submit(eval, f"{key!r} in __import__('nbfsdp.renderer').renderer._figures").result()
 
 
 def test_drawings_keep_to_a_fiftieth_of_a_core_while_every_core_is_busy(shell):
