@@ -173,6 +173,14 @@ class FSDPCluster:
                 dead[rank] = self._how_it_ended(pid)
         return dead
 
+    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
+        """How the rank's engine ended, waiting up to ``within`` seconds to see it end: the controller can
+        report a death while the killed process is still tearing down its memory."""
+        deadline = time.monotonic() + within
+        while (how := self.dead_ranks().get(rank)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return how
+
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
         self._wait_for_background()
         for rank in ranks:

@@ -7,7 +7,8 @@ process of the lowest CPU priority (``nbfsdp.renderer``), so a fast training
 loop never waits for drawing. Even time the ranks leave idle is not free
 (a core's sibling thread, its caches, waking ranks): drawings come at most
 once a second, and use at most a tenth of a core while the machine has a
-core to spare, a fiftieth while the ranks keep every core busy. The same display
+core to spare, a fiftieth while the ranks keep every core busy (but come at
+least every 3 s). The same display
 carries a PNG of the last drawing, so nbconvert, nbval and a terminal
 IPython, which cannot show widgets, still get the figures as a static image.
 """
@@ -31,7 +32,10 @@ from nbfsdp import figures, renderer
 from nbfsdp.controls import SettingsControls
 from nbfsdp.widget_events import answer_while_cells_run
 
+#: Live drawings start at least this long apart...
 REDRAW_SECONDS = 1.0
+#: ... and at most this long, however busy the cores: a live plot must stay live.
+MAX_REDRAW_SECONDS = 3.0
 #: Live drawings use at most this share of a core (the next waits 1/share times the last one's CPU time)
 #: while the machine left a core idle since the last drawing...
 DRAWING_CPU_SHARE = 0.1
@@ -155,9 +159,9 @@ class LiveDashboard:
 
     def _pause(self) -> float:
         """Seconds from one live drawing's start to the next: at least a second, and long enough that
-        drawings keep to their share of a core (a fiftieth while no core was left idle)."""
+        drawings keep to their share of a core (a fiftieth while no core was left idle), up to 3 s."""
         share = DRAWING_CPU_SHARE if self._idle_cores >= 1.0 else BUSY_DRAWING_CPU_SHARE
-        return max(REDRAW_SECONDS, self._drawing_cpu / share)
+        return min(MAX_REDRAW_SECONDS, max(REDRAW_SECONDS, self._drawing_cpu / share))
 
     def _watch_idle_cores(self, now: float) -> None:
         """Cores the machine left idle, on average over about the last second."""

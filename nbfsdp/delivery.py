@@ -78,6 +78,6 @@ def _wait(cluster: FSDPCluster, world: World, rank: int, result: ipp.AsyncResult
         # the controller may report the death first, as an EngineError (raised, or remote)
         died = isinstance(error, ipp_error.EngineError) or error.ename == "EngineError"
         if died or rank in cluster.dead_ranks():
-            how = cluster.dead_ranks().get(rank, "it stopped answering")
+            how = cluster.how_rank_died(rank) or "it stopped answering"
             raise RankError(rank, f"engine died while receiving its shards: {how}") from None
         raise RankError(rank, f"{error.ename}: {error.evalue} (while receiving its shards)") from None

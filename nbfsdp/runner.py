@@ -195,8 +195,8 @@ def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> 
         for rank, result in enumerate(results):
             if rank not in outcomes and result.ready():
                 outcomes[rank] = _outcome(result)
-                if outcomes[rank].get("engine_lost") and rank in (dead := cluster.dead_ranks()):
-                    outcomes[rank]["error"] = f"engine died: {dead[rank]}"
+                if outcomes[rank].get("engine_lost") and (how := cluster.how_rank_died(rank)):
+                    outcomes[rank]["error"] = f"engine died: {how}"
         run._streamer.pump()
         run._records.pump()
         if time.monotonic() >= next_liveness:
