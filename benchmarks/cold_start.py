@@ -10,17 +10,14 @@ first ``%%fsdp --world-size N`` cell doing one all_reduce, in three variants, ea
 - B2, ``NBFSDP_PREWARM=N``: ``%fsdp status`` polled until it reports ``world size N``, then only the cell
   is timed (the time until ready is recorded too).
 
-Each round runs A, B0, B1, B2. Target: B1/A and B2/A at most 1.0. N is 4 (``--quick``: 2). Until nbfsdp
-reads ``NBFSDP_PREWARM``, B1 measures the cold path again and B2 is recorded as not measured.
+Each round runs A, B0, B1, B2. Target: B1/A and B2/A at most 1.0. N is 4 (``--quick``: 2).
 
 Run alone: ``python -m benchmarks --only cold_start``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 from benchmarks import launch
 from benchmarks.context import CPU_ONLY, Context
@@ -31,13 +28,6 @@ NAME = "cold_start"
 TARGET_RATIO = 1.0
 READY_TIMEOUT_S = 180.0
 POLL_S = 0.25
-
-
-def prewarm_available() -> bool:
-    """Whether the installed nbfsdp reads ``NBFSDP_PREWARM`` (the background start from ``%load_ext``)."""
-    spec = importlib.util.find_spec("nbfsdp")
-    package = Path(spec.origin).parent
-    return any("NBFSDP_PREWARM" in source.read_text() for source in package.glob("*.py"))
 
 
 def cold_cell(world_size: int) -> str:
@@ -70,25 +60,23 @@ def first_cell(ctx: Context, world_size: int, prewarm: int, wait_until_ready: bo
 def run(ctx: Context) -> dict:
     world_size = 2 if ctx.quick else 4
     rounds = ctx.rounds(full=3, quick=1)
-    prewarm = prewarm_available()
     a, b0, b1, b2, raw = [], [], [], [], []
     for _ in range(rounds):
         a.append(launch.torchrun(world_size, "benchmarks.torchrun_cold", [], cpu_only=True))
         r0 = first_cell(ctx, world_size, prewarm=0, wait_until_ready=False)
         r1 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=False)
-        r2 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=True) if prewarm else None
+        r2 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=True)
         b0.append(r0["total_s"])
         b1.append(r1["total_s"])
-        b2.append(r2["cell_s"] if r2 else None)
+        b2.append(r2["cell_s"])
         raw.append({"torchrun_s": a[-1], "B0": r0, "B1": r1, "B2": r2})
-    ready = median([r["B2"]["ready_s"] for r in raw if r["B2"]])
-    not_yet = "" if prewarm else "nbfsdp does not read NBFSDP_PREWARM yet: "
+    ready = median([r["B2"]["ready_s"] for r in raw])
 
     def row(what: str, label: str, samples: list, target: bool, note: str = "") -> Measurement:
         present = median(samples)
         return Measurement(
             what=what,
-            value=present / median(a) if present is not None else None,
+            value=present / median(a),
             unit="x",
             target=TARGET_RATIO if target else None,
             op="<=" if target else None,
@@ -99,25 +87,19 @@ def run(ctx: Context) -> dict:
             ab_unit="s",
             samples_a=a,
             samples_b=samples,
-            samples_value=[s / t if s is not None else None for s, t in zip(samples, a, strict=True)],
+            samples_value=[s / t for s, t in zip(samples, a, strict=True)],
             note=note,
         )
 
     rows = [
         row(f"cold start ws{world_size}, B0: PREWARM=0, load_ext + first cell", "B0", b0, target=False),
-        row(
-            f"cold start ws{world_size}, B1: PREWARM={world_size}, first cell right after load_ext",
-            "B1",
-            b1,
-            target=True,
-            note=f"{not_yet}the cold path" if not prewarm else "",
-        ),
+        row(f"cold start ws{world_size}, B1: PREWARM={world_size}, first cell right after load_ext", "B1", b1, True),
         row(
             f"cold start ws{world_size}, B2: PREWARM={world_size}, first cell once ready (cell only)",
             "B2",
             b2,
             target=True,
-            note=f"{not_yet}not measured" if not prewarm else f"ready {ready:.1f} s after load_ext",
+            note=f"ready {ready:.1f} s after load_ext",
         ),
     ]
-    return {"measurements": rows, "rounds": rounds, "world_size": world_size, "prewarm_available": prewarm, "raw": raw}
+    return {"measurements": rows, "rounds": rounds, "world_size": world_size, "raw": raw}

@@ -16,18 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from benchmarks import loops
+from nbfsdp.cluster import loopback_interface
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def loopback_interface() -> str | None:
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addresses):
-            return name
-    return None
 
 
 def torchrun_env(cpu_only: bool) -> dict[str, str]:

@@ -178,9 +178,10 @@ class _Loading:
             self.error = error
 
     def join(self) -> None:
-        """Wait for the thread, in slices so that Ctrl-C still interrupts the wait."""
-        while self.thread.is_alive():
-            self.thread.join(0.1)
+        """Wait for the thread; Ctrl-C still interrupts the wait."""
+        from nbfsdp.cluster import join_interruptibly
+
+        join_interruptibly(self.thread)
 
     def wait(self) -> FSDPMagics:
         """The loaded magics, once the thread is done (loading them here if it failed)."""

@@ -93,6 +93,20 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+def loopback_interface() -> str | None:
+    """The network interface of 127.0.0.1, which collectives are pinned to."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def join_interruptibly(thread: threading.Thread) -> None:
+    """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
+    while thread.is_alive():
+        thread.join(_JOIN_SLICE_SECONDS)
+
+
 @dataclass
 class _BackgroundStart:
     thread: threading.Thread
@@ -237,8 +251,7 @@ class FSDPCluster:
         background = self._background
         if background is None or background.thread is threading.current_thread():
             return
-        while background.thread.is_alive():
-            background.thread.join(_JOIN_SLICE_SECONDS)  # in slices: a KeyboardInterrupt reaches this thread
+        join_interruptibly(background.thread)
         self._background = None
 
     def _exit_code(self, pid: int) -> int | None:

@@ -77,7 +77,7 @@ def _wait(cluster: FSDPCluster, world: World, rank: int, result: ipp.AsyncResult
         world.broken = True
         # the controller may report the death first, as an EngineError (raised, or remote)
         died = isinstance(error, ipp_error.EngineError) or error.ename == "EngineError"
-        if died or rank in cluster.dead_ranks():
-            how = cluster.how_rank_died(rank) or "it stopped answering"
-            raise RankError(rank, f"engine died while receiving its shards: {how}") from None
+        how = cluster.how_rank_died(rank, within=2.0 if died else 0.0)
+        if died or how:
+            raise RankError(rank, f"engine died while receiving its shards: {how or 'it stopped answering'}") from None
         raise RankError(rank, f"{error.ename}: {error.evalue} (while receiving its shards)") from None

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import nbfsdp
 from nbfsdp import metrics, transfer
+from nbfsdp.cluster import loopback_interface
 from nbfsdp.config import FSDPConfig
 from nbfsdp.control import CellCancelled, RankControl
 from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
@@ -55,13 +55,6 @@ class _World:
 _world: _World | None = None
 
 
-def _loopback_interface() -> str | None:
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addresses):
-            return name
-    return None
-
-
 def setup(
     *, rank: int, world_size: int, backend: str, store_path: str, timeout: float, threads: int, generation: int
 ) -> dict[str, Any]:
@@ -74,7 +67,7 @@ def setup(
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.set_num_threads(threads)
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)

@@ -147,13 +147,18 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
     assert ok and cancelled and last[0] == last[1] < 499
 
 
+def _dashboard(predicted: list[dict[str, int]] | None = None) -> LiveDashboard:
+    """A 2-rank CPU dashboard with default settings, fed by hand."""
+    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    return LiveDashboard(2, "cpu", predicted, settings, lambda change: "", lambda: None)
+
+
 def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffers(shell):
     """The figures a person sees: the step a setting changed, written on its marker; explain's buffers."""
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
     predicted = nbfsdp.explain(model, world_size=2, wrap_cls="Linear").memory
     assert predicted[0]["comm_buffers"] > 0
-    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
-    dashboard = LiveDashboard(2, "cpu", predicted, settings, lambda change: "", lambda: None)
+    dashboard = _dashboard(predicted)
     memory = {"mem_params": 1000, "mem_grads": 1000, "mem_optim": 2000, "mem_activations": 500, "mem_peak": 4000}
     records = [
         {"rank": r, "step": s, "step_time": 0.01, "loss": 1 / (s + 1), **memory} for s in range(6) for r in (0, 1)
@@ -191,8 +196,7 @@ def test_figures_are_drawn_by_a_process_of_the_lowest_cpu_priority_in_a_session_
 
     Linux shares CPU between sessions first (autogroup), so the worker has its own, lowered.
     """
-    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
-    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard = _dashboard()
     dashboard.add([{"rank": r, "step": s, "step_time": 0.01, "loss": 1.0} for s in range(200) for r in (0, 1)])
     dashboard.refresh()
     assert dashboard.redraws == 0 and not dashboard._figure.value  # the caller went on without drawing
@@ -242,8 +246,7 @@ def _wait_for_drawing(dashboard: LiveDashboard, redraws: int) -> None:
 def test_live_drawings_add_new_records_to_the_workers_figure_and_start_afresh_when_it_was_lost(shell):
     """Only the records since the last drawing travel; a worker that died (and its figure with it) is
     replaced, the drawing that found no figure fails, and the next sends every record again."""
-    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
-    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard = _dashboard()
     dashboard.add(_records(range(10)))
     dashboard.refresh()
     _wait_for_drawing(dashboard, 1)
@@ -278,8 +281,7 @@ def _worker_keeps_figure(key: str) -> bool:
 def test_drawings_keep_to_a_fiftieth_of_a_core_while_every_core_is_busy(shell):
     """Even a SCHED_IDLE drawing slows ranks that keep every core busy (12% of a core cost two ranks on two
     cores 6% of each step): the pause after a drawing stretches to 50 times its CPU time."""
-    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
-    dashboard = LiveDashboard(2, "cpu", None, settings, lambda change: "", lambda: None)
+    dashboard = _dashboard()
     dashboard.add(_records(range(50)))
     dashboard.refresh()
     _wait_for_drawing(dashboard, 1)

@@ -90,7 +90,11 @@ def _train(model: nn.Module, steps: int, recorder: metrics.Recorder, pause: floa
     return counted
 
 
-@pytest.mark.skipif(metrics._top_saved_tensors_hooks is None, reason="torch < 2.8 counts every step")
+#: The hook stack can only be read (by nbfsdp and by these tests) from torch 2.8; before, every step is counted.
+needs_hook_stack = pytest.mark.skipif(metrics._top_saved_tensors_hooks is None, reason="torch < 2.8 counts every step")
+
+
+@needs_hook_stack
 def test_activations_are_counted_on_the_first_steps_then_about_once_a_second(monkeypatch):
     """Saved-tensor hooks cost ~20 us a tensor on every step they are in force (1-3% of a small CPU step):
     they count a cell's first steps, then one step per ACTIVATIONS_EVERY_SECONDS; records between repeat
@@ -113,6 +117,7 @@ def test_activations_are_counted_on_the_first_steps_then_about_once_a_second(mon
     assert figures[0] > 0 and len(set(figures)) == 1  # the same model and batch every step: one figure
 
 
+@needs_hook_stack
 def test_a_cells_own_saved_tensor_hooks_keep_their_place_when_it_logs_inside_them():
     """Hooks are a stack: a log call inside the cell's ``with saved_tensors_hooks`` must neither push the
     meter's above the cell's (the cell would pop them) nor pop the cell's."""
