@@ -167,9 +167,13 @@ class _Loading:
     def _load(self) -> None:
         global _magics
         try:
+            from nbfsdp.cluster import FSDPCluster
+
+            cluster = FSDPCluster()
+            cluster.start_fork_server()  # the engines' imports run alongside this thread's
             from nbfsdp.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
 
-            magics = FSDPMagics(self.shell)
+            magics = FSDPMagics(self.shell, cluster)
             self.world_size = _world_size(self.world_size)  # imports torch to count the GPUs
             magics.session.cluster.start_in_background(self.world_size, DEFAULT_TIMEOUT_SECONDS, since=self.started)
             self.shell.register_magics(magics)

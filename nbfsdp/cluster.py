@@ -1,7 +1,8 @@
 """The ipyparallel cluster behind ``%%fsdp``: one engine per rank, one world at a time.
 
-Engines are separate processes started by ipyparallel (no fork, so CUDA used
-in the notebook is harmless). With at least N GPUs visible, each of N engine
+Engines are ipyparallel engines forked by a fork server of the cluster's own
+(``nbfsdp.forkserver``: a fresh process that has imported torch once, never the
+notebook's process, so CUDA used in the notebook is harmless). With at least N GPUs visible, each of N engine
 sets sees exactly one GPU and the world uses NCCL; otherwise the world is CPU
 and gloo, and each engine gets ``cores // N`` torch threads so N engines share
 the cores without oversubscription (torchrun sets ``OMP_NUM_THREADS`` for the
@@ -47,18 +48,14 @@ from nbfsdp import reaper
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
+    from nbfsdp.forkserver import ForkServer
+
 ENGINE_START_TIMEOUT = 120.0
 MAX_WORLD_SIZE = 64
 #: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
 #: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
 HEARTBEAT_MS = 500
 HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
-#: Each engine runs this as it starts: what ``engine.setup`` needs (torch above all) is imported on a
-#: thread while the engine registers, not only once every engine has registered and setup arrives.
-EARLY_IMPORT = (
-    '__import__("threading").Thread(target=__import__, args=("nbfsdp.engine",), name="nbfsdp-import", '
-    "daemon=True).start()"
-)
 #: How often a wait for the background start lets a KeyboardInterrupt through.
 _JOIN_SLICE_SECONDS = 0.1
 
@@ -121,6 +118,7 @@ class FSDPCluster:
         self._private_dir: str | None = None
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
+        self._fork_server: ForkServer | None = None
         self._engine_layout: tuple[int, bool] | None = None  # (engines, one GPU each)
         self._generation = 0
         self._background: _BackgroundStart | None = None
@@ -158,6 +156,8 @@ class FSDPCluster:
         world = self.world
         if world and not world.broken and world.world_size == world_size and world.timeout == timeout:
             return world
+        if self._cluster is None and self._fork_server is None:
+            self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
         gpus = visible_gpus()
         use_gpus = gpus >= world_size
         if 0 < gpus < world_size:
@@ -218,9 +218,11 @@ class FSDPCluster:
             if self.world:
                 self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
             self._cluster.stop_cluster_sync()
+        if self._fork_server is not None:
+            self._fork_server.stop()
         if self._private_dir:
             shutil.rmtree(self._private_dir, ignore_errors=True)
-        self._cluster = self._client = self._private_dir = None
+        self._cluster = self._client = self._private_dir = self._fork_server = None
         self._engine_layout = None
         self.world = None
 
@@ -254,21 +256,9 @@ class FSDPCluster:
         join_interruptibly(background.thread)
         self._background = None
 
-    def _exit_code(self, pid: int) -> int | None:
-        for engine_set in self._cluster.engines.values() if self._cluster else []:
-            for launcher in getattr(engine_set, "launchers", {}).values():
-                if launcher.pid == pid:
-                    # the launcher's psutil.Process caches its exit code; waiting on that same
-                    # object cannot steal it from the launcher's own waiting thread
-                    try:
-                        return launcher.process.wait(timeout=0)
-                    except psutil.TimeoutExpired:
-                        return None
-        return None
-
     def _how_it_ended(self, pid: int) -> str:
         deadline = time.monotonic() + 1.0
-        while (code := self._exit_code(pid)) is None and time.monotonic() < deadline:
+        while (code := self._fork_server.exit_code(pid)) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if code is None:
             return "exited"
@@ -277,17 +267,41 @@ class FSDPCluster:
             return f"killed by {name}{' (out of memory?)' if name == 'SIGKILL' else ''}"
         return f"exited with code {code}"
 
-    def _start_engines(self, world_size: int, use_gpus: bool) -> None:
+    def start_fork_server(self) -> None:
+        """Stop what runs, and start the engines' fork server (``nbfsdp.forkserver``) in a fresh private
+        directory; return at once. It imports what the engines need while the caller goes on, and the next
+        world that starts engines forks them from it."""
+        self._wait_for_background()
         self.stop()
         reaper.clean_stale()
         self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
         reaper.record(self._private_dir, os.getpid(), [])
         reaper.start(os.getpid(), self._private_dir)
+        from nbfsdp.forkserver import ForkServer
+
+        # the engines' own variables (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) are set in each engine after
+        # the fork: torch reads them only when it first uses CUDA or its thread pool, never at import
+        self._fork_server = ForkServer(dict(os.environ), os.path.join(self._private_dir, "forkserver.log"))
+        reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
+
+    def _start_engines(self, world_size: int, use_gpus: bool) -> None:
+        if self._cluster is not None or self._fork_server is None:  # else one was started for this world
+            self.start_fork_server()
+        threads = str(cpu_threads_per_rank(world_size))
+        if use_gpus:  # one engine set per GPU, so each engine sees exactly one
+            engine_sets = [
+                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}) for gpu in range(world_size)
+            ]
+        else:
+            engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
         import ipyparallel as ipp
+
+        from nbfsdp.launcher import ForkedEngineSetLauncher
 
         self._cluster = ipp.Cluster(
             profile_dir=self._private_dir,
             controller_ip="127.0.0.1",
+            engine_launcher_class=ForkedEngineSetLauncher,
             # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
             # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
             log_level=logging.ERROR,
@@ -299,30 +313,24 @@ class FSDPCluster:
         self._cluster.start_controller_sync()
         # each process is recorded as soon as it is launched: a kernel killed mid-start leaves none behind
         reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
-        threads = str(cpu_threads_per_rank(world_size))
-        if use_gpus:  # one engine set per GPU, so each engine sees exactly one
-            engine_sets = [
-                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}) for gpu in range(world_size)
-            ]
-        else:
-            engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
-        early_import = [f"--IPEngine.startup_command={EARLY_IMPORT}"]
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
-            self._cluster.start_engines_sync(count, environment=env, engine_args=early_import, delay=0)
+            self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
             reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
         self.processes_started += world_size
         self._client = self._cluster.connect_client_sync()
+        import nbfsdp.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
+
         self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
         self._engine_layout = (world_size, use_gpus)
 
     def cluster_pids(self) -> list[int]:
-        """The controller's and every engine's process id."""
+        """The fork server's, the controller's and every engine's process id."""
         self._wait_for_background()
         launchers = [self._cluster.controller] + [
             launcher for engine_set in self._cluster.engines.values() for launcher in engine_set.launchers.values()
         ]
-        return [launcher.pid for launcher in launchers]
+        return [self._fork_server.pid] + [launcher.pid for launcher in launchers]
 
     def _rank_order(self, use_gpus: bool) -> list[int]:
         ids = sorted(self.client.ids)

@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import Image, display
 
 from nbfsdp import comparison, config
-from nbfsdp.cluster import MAX_WORLD_SIZE, visible_gpus
+from nbfsdp.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
 from nbfsdp.panel import SettingsPanel
 from nbfsdp.planning import plan
 from nbfsdp.session import Session
@@ -82,9 +82,9 @@ def config_arguments(func):
 class FSDPMagics(Magics):
     """Train the notebook's models sharded with FSDP2 across an ipyparallel cluster."""
 
-    def __init__(self, shell) -> None:
+    def __init__(self, shell, cluster: FSDPCluster | None = None) -> None:
         super().__init__(shell)
-        self.session = Session(shell)
+        self.session = Session(shell, cluster)
 
     @magic_arguments()
     @argument(

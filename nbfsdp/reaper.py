@@ -49,8 +49,9 @@ def record(private_dir: str, kernel_pid: int, pids: list[int]) -> None:
     partial.replace(target)
 
 
-def _is_ipyparallel(process: psutil.Process) -> bool:
-    return any("ipyparallel" in part for part in process.cmdline())
+def is_cluster_process(process: psutil.Process) -> bool:
+    """ipyparallel's controller and schedulers, the engine fork server and the engines it forked."""
+    return any("ipyparallel" in part or "nbfsdp.forkserver" in part for part in process.cmdline())
 
 
 def cluster_processes(pids: list[int]) -> list[psutil.Process]:
@@ -60,19 +61,19 @@ def cluster_processes(pids: list[int]) -> list[psutil.Process]:
     and the controller's schedulers are processes of that session: they live
     on, orphaned, when the controller dies before ending them (killed, or
     stopped while still starting them up), but keep the session id. A pid
-    recorded long ago may be another process now: only ipyparallel's are ended,
+    recorded long ago may be another process now: only the cluster's are ended,
     with their children.
     """
     found: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             process = psutil.Process(pid)
-            if _is_ipyparallel(process):
+            if is_cluster_process(process):
                 found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
     sessions = set(pids)
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error, OSError):
-            if process.pid not in found and os.getsid(process.pid) in sessions and _is_ipyparallel(process):
+            if process.pid not in found and os.getsid(process.pid) in sessions and is_cluster_process(process):
                 found[process.pid] = process
     return list(found.values())
 

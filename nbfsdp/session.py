@@ -86,9 +86,9 @@ class CellRun:
 class Session:
     """The cluster plus what the notebook knows the engines hold."""
 
-    def __init__(self, shell: InteractiveShell) -> None:
+    def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         self.shell = shell
-        self.cluster = FSDPCluster()
+        self.cluster = cluster or FSDPCluster()
         self.panel: dict[str, Any] = {}
         """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
         self.panel_world_size: int | None = None

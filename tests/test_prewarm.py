@@ -7,6 +7,7 @@ kernel is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 import nbfsdp
+from nbfsdp import reaper
 from nbfsdp.cluster import FSDPCluster
 from tests.conftest import gone, left_behind
 from tests.test_kernel import Kernel
@@ -55,7 +57,7 @@ class PrewarmKernel(Kernel):
             self.manager.cleanup_resources()
 
     def cluster_processes(self) -> list[psutil.Process]:
-        """The kernel's ipyparallel descendants (controller, engines, their nannies) alive now."""
+        """The kernel's cluster descendants alive now: controller, fork server, engines, their nannies."""
         try:
             children = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -63,7 +65,7 @@ class PrewarmKernel(Kernel):
         found = []
         for child in children:
             try:
-                if any("ipyparallel" in part for part in child.cmdline()) and not gone(child.pid):
+                if reaper.is_cluster_process(child) and not gone(child.pid):
                     found.append(child)
             except psutil.Error:
                 continue
@@ -196,13 +198,20 @@ def test_a_bad_value_warns_with_the_valid_ones_and_starts_nothing(kernels, value
     assert kernel.output("%fsdp status").strip() == "nbfsdp: no cluster running"
 
 
+def is_engine(process: psutil.Process) -> bool:
+    """A process the cluster's fork server forked."""
+    with contextlib.suppress(psutil.Error, AttributeError):  # AttributeError: no parent any more
+        return "nbfsdp.forkserver" in " ".join(process.parent().cmdline())
+    return False
+
+
 @pytest.mark.parametrize("how", ["killed", "shut down"])
 def test_a_kernel_gone_while_the_engines_start_leaves_none_behind(kernels, how):
     kernel = kernels("2")
     kernel.output("%load_ext nbfsdp")
     deadline = time.monotonic() + READY_TIMEOUT
     # mid-start: engine processes launched, the world not set up yet
-    while not any("ipyparallel.engine" in " ".join(p.cmdline()) for p in kernel.cluster_processes()):
+    while not any(is_engine(p) for p in kernel.cluster_processes()):
         assert time.monotonic() < deadline, "no engine was ever launched"
         time.sleep(0.05)
     assert "in the background" in kernel.output("%fsdp status")

@@ -1,0 +1,46 @@
+"""The engines come from the cluster's fork server: forked with torch imported, each with its own environment."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from nbfsdp.cluster import cpu_threads_per_rank
+from nbfsdp.forkserver import ForkServer, ForkServerError
+from tests.conftest import gone, run_ok
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_each_engine_is_forked_by_the_fork_server_with_its_own_environment(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    server = cluster._fork_server
+    engines = [psutil.Process(pid) for pid in cluster.world.pids]
+    assert [engine.ppid() for engine in engines] == [server.pid, server.pid]
+    assert all(os.getsid(engine.pid) == engine.pid for engine in engines)  # a session each, as ipyparallel's
+    views = cluster.client[cluster.world.engine_ids]
+    # the CPU world's, set in each engine after the fork (the server has the kernel's environment)
+    assert views.apply_sync(os.getenv, "CUDA_VISIBLE_DEVICES") == ["", ""]
+    assert views.apply_sync(os.getenv, "OMP_NUM_THREADS") == [str(cpu_threads_per_rank(2))] * 2
+
+
+def test_the_fork_server_reports_how_each_engine_ended(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    server, pid = cluster._fork_server, cluster.world.pids[1]
+    os.kill(pid, signal.SIGKILL)
+    assert server.wait(pid) == -signal.SIGKILL  # the engine is the server's child, not the kernel's
+    assert server.exit_code(pid) == -signal.SIGKILL
+    cluster.kill_engines()  # the next test starts a new world
+
+
+def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
+    log = tmp_path / "forkserver.log"
+    server = ForkServer(dict(os.environ), str(log))
+    psutil.Process(server.pid).kill()
+    with pytest.raises(ForkServerError, match=f"fork server .*{log}"):
+        server.spawn(["ipengine"], dict(os.environ), cwd=str(tmp_path), output=str(tmp_path / "engine.log"))
+    server.stop()
+    assert gone(server.pid)
