@@ -3,7 +3,7 @@
 ``Kernel()`` starts an IPython kernel with this interpreter (``sys.executable``, the repository's venv under
 ``make bench``), in a temporary working directory, with ``os.environ`` plus the given variables, and waits
 until it answers. ``execute`` sends one cell and returns when the kernel has both replied and gone idle:
-the round trip a notebook sees, with the cell's stdout, stderr and error. ``shutdown`` stops nbfsdp's
+the round trip a notebook sees, with the cell's stdout and error. ``shutdown`` stops nbfsdp's
 cluster (``%fsdp stop``), shuts the kernel down and waits until every process it started has ended.
 """
 
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -26,6 +26,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 KERNEL_NAME = "nbfsdp-bench"
+STARTUP_TIMEOUT_S = 120.0
 #: Ends nbfsdp's cluster if the extension was loaded (what ``%fsdp stop`` does).
 STOP_NBFSDP = """import sys as _sys
 if "nbfsdp" in _sys.modules and _sys.modules["nbfsdp"]._magics:
@@ -45,10 +46,7 @@ class Reply:
     elapsed: float
     """Seconds from sending the execute request to having both its reply and the kernel's idle status."""
     stdout: str = ""
-    stderr: str = ""
     error: str = ""
-    messages: list[str] = field(default_factory=list)
-    """The msg_type of every iopub message of the cell, in order."""
 
     def json(self) -> object:
         """The last stdout line, parsed as JSON (cells print their results that way)."""
@@ -58,7 +56,7 @@ class Reply:
 class Kernel:
     """A kernel process and a blocking client on its channels."""
 
-    def __init__(self, env: dict[str, str] | None = None, startup_timeout: float = 120) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="nbfsdp-bench-kernel-"))
         spec_dir = self._dir / "kernels" / KERNEL_NAME
         spec_dir.mkdir(parents=True)
@@ -77,7 +75,7 @@ class Kernel:
         self.client = self.manager.client()
         self.client.start_channels()
         try:
-            self.client.wait_for_ready(timeout=startup_timeout)
+            self.client.wait_for_ready(timeout=STARTUP_TIMEOUT_S)
         except RuntimeError:
             self.shutdown()
             raise
@@ -88,7 +86,7 @@ class Kernel:
         started = time.perf_counter()
         msg_id = self.client.execute(code)
         reply = None
-        stdout, stderr, error, types = [], [], "", []
+        stdout, error = [], ""
         deadline = time.monotonic() + timeout
         idle = False
         while not idle:  # the cell's output, up to the kernel's idle status
@@ -96,9 +94,8 @@ class Kernel:
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
-            types.append(kind)
-            if kind == "stream":
-                (stdout if content["name"] == "stdout" else stderr).append(content["text"])
+            if kind == "stream" and content["name"] == "stdout":
+                stdout.append(content["text"])
             elif kind == "error":
                 error = f"{content['ename']}: {content['evalue']}\n" + "\n".join(content["traceback"])
             elif kind == "status" and content["execution_state"] == "idle":
@@ -108,7 +105,7 @@ class Kernel:
             if msg["parent_header"].get("msg_id") == msg_id:
                 reply = msg
         elapsed = time.perf_counter() - started
-        result = Reply(reply["content"]["status"], elapsed, "".join(stdout), "".join(stderr), error, types)
+        result = Reply(reply["content"]["status"], elapsed, "".join(stdout), error)
         if check and result.status != "ok":
             raise CellError(f"cell failed: {result.error or result.status}\n--- cell ---\n{code[:500]}")
         return result
@@ -133,10 +130,10 @@ class Kernel:
         except (psutil.NoSuchProcess, AttributeError):
             return []
 
-    def shutdown(self, stop_cluster: bool = True, wait: float = 30) -> list[str]:
+    def shutdown(self, wait: float = 30) -> list[str]:
         """Stop nbfsdp's cluster, then the kernel; the processes still alive after ``wait`` s (should be none)."""
         started_here = self.descendants() if hasattr(self, "pid") else []
-        if stop_cluster and hasattr(self, "pid"):
+        if hasattr(self, "pid"):
             with contextlib.suppress(Exception):
                 self.execute(STOP_NBFSDP, timeout=60, check=False)
         with contextlib.suppress(Exception):
@@ -151,12 +148,6 @@ class Kernel:
         self._log.close()
         shutil.rmtree(self._dir, ignore_errors=True)
         return [f"{p.pid} {' '.join(_cmdline(p))[:120]}" for p in alive]
-
-    def __enter__(self) -> Kernel:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
 
 
 def _alive(process: psutil.Process) -> bool:

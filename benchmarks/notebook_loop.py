@@ -19,7 +19,7 @@ _run = _nbfsdp.last_run()
 _world = _nbfsdp._magics.session.cluster.world
 print(_json.dumps({
     "step_times": step_times, "losses": losses, "units": _run.config["fsdp_units"]["model"],
-    "records": len(_run.metrics), "cell_elapsed_s": _run.elapsed, "backend": _world.backend,
+    "records": len(_run.metrics), "backend": _world.backend,
     "engine_threads": [e["threads"] for e in _world.engines], "devices": [e["device"] for e in _world.engines],
 }))
 """

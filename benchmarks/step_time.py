@@ -62,6 +62,9 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
             "OMP_NUM_THREADS": first["torchrun"]["omp_num_threads"],
         },
         "threads_fsdp_engines": first["fsdp"]["engine_threads"],
+        "device_torchrun": first["torchrun"]["device"],
+        "devices_fsdp": first["fsdp"]["devices"],
+        "backend_fsdp": first["fsdp"]["backend"],
         "fsdp_records_per_cell": first["fsdp"]["records"],
         "torchrun_wall_s": first["torchrun"]["wall_s"],
         "fsdp_cell_round_trip_s": first["fsdp"]["cell_round_trip_s"],
@@ -76,7 +79,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     ratios = [(x / y if throughput else y / x) for x, y in zip(a, b, strict=True)]
     same_units = result["units_torchrun"] == result["units_fsdp"]
     units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
-    value = median(ms[0]) / median(ms[1]) if throughput else median(ms[1]) / median(ms[0])
+    value = 1 / result["ratio"] if throughput else result["ratio"]
     what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
     return [
         Measurement(

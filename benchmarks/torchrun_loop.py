@@ -62,7 +62,6 @@ def main(config_path: str, out_path: str) -> None:
             "units": [*units, ""],
             "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "world_size": world_size,
             "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         }
         with open(out_path, "w") as file:

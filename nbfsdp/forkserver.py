@@ -28,6 +28,7 @@ engines it forked and exits, so a kernel killed mid-start leaves none behind.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -217,6 +218,9 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                # the imported objects out of the collector's reach: an engine's collections neither walk
+                # them nor write their headers (which would copy the shared pages), as Python's gc docs advise
+                gc.freeze()
                 try:
                     pid = os.fork()
                 except OSError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -25,6 +26,8 @@ def test_each_engine_is_forked_by_the_fork_server_with_its_own_environment(shell
     # the CPU world's, set in each engine after the fork (the server has the kernel's environment)
     assert views.apply_sync(os.getenv, "CUDA_VISIBLE_DEVICES") == ["", ""]
     assert views.apply_sync(os.getenv, "OMP_NUM_THREADS") == [str(cpu_threads_per_rank(2))] * 2
+    # what the server imported is frozen: an engine's collections neither walk nor copy it
+    assert all(count > 100_000 for count in views.apply_sync(gc.get_freeze_count))
 
 
 def test_the_fork_server_reports_how_each_engine_ended(shell, cluster):

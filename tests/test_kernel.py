@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(240)
 class Kernel:
     """A kernel and its client; ``execute`` returns the cell's iopub messages with arrival times."""
 
-    def __init__(self) -> None:
-        self.manager, self.client = start_new_kernel(kernel_name="python3")
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """``env``: the kernel's whole environment (default: this process's)."""
+        self.manager, self.client = start_new_kernel(kernel_name="python3", **({} if env is None else {"env": env}))
 
     def execute(
         self, code: str, timeout: float = 120, interrupt_after: float | None = None, on_message=None

@@ -15,7 +15,6 @@ import time
 
 import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 import nbfsdp
 from nbfsdp import reaper
@@ -40,8 +39,7 @@ class PrewarmKernel(Kernel):
     """A kernel whose environment sets ``NBFSDP_PREWARM``."""
 
     def __init__(self, prewarm: str) -> None:
-        env = {**os.environ, "NBFSDP_PREWARM": prewarm}
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
+        super().__init__({**os.environ, "NBFSDP_PREWARM": prewarm})
         self.pid = self.manager.provisioner.pid
         self.seen: set[int] = set()  # every ipyparallel process this kernel started, as they appear
         self.ended = False

@@ -9,6 +9,7 @@ import pytest
 import torch.nn as nn
 
 import nbfsdp
+from benchmarks import procmem
 from nbfsdp import transfer
 from tests.conftest import run_failing, run_ok
 
@@ -66,19 +67,6 @@ def test_pieces_are_views_of_the_notebooks_tensors_not_copies():
     assert data.ctypes.data == first_weight.data_ptr() + first_weight.nbytes // 2
 
 
-def _peak_and_current(pid: int) -> tuple[int, int]:
-    with open(f"/proc/{pid}/status") as status:
-        fields = dict(line.split(":", 1) for line in status)
-    return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
-
-
-def _reset_peak(pid: int) -> int:
-    """Restart a process's high-water mark from its current RSS; return that RSS."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_and_current(pid)[1]
-
-
 def test_transfer_memory_engines_near_their_shard_notebook_near_nothing(shell, cluster):
     """Issue 7's transfer targets: each engine peaks at most 1.3x its shard above its baseline, the
     notebook at most 0.1x the model above what holding the model costs, and each rank receives its half."""
@@ -88,18 +76,18 @@ def test_transfer_memory_engines_near_their_shard_notebook_near_nothing(shell, c
     shell.user_ns["big"] = model = _big_model()
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     shard = full / 2
-    engines = {pid: _reset_peak(pid) for pid in cluster.world.pids}
-    notebook = _reset_peak(os.getpid())
+    engines = {pid: procmem.reset_peak(pid) for pid in cluster.world.pids}
+    notebook = procmem.reset_peak(os.getpid())
     run_ok(
         shell,
         """%%fsdp --world-size 2 --no-gather
 local_bytes = sum(p.to_local().nbytes for p in big.parameters())
 """,
     )
-    notebook_growth = _peak_and_current(os.getpid())[0] - notebook
+    notebook_growth = procmem.read(os.getpid())["hwm"] - notebook
     assert shell.user_ns["local_bytes"] == shard
     for pid, before in engines.items():
-        growth = _peak_and_current(pid)[0] - before
+        growth = procmem.read(pid)["hwm"] - before
         # the shards' own storage plus one piece in flight (before: ~2.5x, the whole shard as
         # received beside the storage FSDP2 allocated for it)
         assert growth <= 1.3 * shard, f"engine {pid} grew {growth / 2**20:.0f} MiB for a {shard / 2**20:.0f} MiB shard"
