@@ -1,9 +1,11 @@
 """The ipyparallel cluster behind ``%%fsdp``: one engine per rank, one world at a time.
 
-Engines are ipyparallel engines forked by a fork server of the cluster's own
-(``nbfsdp.forkserver``: a fresh process that has imported torch once, never the
-notebook's process, so CUDA used in the notebook is harmless). With at least N GPUs visible, each of N engine
-sets sees exactly one GPU and the world uses NCCL; otherwise the world is CPU
+Engines are ipyparallel engines forked by the cluster's fork server
+(``nbfsdp.forkserver``), a fresh process that imports torch, FSDP2 and ipykernel
+once; it is never the notebook's process, so CUDA used in the notebook is
+harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls that before
+its own imports, which the server's then overlap. With at least N GPUs visible,
+each of N engine sets sees exactly one GPU and the world uses NCCL; otherwise the world is CPU
 and gloo, and each engine gets ``cores // N`` torch threads so N engines share
 the cores without oversubscription (torchrun sets ``OMP_NUM_THREADS`` for the
 same reason).
@@ -21,7 +23,8 @@ cluster first waits for that thread, in short slices that Ctrl-C can
 interrupt; a background start that failed is kept, not printed, and the next
 ``ensure_world`` starts again from scratch (and raises, if it fails again).
 The process ids go to the reaper as soon as each process is launched, so a
-kernel killed mid-start leaves nothing behind.
+kernel killed mid-start leaves nothing behind (the fork server also ends its
+engines when the kernel's end of its pipe closes).
 
 Importing this module loads neither torch nor ipyparallel.
 """
