@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from benchmarks import procmem
 from tests.conftest import run_ok
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,20 +64,14 @@ def test_engines_reuse_an_unchanged_model_and_resend_a_changed_one(shell, tiny_m
 
 
 def test_only_rank_0_materializes_the_full_state(shell, cluster):
-    from tests.test_sharding import _peak_and_current
-
     # many 4 MiB parameters: one gathered at a time is far from the whole 134 MB, whatever the allocator keeps
     shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear --no-gather\nbig\n")  # sharded, not gathered
-    growth = {}
-    for rank, pid in enumerate(cluster.world.pids):
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-        growth[rank] = -_peak_and_current(pid)[1]
+    growth = {rank: -procmem.reset_peak(pid) for rank, pid in enumerate(cluster.world.pids)}
     run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\nbig\n")  # the same shards, now gathered
     for rank, pid in enumerate(cluster.world.pids):
-        growth[rank] += _peak_and_current(pid)[0]
+        growth[rank] += procmem.read(pid)["hwm"]
     assert growth[0] > 0.9 * full  # rank 0 holds the whole state dict
     # rank 1 gathers each parameter in turn and drops it (gloo's buffers and the allocator's
     # free lists still show in its high-water mark: measured 35-46 MiB here, never the 128 MiB state)

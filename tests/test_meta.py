@@ -8,8 +8,9 @@ import torch.nn as nn
 from IPython.core.error import UsageError
 
 import nbfsdp
+from benchmarks import procmem
 from tests.conftest import run_failing, run_ok
-from tests.test_sharding import _big_model, _peak_and_current
+from tests.test_sharding import _big_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,11 +51,7 @@ def test_a_meta_model_bigger_than_a_rank_can_afford_costs_each_rank_its_shard(sh
     with torch.device("meta"):
         shell.user_ns["huge"] = _big_model(width=4096)  # 537 MB
     full = sum(p.numel() * p.element_size() for p in shell.user_ns["huge"].parameters())
-    before = {}
-    for pid in cluster.world.pids:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-        before[pid] = _peak_and_current(pid)[1]
+    before = {pid: procmem.reset_peak(pid) for pid in cluster.world.pids}
     run_ok(
         shell,
         """%%fsdp --world-size 2 --no-gather --wrap-cls Linear
@@ -63,7 +60,7 @@ local_bytes = sum(p.to_local().nbytes for p in huge.parameters())
     )
     assert shell.user_ns["local_bytes"] == full / 2
     for pid in cluster.world.pids:
-        growth = _peak_and_current(pid)[0] - before[pid]
+        growth = procmem.read(pid)["hwm"] - before[pid]
         # its half of the model, one or two Linears initialized full-size at a time (the allocator
         # keeps a freed one for reuse) and FSDP's set-up: measured ~0.8x; a whole model would exceed 1x
         assert growth < 0.9 * full, f"engine {pid} grew {growth / 2**20:.0f} MiB for a {full / 2**20:.0f} MiB model"
