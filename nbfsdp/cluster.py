@@ -1,14 +1,14 @@
 """The ipyparallel cluster behind ``%%fsdp``: one engine per rank, one world at a time.
 
 Engines are ipyparallel engines forked by the cluster's fork server
-(``nbfsdp.forkserver``), a fresh process that imports torch, FSDP2 and ipykernel
-once; it is never the notebook's process, so CUDA used in the notebook is
-harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls that before
-its own imports, which the server's then overlap. With at least N GPUs visible,
-each of N engine sets sees exactly one GPU and the world uses NCCL; otherwise the world is CPU
-and gloo, and each engine gets ``cores // N`` torch threads so N engines share
-the cores without oversubscription (torchrun sets ``OMP_NUM_THREADS`` for the
-same reason).
+(``nbfsdp.forkserver``), a fresh process that imports torch, FSDP2 and
+ipykernel once; it is never the notebook's process, so CUDA used in the
+notebook is harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls
+that before its own imports, which the server's then overlap. With at least N
+GPUs visible, each of N engine sets sees exactly one GPU and the world uses
+NCCL; otherwise the world is CPU and gloo, and each engine gets ``cores // N``
+torch threads so N engines share the cores without oversubscription (torchrun
+sets ``OMP_NUM_THREADS`` for the same reason).
 
 Everything stays on this machine and private to its user: the controller
 listens on 127.0.0.1, connection files live in a fresh 0700 directory, and the
@@ -274,7 +274,6 @@ class FSDPCluster:
         """Stop what runs, and start the engines' fork server (``nbfsdp.forkserver``) in a fresh private
         directory; return at once. It imports what the engines need while the caller goes on, and the next
         world that starts engines forks them from it."""
-        self._wait_for_background()
         self.stop()
         reaper.clean_stale()
         self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
