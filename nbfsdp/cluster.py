@@ -260,9 +260,7 @@ class FSDPCluster:
         self._background = None
 
     def _how_it_ended(self, pid: int) -> str:
-        deadline = time.monotonic() + 1.0
-        while (code := self._fork_server.exit_code(pid)) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        code = self._fork_server.wait(pid, timeout=1.0)
         if code is None:
             return "exited"
         if code < 0:

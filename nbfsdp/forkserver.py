@@ -104,15 +104,11 @@ class ForkServer:
             raise ForkServerError(f"the engine fork server could not fork an engine: {reply['error']}")
         return reply["pid"]
 
-    def wait(self, pid: int) -> int | None:
-        """Block until engine ``pid`` ends; its exit code (negative: the signal), None if the server is gone."""
+    def wait(self, pid: int, timeout: float | None = None) -> int | None:
+        """Engine ``pid``'s exit code (negative: the signal) once it ends; None if it has not ended within
+        ``timeout`` seconds (None: no limit) or the server is gone."""
         with self._changed:
-            self._changed.wait_for(lambda: pid in self._exit_codes or self._gone)
-            return self._exit_codes.get(pid)
-
-    def exit_code(self, pid: int) -> int | None:
-        """The exit code of engine ``pid`` if it has ended, else None. Never waits."""
-        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exit_codes or self._gone, timeout)
             return self._exit_codes.get(pid)
 
     def stop(self) -> None:
