@@ -9,9 +9,13 @@ Memory is measured, not predicted, by category:
 - ``mem_activations``: the peak since the last record of tensors autograd
   saved for backward (FSDP's unsharded parameters excluded), counted through
   saved-tensor hooks. Those cost ~20 us per saved tensor (1-3% of a small
-  CPU step), so they count a cell's first steps, the step after a settings
-  change, and then one step about every second; records between repeat the
-  last figure counted;
+  CPU step), and while they are in force every gloo collective takes the GIL
+  in gloo's own threads (to copy the hooks with the thread's state), so
+  the ranks wait on one another longer. They count a cell's first steps, the
+  step after a settings change, and then one step about every second; a
+  counted step ends at the optimizer's step or at the next record, whichever
+  comes first, so a cell that seldom logs is not counted in between. Records
+  between counted steps repeat the last figure counted;
 - ``mem_peak``: on GPU the allocator's peak since the last record
   (``cuda_max_allocated``); on CPU, which has no allocator statistics,
   ``mem_params + mem_optim + max(mem_activations, mem_grads)``: the tracked
@@ -84,6 +88,8 @@ class MemoryMeter:
         self._activations_peak = 0
         self._activations_figure = 0  # the peak of the last step whose activations were counted
         self._counting = False
+        self._steps_to_count = 0  # optimizer steps to count before the hooks go
+        self._packed = False  # a tensor was counted since the last figure was taken
         self._reads = 0
         self._counted_step_began = 0.0
 
@@ -95,6 +101,7 @@ class MemoryMeter:
         ]
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         self._counting, self._counted_step_began = True, time.perf_counter()
+        self._steps_to_count = COUNTED_FIRST_STEPS
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
         return self
@@ -116,12 +123,18 @@ class MemoryMeter:
         if _top_saved_tensors_hooks is None:
             return
         top = _top_saved_tensors_hooks(False)
+        if on:
+            self._steps_to_count = max(self._steps_to_count, 1)
         if on and not self._counting and top is None:
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._counting, self._activations_peak = True, self._activations
         elif not on and self._counting and top == (self._pack, self._unpack):
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._counting = False
+
+    def _hooks_on_top(self) -> bool:
+        """The meter's hooks are the top of the stack: no hooks of the cell's own were pushed after them."""
+        return _top_saved_tensors_hooks is not None and _top_saved_tensors_hooks(False) == (self._pack, self._unpack)
 
     # -- autograd's saved tensors: activations
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -132,6 +145,7 @@ class MemoryMeter:
         except (RuntimeError, NotImplementedError):  # sparse, nested, ...: not counted, never in the way
             return tensor
         key = storage.data_ptr()
+        self._packed = True
         entry = self._live.get(key)
         if entry is None:
             self._live[key] = [1, storage.nbytes()]
@@ -163,6 +177,17 @@ class MemoryMeter:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizers[id(optimizer)] = optimizer  # its state is measured when a record is made
+        if self._counting and self._packed:  # a counted forward and backward ended: one step fewer to count
+            self._packed = False
+            self._steps_to_count -= 1
+            if self._steps_to_count <= 0 and self._hooks_on_top():  # else the next record ends the count
+                self._take_activations_figure()
+                self._count_activations(False)
+
+    def _take_activations_figure(self) -> None:
+        """The peak counted since the last figure becomes the figure; the next peak starts from now."""
+        self._activations_figure, self._activations_peak = self._activations_peak, self._activations
+        self._packed = False
 
     def _optim_state_bytes(self) -> int:
         return sum(
@@ -175,7 +200,7 @@ class MemoryMeter:
         """This step's figures; peaks restart from here, and whether the next step's activations are counted
         is decided."""
         if self._counting:  # this step's activations were counted: a new figure
-            self._activations_figure, self._activations_peak = self._activations_peak, self._activations
+            self._take_activations_figure()
         grads = self._grads_bytes
         if grads is None:
             grads = storage_bytes(p.grad for p in self._params.values())

@@ -117,6 +117,62 @@ def test_activations_are_counted_on_the_first_steps_then_about_once_a_second(mon
     assert figures[0] > 0 and len(set(figures)) == 1  # the same model and batch every step: one figure
 
 
+def _train_with_optimizer(
+    model: nn.Module, steps: int, recorder: metrics.Recorder | None, log_before_step: bool = False
+) -> list[bool]:
+    """``steps`` optimizer steps, each logged (before or after ``opt.step()``) unless ``recorder`` is None;
+    whether saved-tensor hooks were in force during each."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    counted = []
+    for step in range(steps):
+        counted.append(_hooks_in_force() is not None)
+        model(torch.randn(4, 8)).sum().backward()
+        if recorder is not None and log_before_step:
+            recorder.record({"step": step})
+        opt.step()
+        opt.zero_grad()
+        if recorder is not None and not log_before_step:
+            recorder.record({"step": step})
+    return counted
+
+
+@needs_hook_stack
+def test_a_cell_that_does_not_log_is_counted_on_its_first_steps_only():
+    """While saved-tensor hooks are in force, every gloo collective takes the GIL in gloo's threads: a cell
+    that never logs (no record to end a counted step) stops counting at the optimizer's step, and its
+    first record later still carries the figure those steps counted."""
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    with metrics.MemoryMeter(torch.device("cpu"), model.parameters()) as meter:
+        counted = _train_with_optimizer(model, 8, None)
+        late = metrics.Recorder(0, meter)
+        late.record({"step": 8})
+    first = metrics.COUNTED_FIRST_STEPS
+    assert counted == [True] * first + [False] * (8 - first)
+    with metrics.MemoryMeter(torch.device("cpu"), model.parameters()) as meter:
+        logged = metrics.Recorder(0, meter)
+        _train_with_optimizer(model, 1, logged)  # a counted and logged step: the reference figure
+    assert logged.records[0]["mem_activations"] > 0
+    assert late.records[0]["mem_activations"] == logged.records[0]["mem_activations"]
+
+
+@needs_hook_stack
+@pytest.mark.parametrize("log_before_step", [False, True])
+def test_a_counted_step_ends_at_the_optimizer_or_the_record_whichever_comes_first(monkeypatch, log_before_step: bool):
+    """Logging before or after ``opt.step()``: the same steps are counted and every record carries the
+    same figure (a count ended by the optimizer is not taken again, empty, by the record after it)."""
+    monkeypatch.setattr(metrics, "ACTIVATIONS_EVERY_SECONDS", 3600.0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    with metrics.MemoryMeter(torch.device("cpu"), model.parameters()) as meter:
+        recorder = metrics.Recorder(0, meter)
+        counted = _train_with_optimizer(model, 6, recorder, log_before_step)
+        meter.count_next_step()  # what a settings change asks for
+        counted += _train_with_optimizer(model, 2, recorder, log_before_step)
+    first = metrics.COUNTED_FIRST_STEPS
+    assert counted == [True] * first + [False] * (6 - first) + [True, False]
+    figures = [record["mem_activations"] for record in recorder.records]
+    assert figures[0] > 0 and len(set(figures)) == 1
+
+
 @needs_hook_stack
 def test_a_cells_own_saved_tensor_hooks_keep_their_place_when_it_logs_inside_them():
     """Hooks are a stack: a log call inside the cell's ``with saved_tensors_hooks`` must neither push the
