@@ -96,6 +96,10 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
             samples_a=ms[0],
             samples_b=ms[1],
             samples_value=ratios,
+            note=(
+                f"per-round ratios (each round's two sides run back to back): median {median(ratios):.3f}x, "
+                f"{min(ratios):.3f}-{max(ratios):.3f}x"
+            ),
         ),
         Measurement(
             what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
