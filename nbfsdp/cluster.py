@@ -4,7 +4,9 @@ Engines are ipyparallel engines forked by the cluster's fork server
 (``nbfsdp.forkserver``), a fresh process that imports torch, FSDP2 and
 ipykernel once; it is never the notebook's process, so CUDA used in the
 notebook is harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls
-that before its own imports, which the server's then overlap. With at least N
+that before its own imports, which the server's then overlap. A restart
+(another world size, a rank that died) forks the new engines from the same
+server, so only ``stop`` (``%fsdp stop``) pays its imports again. With at least N
 GPUs visible, each of N engine sets sees exactly one GPU and the world uses
 NCCL; otherwise the world is CPU and gloo, and each engine gets ``cores // N``
 torch threads so N engines share the cores without oversubscription (torchrun
@@ -213,21 +215,15 @@ class FSDPCluster:
         self.world = None
 
     def stop(self) -> None:
-        """Stop engines and controller and remove the private directory (after a background start ends)."""
+        """Stop engines, controller and fork server, and remove the private directory (after a background
+        start ends)."""
         self._wait_for_background()
-        if self._client is not None:
-            self._client.close()
-        if self._cluster is not None:
-            if self.world:
-                self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
-            self._cluster.stop_cluster_sync()
+        self._stop_engines_and_controller()
         if self._fork_server is not None:
             self._fork_server.stop()
         if self._private_dir:
             shutil.rmtree(self._private_dir, ignore_errors=True)
-        self._cluster = self._client = self._private_dir = self._fork_server = None
-        self._engine_layout = None
-        self.world = None
+        self._private_dir = self._fork_server = None
 
     @property
     def private_dir(self) -> str:
@@ -284,8 +280,23 @@ class FSDPCluster:
         self._fork_server = ForkServer(dict(os.environ), os.path.join(self._private_dir, "forkserver.log"))
         reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
 
+    def _stop_engines_and_controller(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._cluster is not None:
+            if self.world:
+                self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
+            self._cluster.stop_cluster_sync()
+        self._cluster = self._client = None
+        self._engine_layout = None
+        self.world = None
+
     def _start_engines(self, world_size: int, use_gpus: bool) -> None:
-        if self._cluster is not None or self._fork_server is None:  # else one was started for this world
+        if self._cluster is not None:
+            # a restart (another size, a rank died) keeps the fork server: it has imported everything once
+            self._stop_engines_and_controller()
+            reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
+        if self._fork_server is None or not self._fork_server.running:
             self.start_fork_server()
         threads = str(cpu_threads_per_rank(world_size))
         if use_gpus:  # one engine set per GPU, so each engine sees exactly one

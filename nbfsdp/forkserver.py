@@ -85,6 +85,11 @@ class ForkServer:
     def pid(self) -> int:
         return self._process.pid
 
+    @property
+    def running(self) -> bool:
+        """The server can still fork engines (it has not exited)."""
+        return self._process.poll() is None
+
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
         """Fork an engine running ``argv`` (ipengine's arguments) and return its process id."""
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "output": output}).encode() + b"\n"

@@ -39,6 +39,28 @@ def test_the_fork_server_reports_how_each_engine_ended(shell, cluster):
     cluster.kill_engines()  # the next test starts a new world
 
 
+def test_a_restart_forks_the_new_engines_from_the_same_fork_server(shell, cluster):
+    """The server's imports are paid once: a restart (another size, a rank that died) reuses it."""
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    server, old_engines = cluster._fork_server, list(cluster.world.pids)
+    cluster.kill_engines()  # what a rank's death or a broken world leads to: the next cell restarts the engines
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    assert cluster._fork_server is server and server.running
+    assert not set(cluster.world.pids) & set(old_engines)
+    assert [psutil.Process(pid).ppid() for pid in cluster.world.pids] == [server.pid, server.pid]
+
+
+def test_a_fork_server_that_died_is_replaced_at_the_next_restart(shell, cluster):
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    dead = cluster._fork_server
+    psutil.Process(dead.pid).kill()
+    dead.wait(cluster.world.pids[0], timeout=10)  # returns once the server is gone
+    cluster.kill_engines()
+    run_ok(shell, "%%fsdp --world-size 2\nassert world_size == 2\n")
+    assert cluster._fork_server is not dead and cluster._fork_server.running
+    assert [psutil.Process(pid).ppid() for pid in cluster.world.pids] == [cluster._fork_server.pid] * 2
+
+
 def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
     log = tmp_path / "forkserver.log"
     server = ForkServer(dict(os.environ), str(log))
