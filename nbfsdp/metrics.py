@@ -122,13 +122,12 @@ class MemoryMeter:
         are pushed. torch before 2.8 cannot tell: there every step is counted."""
         if _top_saved_tensors_hooks is None:
             return
-        top = _top_saved_tensors_hooks(False)
         if on:
             self._steps_to_count = max(self._steps_to_count, 1)
-        if on and not self._counting and top is None:
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-            self._counting, self._activations_peak = True, self._activations
-        elif not on and self._counting and top == (self._pack, self._unpack):
+            if not self._counting and _top_saved_tensors_hooks(False) is None:
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+                self._counting, self._activations_peak = True, self._activations
+        elif self._counting and self._hooks_on_top():
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._counting = False
 
