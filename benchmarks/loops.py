@@ -66,7 +66,7 @@ losses, step_times = [], []
 for step in range(STEPS):
     started = time.perf_counter()
     x, y = batch_for(rank, step, device)
-    loss = nn.functional.mse_loss(model(x), y)
+    loss = nn.functional.mse_loss(model(x).float(), y)  # under PURE the output is bf16, the target fp32
     loss.backward()
     opt.step()
     opt.zero_grad()
