@@ -295,6 +295,7 @@ class FSDPCluster:
         if self._cluster is not None:
             # a restart (another size, a rank died) keeps the fork server: it has imported everything once
             self._stop_engines_and_controller()
+            # the ended processes' ids could be reused before the new ones are recorded: only the server is left
             reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
         if self._fork_server is None or not self._fork_server.running:
             self.start_fork_server()
