@@ -7,7 +7,7 @@ process of the lowest CPU priority (``nbfsdp.renderer``), so a fast training
 loop never waits for drawing. Even time the ranks leave idle is not free
 (a core's sibling thread, its caches, waking ranks): drawings come at most
 once a second, and use at most a tenth of a core while the machine has a
-core to spare, a fiftieth while the ranks keep every core busy (but come at
+core to spare, a hundredth while the ranks keep every core busy (but come at
 least every 3 s). The same display
 carries a PNG of the last drawing, so nbconvert, nbval and a terminal
 IPython, which cannot show widgets, still get the figures as a static image.
@@ -41,7 +41,8 @@ MAX_REDRAW_SECONDS = 3.0
 DRAWING_CPU_SHARE = 0.1
 #: ... and this much while the ranks kept every core busy. Measured at two ranks on two cores: a worker
 #: drawing with 12% of a core slowed every step by 6%, though the ranks preempt it whenever they wake.
-BUSY_DRAWING_CPU_SHARE = 0.02
+#: A blitted live drawing (about 28 ms) then comes every 2.8 s, as a whole one (61 ms) did at a fiftieth.
+BUSY_DRAWING_CPU_SHARE = 0.01
 #: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
 FINAL_DRAWING_SECONDS = 10.0
 
@@ -159,7 +160,7 @@ class LiveDashboard:
 
     def _pause(self) -> float:
         """Seconds from one live drawing's start to the next: at least a second, and long enough that
-        drawings keep to their share of a core (a fiftieth while no core was left idle), up to 3 s."""
+        drawings keep to their share of a core (a hundredth while no core was left idle), up to 3 s."""
         share = DRAWING_CPU_SHARE if self._idle_cores >= 1.0 else BUSY_DRAWING_CPU_SHARE
         return min(MAX_REDRAW_SECONDS, max(REDRAW_SECONDS, self._drawing_cpu / share))
 
@@ -174,12 +175,10 @@ class LiveDashboard:
     def _final_drawing(self) -> bytes:
         """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
         try:
-            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0)
-            png = drawing.result(FINAL_DRAWING_SECONDS)[0]
+            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
+            return drawing.result(FINAL_DRAWING_SECONDS)[0]
         except Exception:  # the worker died or is starved: draw here, once
             return figures.png(self.records, self.world_size, self.predicted)
-        renderer.forget(self._key)
-        return png
 
     def _show(self, png: bytes) -> None:
         self._figure.value = png

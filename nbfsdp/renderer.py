@@ -98,21 +98,18 @@ MAX_FIGURES = 8
 
 
 def render(
-    key: str, world_size: int, predicted: list[dict[str, int]] | None, records: list[dict[str, Any]], first: int
+    key: str,
+    world_size: int,
+    predicted: list[dict[str, int]] | None,
+    records: list[dict[str, Any]],
+    first: int,
+    final: bool = False,
 ) -> Future[tuple[bytes, float]]:
     """A PNG of dashboard ``key``'s figures with ``records`` added, and the CPU seconds it cost, drawn by the
     worker. ``records`` start at index ``first`` of the dashboard's records: 0 draws a new figure, more adds
-    to the figure the worker kept (``LostFigure`` if it has no such figure)."""
-    return _submit(_draw, key, world_size, predicted, records, first)
-
-
-def forget(key: str) -> None:
-    """Dashboard ``key`` will not draw again: the worker drops its figure."""
-    _submit(_drop, key)
-
-
-def _drop(key: str) -> None:
-    _figures.pop(key, None)  # in the worker (a bound ``_figures.pop`` would pickle the kernel's dict)
+    to the figure the worker kept (``LostFigure`` if it has no such figure). ``final``: every record, drawn
+    whole with limits that fit them; the worker then drops the dashboard's figure."""
+    return _submit(_draw, key, world_size, predicted, records, first, final)
 
 
 def worker_pid() -> int:
@@ -120,17 +117,20 @@ def worker_pid() -> int:
     return _submit(os.getpid).result()
 
 
-def _draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int) -> tuple:
+def _draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int, final: bool) -> tuple:
     # imported here, once the worker has left the kernel's session: matplotlib takes a second to load,
     # and a Ctrl-C sent to the kernel's process group meanwhile would end the worker
     from nbfsdp.figures import DashboardFigure
 
     started = time.process_time()
+    if final:
+        _figures.pop(key, None)
+        return DashboardFigure(world_size, predicted).add(records).png(), time.process_time() - started
     if first == 0:
         _figures.pop(key, None)
         while len(_figures) >= MAX_FIGURES:
             _figures.pop(next(iter(_figures)))
-        _figures[key] = DashboardFigure(world_size, predicted)
+        _figures[key] = DashboardFigure(world_size, predicted, live=True)
     drawing = _figures.get(key)
     if drawing is None or drawing.records != first:
         raise LostFigure(key)

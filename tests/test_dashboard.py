@@ -278,9 +278,9 @@ def _worker_keeps_figure(key: str) -> bool:
     return renderer._submit(eval, f"{key!r} in __import__('nbfsdp.renderer').renderer._figures").result()
 
 
-def test_drawings_keep_to_a_fiftieth_of_a_core_while_every_core_is_busy(shell):
+def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):
     """Even a SCHED_IDLE drawing slows ranks that keep every core busy (12% of a core cost two ranks on two
-    cores 6% of each step): the pause after a drawing stretches to 50 times its CPU time."""
+    cores 6% of each step): the pause after a drawing stretches to 100 times its CPU time."""
     dashboard = _dashboard()
     dashboard.add(_records(range(50)))
     dashboard.refresh()
