@@ -7,7 +7,8 @@ keeps one per live dashboard in a process of its own. A live one also keeps
 the picture of what does not move (axes, ticks, titles) and draws only the
 moving parts over it (matplotlib's blitting), with limits that leave room to
 grow, so the picture is drawn again only when the records outgrow them: a
-live drawing went from 61 to 28 ms of CPU (two ranks, 300 steps).
+drawing that keeps its limits costs 21 ms of CPU against 78 for the same
+figure drawn whole (two ranks, 300 steps).
 """
 
 from __future__ import annotations

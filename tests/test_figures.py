@@ -66,7 +66,7 @@ def test_a_live_figure_draws_its_still_picture_again_only_when_records_leave_its
     assert len(whole_drawings) == 3
 
 
-def test_the_final_drawing_fits_its_limits_to_the_records_and_matches_the_kernels_own(shell):
+def test_the_final_drawing_fits_its_limits_to_the_records_and_matches_the_kernels_own():
     """A live figure's limits leave room to grow; the drawing a cell leaves behind must not."""
     records = _records(range(0, 30))
     live_loss_axes = DashboardFigure(2, PREDICTED, live=True).add(records).figure.axes[0]
