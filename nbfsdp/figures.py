@@ -29,6 +29,19 @@ MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations")
 #: values above and below. The still picture is drawn again only when records leave the limits.
 STEPS_AHEAD = 0.5
 VALUES_MARGIN = 0.25
+#: ... and at least room for the steps of this many seconds at the fastest recent pace (three live drawings at
+#: the dashboard's slowest pace), so that fast steps do not outgrow the limits at every drawing.
+SECONDS_AHEAD = 10.0
+#: Steps per rank that give the fastest recent pace, and the shortest step it counts (records logged twice
+#: in a step would otherwise ask for room for millions of steps).
+RECENT_STEPS = 10
+SHORTEST_STEP_MS = 1.0
+#: ... and room for the loss to fall to this share of its lowest value: it falls fastest in the first steps,
+#: while its range is still small.
+LOSS_FALL = 0.5
+#: Step times (slowest in the first steps) are drawn from zero, with room for a step this much slower again
+#: than the slowest so far.
+SLOW_STEP_ROOM = 0.5
 #: Below lines, above bars: where setting-change markers sit, so a live drawing layers as a full one does.
 MARKER_ZORDER = 1.5
 
@@ -130,13 +143,21 @@ class DashboardFigure:
         if inside and self._still is not None:
             return
         x_room = max(data.width, 1.0)
+        steps_ahead = max(STEPS_AHEAD * x_room, SECONDS_AHEAD * 1000 / self._recent_step_ms())
         y_room = max(data.height, abs(data.y1) * 0.1, 1e-6) * VALUES_MARGIN
-        if axes is self._memory_axes:  # bars stand on zero, one per rank
+        if axes is self._loss_axes:
+            axes.set_ylim(data.y0 - max(y_room, abs(data.y0) * LOSS_FALL), data.y1 + y_room)
+        elif axes is self._time_axes:
+            axes.set_ylim(0.0, data.y1 * (1 + SLOW_STEP_ROOM))
+        else:  # bars stand on zero
             axes.set_ylim(0.0, data.y1 + y_room)
-        else:
-            axes.set_xlim(data.x0 - 0.02 * x_room, data.x1 + STEPS_AHEAD * x_room)
-            axes.set_ylim(data.y0 - y_room, data.y1 + y_room)
+        if axes is not self._memory_axes:
+            axes.set_xlim(data.x0 - 0.02 * x_room, data.x1 + steps_ahead)
         self._still = None
+
+    def _recent_step_ms(self) -> float:
+        """The shortest of the last few steps of any rank (ms): the first steps are the slowest."""
+        return max(min(ms for series in self._series for ms in series["ms"][-RECENT_STEPS:]), SHORTEST_STEP_MS)
 
     def _stack_memory(self, rank: int, record: dict[str, Any]) -> None:
         bottom = 0.0

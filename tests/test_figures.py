@@ -18,9 +18,9 @@ PREDICTED = [{"params": MIB, "grads": MIB, "optim": 2 * MIB, "comm_buffers": MIB
 MEMORY = {"mem_params": MIB, "mem_grads": MIB, "mem_optim": 2 * MIB, "mem_activations": MIB // 2}
 
 
-def _records(steps: range, changed: str = "") -> list[dict]:
+def _records(steps: range, changed: str = "", seconds: float = 0.05) -> list[dict]:
     records = [
-        {"rank": r, "step": s, "step_time": 0.05 + 0.01 * ((7 * s + r) % 5), "loss": 1 / (s + 1) + 0.01 * r, **MEMORY}
+        {"rank": r, "step": s, "step_time": seconds + 0.01 * ((7 * s + r) % 5), "loss": 1 / (s + 1) + r / 100, **MEMORY}
         for s in steps
         for r in (0, 1)
     ]
@@ -56,14 +56,34 @@ def test_a_live_figure_draws_its_still_picture_again_only_when_records_leave_its
     drawing = DashboardFigure(2, PREDICTED, live=True)
     whole_drawings = []
     drawing.figure.canvas.mpl_connect("draw_event", whole_drawings.append)
-    drawing.add(_records(range(0, 10))).png()  # steps 0-9: room up to step 13.5
-    drawing.add(_records(range(10, 12))).png()
-    drawing.add(_records(range(12, 14))).png()
+    drawing.add(_records(range(0, 10), seconds=1.0)).png()  # steps 0-9 of a second: room up to step 19
+    drawing.add(_records(range(10, 12), seconds=1.0)).png()
+    drawing.add(_records(range(12, 19), seconds=1.0)).png()
     assert len(whole_drawings) == 1
-    drawing.add(_records(range(15, 40))).png()
+    drawing.add(_records(range(19, 40), seconds=1.0)).png()
     assert len(whole_drawings) == 2
     drawing.add(_records(range(40, 41), changed="mixed_precision=PURE")).png()
     assert len(whole_drawings) == 3
+
+
+def test_a_steady_run_keeps_its_first_limits_while_slow_first_steps_and_a_falling_loss_settle():
+    """As a cell's first drawing finds them: three slow steps (FSDP's lazy init) and a loss that then falls fast.
+    The next drawing, at the dashboard's slowest pace (3 s of 0.1 s steps), must stay within the limits."""
+    drawing = DashboardFigure(2, PREDICTED, live=True)
+    whole_drawings = []
+    drawing.figure.canvas.mpl_connect("draw_event", whole_drawings.append)
+
+    def settling(steps: range) -> list[dict]:
+        return [
+            {**record, "step_time": 0.25 if record["step"] < 3 else 0.1, "loss": 1 + 0.3 * np.exp(-record["step"] / 3)}
+            for record in _records(steps)
+        ]
+
+    drawing.add(settling(range(0, 3))).png()
+    drawing.add(settling(range(3, 33))).png()
+    assert len(whole_drawings) == 1
+    time_axes = drawing.figure.axes[2]
+    assert time_axes.get_ylim()[0] == 0.0  # step times read in proportion
 
 
 def test_the_final_drawing_fits_its_limits_to_the_records_and_matches_the_kernels_own():
