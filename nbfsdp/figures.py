@@ -142,17 +142,17 @@ class DashboardFigure:
         inside = view.x0 <= data.x0 and data.x1 <= view.x1 and view.y0 <= data.y0 and data.y1 <= view.y1
         if inside and self._still is not None:
             return
-        x_room = max(data.width, 1.0)
-        steps_ahead = max(STEPS_AHEAD * x_room, SECONDS_AHEAD * 1000 / self._recent_step_ms())
         y_room = max(data.height, abs(data.y1) * 0.1, 1e-6) * VALUES_MARGIN
-        if axes is self._loss_axes:
-            axes.set_ylim(data.y0 - max(y_room, abs(data.y0) * LOSS_FALL), data.y1 + y_room)
-        elif axes is self._time_axes:
-            axes.set_ylim(0.0, data.y1 * (1 + SLOW_STEP_ROOM))
-        else:  # bars stand on zero
+        if axes is self._memory_axes:  # bars stand on zero, one per rank
             axes.set_ylim(0.0, data.y1 + y_room)
-        if axes is not self._memory_axes:
+        else:
+            x_room = max(data.width, 1.0)
+            steps_ahead = max(STEPS_AHEAD * x_room, SECONDS_AHEAD * 1000 / self._recent_step_ms())
             axes.set_xlim(data.x0 - 0.02 * x_room, data.x1 + steps_ahead)
+            if axes is self._loss_axes:
+                axes.set_ylim(data.y0 - max(y_room, abs(data.y0) * LOSS_FALL), data.y1 + y_room)
+            else:
+                axes.set_ylim(0.0, data.y1 * (1 + SLOW_STEP_ROOM))
         self._still = None
 
     def _recent_step_ms(self) -> float:
