@@ -2,8 +2,9 @@
 
 Measured: rank 0's ``perf_counter`` around each step (batch, forward, backward, AdamW step, ``loss.item()``,
 and in the cell ``nbfsdp.log`` with the live dashboard on), median after the warm-up steps. Each round runs
-torchrun (A) then the ``%%fsdp`` cell in a warm kernel (B); the figure is the median over rounds of each
-side's per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
+torchrun (A) and the ``%%fsdp`` cell in a warm kernel (B), A then B in even rounds and B then A in odd ones,
+so that neither side always runs just after the other; the figure is the median over rounds of each side's
+per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
 Both sides must report the same rank-0 losses: the same loop text, weights, batches and FSDP units.
 
 Run alone: ``python -m benchmarks --only step_time``.
@@ -34,10 +35,15 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
     """Alternate torchrun (A) and ``%%fsdp`` (B) rounds of the loop; per-round medians and the first round's
     losses, units and threads of each side."""
     notebook_loop.start_world(kernel, world_size, sizes)
-    a_rounds, b_rounds, first = [], [], {}
+    a_rounds, b_rounds, first, first_sides = [], [], {}, []
     for index in range(rounds):
-        a = launch.torchrun_loop(world_size, sizes, device)
-        b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
+        first_sides.append("%%fsdp" if index % 2 else "torchrun")
+        if index % 2:
+            b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
+            a = launch.torchrun_loop(world_size, sizes, device)
+        else:
+            a = launch.torchrun_loop(world_size, sizes, device)
+            b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
         a_rounds.append(loops.median_step(a["step_times"], sizes))
         b_rounds.append(loops.median_step(b["step_times"], sizes))
         if index == 0:
@@ -45,6 +51,7 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
     return {
         "world_size": world_size,
         "sizes": sizes.as_dict(),
+        "first_side_each_round": first_sides,
         "torchrun_round_medians_s": a_rounds,
         "fsdp_round_medians_s": b_rounds,
         "torchrun_median_s": statistics.median(a_rounds),
@@ -114,7 +121,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
 
 def run(ctx: Context) -> dict:
     sizes = loops.CPU_QUICK if ctx.quick else loops.CPU_FULL
-    rounds = ctx.rounds(full=6, quick=2)
+    rounds = ctx.rounds(full=8, quick=2)
     worlds = (2,) if ctx.quick else (2, 4)
     results = {f"ws{ws}": compare(ctx.warm_kernel(), ws, sizes, rounds) for ws in worlds}
     rows = [m for key, r in results.items() for m in measurements(r, f"CPU {key}")]

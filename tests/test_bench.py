@@ -96,6 +96,14 @@ def test_torchrun_and_fsdp_run_literally_the_same_loop(bench):
         assert result["fsdp_records_per_cell"] == result["sizes"]["steps"] * world_size  # nbfsdp.log each step
 
 
+def test_step_time_rounds_take_turns_at_running_first(bench):
+    """Neither side always runs just after the other (the quick run has two rounds)."""
+    _, results, _ = bench
+    for result in results["benchmarks"]["step_time"]["by_world_size"].values():
+        assert result["first_side_each_round"] == ["torchrun", "%%fsdp"]
+        assert len(result["torchrun_round_medians_s"]) == len(result["fsdp_round_medians_s"]) == 2
+
+
 def test_transfer_ranks_hold_exactly_the_model(bench):
     _, results, _ = bench
     for round_ in results["benchmarks"]["transfer"]["rounds"]:
