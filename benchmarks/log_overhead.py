@@ -18,7 +18,7 @@ import statistics
 
 from benchmarks import loops, notebook_loop
 from benchmarks.context import Context
-from benchmarks.measurement import Measurement, median
+from benchmarks.measurement import Measurement, in_turn, median
 
 NAME = "log_overhead"
 TARGET_PERCENT = 2.0
@@ -37,7 +37,7 @@ def run(ctx: Context) -> dict:
     medians = {False: [], True: []}
     records = 0
     for index in range(rounds):
-        for log_each_step in (False, True) if index % 2 == 0 else (True, False):
+        for log_each_step in in_turn(False, True, index):
             result = notebook_loop.run(kernel, WORLD_SIZE, sizes, log_each_step=log_each_step)
             steps = result["step_times"][sizes.warmup :]
             means[log_each_step].append(statistics.fmean(steps) * 1000)

@@ -2,8 +2,8 @@
 
 A measurement compares A (the reference: torchrun, raw ipyparallel) with B (nbfsdp) where there is a
 reference, or reports B's value alone. ``value`` is what the target judges: a ratio, a latency, a fraction.
-Samples are per-round figures (a round runs A then B), so their medians are the medians of per-round
-medians; ``ok`` is None when the figure could not be measured (``note`` says why).
+Samples are per-round figures (a round runs A and B, in ``in_turn``'s order), so their medians are the
+medians of per-round medians; ``ok`` is None when the figure could not be measured (``note`` says why).
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ from typing import Any
 
 #: How a target judges a value: at most, at least, or within a relative band around 1.
 OPS = ("<=", ">=", "±")
+
+
+def in_turn(a: Any, b: Any, round_index: int) -> tuple[Any, Any]:
+    """A round's order: A then B in even rounds, B then A in odd ones, so neither always runs after the other."""
+    return (b, a) if round_index % 2 else (a, b)
 
 
 def median(values: list[float | None]) -> float | None:

@@ -17,7 +17,7 @@ import statistics
 from benchmarks import launch, loops, notebook_loop
 from benchmarks.context import Context
 from benchmarks.kernel import Kernel
-from benchmarks.measurement import Measurement, median
+from benchmarks.measurement import Measurement, in_turn, median
 
 NAME = "step_time"
 TARGET_RATIO = 1.03
@@ -35,15 +35,16 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
     """Alternate torchrun (A) and ``%%fsdp`` (B) rounds of the loop; per-round medians and the first round's
     losses, units and threads of each side."""
     notebook_loop.start_world(kernel, world_size, sizes)
+    sides = {
+        "torchrun": lambda: launch.torchrun_loop(world_size, sizes, device),
+        "%%fsdp": lambda: notebook_loop.run(kernel, world_size, sizes, log_each_step=True),
+    }
     a_rounds, b_rounds, first, first_sides = [], [], {}, []
     for index in range(rounds):
-        first_sides.append("%%fsdp" if index % 2 else "torchrun")
-        if index % 2:
-            b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
-            a = launch.torchrun_loop(world_size, sizes, device)
-        else:
-            a = launch.torchrun_loop(world_size, sizes, device)
-            b = notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
+        order = in_turn("torchrun", "%%fsdp", index)
+        first_sides.append(order[0])
+        ran = {side: sides[side]() for side in order}
+        a, b = ran["torchrun"], ran["%%fsdp"]
         a_rounds.append(loops.median_step(a["step_times"], sizes))
         b_rounds.append(loops.median_step(b["step_times"], sizes))
         if index == 0:
