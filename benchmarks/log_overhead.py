@@ -18,7 +18,7 @@ import statistics
 
 from benchmarks import loops, notebook_loop
 from benchmarks.context import Context
-from benchmarks.measurement import Measurement, in_turn, median
+from benchmarks.measurement import Measurement, in_turn, median, round_interval
 
 NAME = "log_overhead"
 TARGET_PERCENT = 2.0
@@ -62,6 +62,9 @@ def run(ctx: Context) -> dict:
             samples_a=means[False],
             samples_b=means[True],
             samples_value=per_round,
+            interval=round_interval(
+                means[False], means[True], lambda a, b: (statistics.median(b) / statistics.median(a) - 1) * 100
+            ),
             note=(
                 f"by median step instead: {overhead_median:+.2f}%; per-round overheads (each round's two cells "
                 f"back to back): median {median(per_round):+.2f}%, {min(per_round):+.2f} to {max(per_round):+.2f}%"

@@ -3,7 +3,10 @@
 - ``results.json``: the machine, and per benchmark its measurements (raw per-round samples, medians, value,
   target, ok) and the raw data it kept (``{"skipped": why}`` or ``{"error": traceback}`` otherwise);
 - ``results.md``: one table row per measurement, ``what | A | B | ratio/value | target | ok``, notes below;
-- ``results.png``: each measured figure against its target (matplotlib, Agg), the same rows as the table.
+  a figure from rounds shows its 95% interval after the value, and ``ok`` says when that interval spans the
+  target (the rounds cannot tell which side of it the figure is on);
+- ``results.png``: each measured figure against its target (matplotlib, Agg), the same rows as the table,
+  with the interval as an error bar.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ def _cell(label: str, value: float | None, unit: str) -> str:
     return _escape(f"{label} {format_value(value, unit)}".strip()) if value is not None else ""
 
 
+def _value_cell(m: Measurement) -> str:
+    text = format_value(m.value, m.unit)
+    if m.interval is not None:
+        low, high = (format_value(bound, m.unit) for bound in m.interval)
+        text += f" (95%: {low} to {high})"
+    return text
+
+
+def _ok_cell(m: Measurement) -> str:
+    text = {True: "yes", False: "**NO**", None: "n/a"}[m.ok]
+    return text + (", but the 95% interval spans the target" if m.interval_spans_target else "")
+
+
 def markdown(results: dict[str, dict], machine: dict) -> str:
     lines = [
         f"nbfsdp benchmarks, {machine['date']}: {machine['device']}, {machine['cpus_usable']} CPUs, "
@@ -57,10 +73,9 @@ def markdown(results: dict[str, dict], machine: dict) -> str:
         if m is None:
             lines.append(f"| {name}: {text} |  |  | {text.split(':')[0]} |  | n/a |")
             continue
-        ok = {True: "yes", False: "**NO**", None: "n/a"}[m.ok]
         lines.append(
             f"| {_escape(m.what)} | {_cell(m.a_label, m.a, m.ab_unit)} | {_cell(m.b_label, m.b, m.ab_unit)} "
-            f"| {format_value(m.value, m.unit)} | {m.target_text} | {ok} |"
+            f"| {_value_cell(m)} | {m.target_text} | {_ok_cell(m)} |"
         )
         if m.note:
             notes.append(f"- {_escape(m.what)}: {m.note}")
@@ -69,15 +84,15 @@ def markdown(results: dict[str, dict], machine: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _score(m: Measurement) -> float | None:
-    """The value against its target, so that 1 is the target and less is better."""
-    if m.value is None or m.target is None or m.op is None or math.isnan(m.value):
+def _score(m: Measurement, value: float | None) -> float | None:
+    """A value of ``m`` against its target, so that 1 is the target and less is better."""
+    if value is None or m.target is None or m.op is None or math.isnan(value):
         return None
     if m.op == "<=":
-        return m.value / m.target if m.target else (0.0 if m.value <= 0 else math.inf)
+        return value / m.target if m.target else (0.0 if value <= 0 else math.inf)
     if m.op == ">=":
-        return m.target / m.value if m.value > 0 else math.inf
-    return abs(m.value - 1.0) / m.target
+        return m.target / value if value > 0 else math.inf
+    return abs(value - 1.0) / m.target
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -86,7 +101,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     axes = figure.subplots()
     limit = 2.0
     for y, (_, m, text) in enumerate(reversed(rows)):
-        score = _score(m) if m is not None else None
+        score = _score(m, m.value) if m is not None else None
         if score is None:
             label = text or ("not measured" if m is None or m.value is None else format_value(m.value, m.unit))
             axes.text(0.02, y, label, va="center", fontsize=8, color="grey")
@@ -94,8 +109,13 @@ def plot(results: dict[str, dict], path: Path) -> None:
         color = "tab:green" if m.ok else "tab:red"
         bar = min(max(score, 0.0), limit)  # a negative overhead draws as no bar
         axes.barh(y, bar, color=color, alpha=0.8)
+        text_at = bar
+        if m.interval is not None and m.op != "±":  # a band's score folds the interval at 1x
+            ends = sorted(min(max(_score(m, bound), 0.0), limit) for bound in m.interval)
+            axes.plot(ends, [y, y], color="black", linewidth=1.5, marker="|", markersize=8)
+            text_at = max(bar, ends[1])
         axes.text(
-            bar + 0.02, y, f"{format_value(m.value, m.unit)} (target {m.target_text})", va="center",
+            text_at + 0.02, y, f"{format_value(m.value, m.unit)} (target {m.target_text})", va="center",
             fontsize=8,
         )  # fmt: skip
     labels = [(m.what if m is not None else f"{name}") for name, m, _ in reversed(rows)]

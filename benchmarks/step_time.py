@@ -17,7 +17,7 @@ import statistics
 from benchmarks import launch, loops, notebook_loop
 from benchmarks.context import Context
 from benchmarks.kernel import Kernel
-from benchmarks.measurement import Measurement, in_turn, median
+from benchmarks.measurement import Measurement, in_turn, median, round_interval
 
 NAME = "step_time"
 TARGET_RATIO = 1.03
@@ -87,7 +87,13 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     ratios = [(x / y if throughput else y / x) for x, y in zip(a, b, strict=True)]
     same_units = result["units_torchrun"] == result["units_fsdp"]
     units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
-    value = 1 / result["ratio"] if throughput else result["ratio"]
+
+    def figure(torchrun: list[float], fsdp: list[float]) -> float:
+        """``value`` from a set of rounds: the ratio of the medians, or with ``throughput`` its inverse."""
+        ratio = statistics.median(fsdp) / statistics.median(torchrun)
+        return 1 / ratio if throughput else ratio
+
+    value = figure(a, b)
     what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
     return [
         Measurement(
@@ -104,6 +110,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
             samples_a=ms[0],
             samples_b=ms[1],
             samples_value=ratios,
+            interval=round_interval(a, b, figure),
             note=(
                 f"per-round ratios (each round's two sides run back to back): median {median(ratios):.3f}x, "
                 f"{min(ratios):.3f}-{max(ratios):.3f}x"

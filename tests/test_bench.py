@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
+from benchmarks.report import markdown
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("step_time", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu")
@@ -116,3 +121,56 @@ def test_transfer_ranks_hold_exactly_the_model(bench):
 def test_no_processes_left_behind(bench):
     _, results, _ = bench
     assert results["leftover_processes"] == []
+
+
+# -- the 95% intervals of figures made from rounds (pure functions: no run needed)
+def _rounds(noise: float, ratio: float, count: int = 8) -> tuple[list[float], list[float]]:
+    """Paired rounds with a machine drift both sides share and noise of their own, as on the 2-core VM."""
+    generator = random.Random(7)
+    drift = [220 * (1 + generator.gauss(0, 0.05)) for _ in range(count)]
+    return (
+        [d * (1 + generator.gauss(0, noise)) for d in drift],
+        [d * ratio * (1 + generator.gauss(0, noise)) for d in drift],
+    )
+
+
+def _ratio_of_medians(a, b) -> float:
+    return statistics.median(b) / statistics.median(a)
+
+
+def test_interval_brackets_the_figure_and_widens_with_the_noise():
+    quiet, noisy = _rounds(0.005, 1.04), _rounds(0.05, 1.04)
+    quiet_low, quiet_high = round_interval(*quiet, _ratio_of_medians)
+    noisy_low, noisy_high = round_interval(*noisy, _ratio_of_medians)
+    assert quiet_low <= _ratio_of_medians(*quiet) <= quiet_high
+    assert noisy_low <= _ratio_of_medians(*noisy) <= noisy_high
+    assert noisy_high - noisy_low > 3 * (quiet_high - quiet_low)
+    assert round_interval(*quiet, _ratio_of_medians) == (quiet_low, quiet_high)  # seeded: the same every run
+    assert round_interval(*_rounds(0.005, 1.04, count=MIN_ROUNDS_FOR_INTERVAL - 1), _ratio_of_medians) is None
+
+
+def test_table_says_when_the_interval_spans_the_target():
+    """A figure past its target whose rounds cannot tell which side it is on reads differently from a clear one."""
+    machine = {
+        "date": "today", "device": "cpu", "cpus_usable": 2, "torch": torch.__version__, "python": "3.11",
+        "git_commit": "0" * 40, "git_dirty": False,
+    }  # fmt: skip
+
+    torchrun = [210.0, 230.0, 220.0, 250.0, 205.0, 240.0, 225.0, 215.0]
+
+    def ratio(what: str, round_ratios: list[float]) -> Measurement:
+        rounds = torchrun, [a * r for a, r in zip(torchrun, round_ratios, strict=True)]
+        value = _ratio_of_medians(*rounds)
+        interval = round_interval(*rounds, _ratio_of_medians)
+        return Measurement(what=what, value=value, unit="x", target=1.03, op="<=", interval=interval)
+
+    undecided = ratio("undecided", [1.10, 0.97, 1.08, 1.01, 1.12, 0.99, 1.06, 1.04])
+    clear = ratio("clear", [1.0, 1.005, 0.995, 1.0, 1.002, 0.998, 1.001, 0.999])
+    assert undecided.ok is False and undecided.interval_spans_target is True
+    assert clear.ok is True and clear.interval_spans_target is False
+    rows = {row.split(" | ")[0]: row for row in markdown({"step_time": {"measurements": [undecided, clear]}}, machine)
+            .splitlines() if row.startswith("| ")}  # fmt: skip
+    low, high = undecided.interval
+    assert f"{undecided.value:.3f}x (95%: {low:.3f}x to {high:.3f}x)" in rows["| undecided"]
+    assert rows["| undecided"].endswith("| **NO**, but the 95% interval spans the target |")
+    assert rows["| clear"].endswith("| yes |")
