@@ -25,6 +25,11 @@ TARGET_PERCENT = 2.0
 WORLD_SIZE = 2
 
 
+def overhead_percent(no_log: list[float], log: list[float]) -> float:
+    """What logging adds, in percent of the step, from rounds of step times without and with it (medians)."""
+    return (statistics.median(log) / statistics.median(no_log) - 1) * 100
+
+
 def run(ctx: Context) -> dict:
     base = loops.CPU_QUICK if ctx.quick else loops.CPU_FULL
     sizes = dataclasses.replace(base, steps=base.warmup + (10 if ctx.quick else 30))
@@ -44,9 +49,9 @@ def run(ctx: Context) -> dict:
             medians[log_each_step].append(statistics.median(steps) * 1000)
             if log_each_step:
                 records = result["records"]
-    per_round = [(b / a - 1) * 100 for a, b in zip(means[False], means[True], strict=True)]
-    overhead = (median(means[True]) / median(means[False]) - 1) * 100
-    overhead_median = (median(medians[True]) / median(medians[False]) - 1) * 100
+    per_round = [overhead_percent([a], [b]) for a, b in zip(means[False], means[True], strict=True)]
+    overhead = overhead_percent(means[False], means[True])
+    overhead_median = overhead_percent(medians[False], medians[True])
     rows = [
         Measurement(
             what=f"CPU ws{WORLD_SIZE}: nbfsdp.log each step + live plot, overhead of mean step time",
@@ -62,9 +67,7 @@ def run(ctx: Context) -> dict:
             samples_a=means[False],
             samples_b=means[True],
             samples_value=per_round,
-            interval=round_interval(
-                means[False], means[True], lambda a, b: (statistics.median(b) / statistics.median(a) - 1) * 100
-            ),
+            interval=round_interval(means[False], means[True], overhead_percent),
             note=(
                 f"by median step instead: {overhead_median:+.2f}%; per-round overheads (each round's two cells "
                 f"back to back): median {median(per_round):+.2f}%, {min(per_round):+.2f} to {max(per_round):+.2f}%"

@@ -84,7 +84,6 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     ``throughput`` its inverse, %%fsdp's speed relative to torchrun (target at least 0.98); and loss parity."""
     a, b = result["torchrun_round_medians_s"], result["fsdp_round_medians_s"]
     ms = [x * 1000 for x in a], [x * 1000 for x in b]
-    ratios = [(x / y if throughput else y / x) for x, y in zip(a, b, strict=True)]
     same_units = result["units_torchrun"] == result["units_fsdp"]
     units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
 
@@ -94,6 +93,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
         return 1 / ratio if throughput else ratio
 
     value = figure(a, b)
+    ratios = [figure([x], [y]) for x, y in zip(a, b, strict=True)]
     what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
     return [
         Measurement(
