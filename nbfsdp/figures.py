@@ -6,14 +6,18 @@ ticks, legends) was half of each drawing's CPU time. ``nbfsdp.renderer``
 keeps one per live dashboard in a process of its own. A live one also keeps
 the picture of what does not move (axes, ticks, titles) and draws only the
 moving parts over it (matplotlib's blitting), with limits that leave room to
-grow, so the picture is drawn again only when the records outgrow them: a
-drawing that keeps its limits costs 21 ms of CPU against 78 for the same
-figure drawn whole (two ranks, 300 steps).
+grow, so the picture is drawn again only when the records outgrow them. Such a
+drawing draws no text: the rank legends, which lines may pass under, are
+copied back over them from the still picture. It makes 4,800 function calls
+and takes 7-11 ms of CPU, against 15,900 calls and 16-22 ms while it drew the
+legends again, and 70-120 ms for the same figure drawn whole (two ranks, 300
+steps, on the 2-core machine).
 """
 
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -56,6 +60,7 @@ class DashboardFigure:
         self._canvas = FigureCanvasAgg(self.figure)
         self._live = live
         self._still: Any = None  # a live figure's picture without its moving parts, while its limits hold
+        self._still_legends: list[tuple[int, int, int, int]] = []  # where its rank legends lie
         self.records = 0
         self._loss_axes, self._memory_axes, self._time_axes = self.figure.subplots(1, 3)
         ranks = range(world_size)
@@ -184,12 +189,14 @@ class DashboardFigure:
         if ranks and self._legend_ranks.get(key) != ranks:
             self._legend_ranks[key] = ranks
             # "best" would search the plot for a place at every drawing
-            legend = axes.legend(handles=[lines[rank] for rank in ranks], fontsize=7, loc="upper right")
-            legend.set_animated(self._live)  # over the lines, which may pass under it
+            # opaque, so that a live drawing can copy it from the still picture over the lines passing under it
+            axes.legend(handles=[lines[rank] for rank in ranks], fontsize=7, loc="upper right", framealpha=1)
+            self._still = None
 
     def _moving_parts(self) -> list[tuple[Axes, Artist]]:
         """What a live drawing draws over the still picture, in the order a whole drawing layers it (by
-        zorder): bars, lines, the axes' frame (over bars that stand on it), the legends inside the axes."""
+        zorder): bars, lines, the axes' frame (over bars that stand on it). Not the rank legends: they are copied
+        back over the lines from the still picture (``_legend_boxes``)."""
         memory = self._memory_axes
         parts: list[tuple[Axes, Artist]] = [(memory, bar) for bars in self._bars for bar in bars]
         parts += [(memory, bar) for bar in self._comm_buffers.values()]
@@ -197,8 +204,21 @@ class DashboardFigure:
         parts += [(self._loss_axes, line) for line in self._loss] + [(self._time_axes, line) for line in self._time]
         for axes in (self._loss_axes, memory, self._time_axes):
             parts += [(axes, spine) for spine in axes.spines.values()]
-        parts += [(axes, axes.legend_) for axes in (self._loss_axes, self._time_axes) if axes.legend_ is not None]
         return parts
+
+    def _legend_boxes(self) -> list[tuple[int, int, int, int]]:
+        """Where the rank legends lie in the still picture (whose rows count from the top), a pixel wider on each
+        side so that their frames' antialiased edges come too. Copying them over the lines, rather than drawing
+        them again, saves about half a live drawing's CPU (their texts); a line passing under a frame's edge
+        stops a pixel short of it."""
+        height, boxes = self.figure.bbox.height, []
+        for axes in (self._loss_axes, self._time_axes):
+            if axes.legend_ is not None:
+                x0, y0, x1, y1 = axes.legend_.get_window_extent().extents
+                boxes.append(
+                    (math.floor(x0) - 1, math.floor(height - y1) - 1, math.ceil(x1) + 1, math.ceil(height - y0) + 1)
+                )
+        return boxes
 
     def png(self) -> bytes:
         buffer = io.BytesIO()
@@ -209,10 +229,13 @@ class DashboardFigure:
         if self._still is None:
             self._canvas.draw()  # leaves out the animated moving parts
             self._still = self._canvas.copy_from_bbox(self.figure.bbox)
+            self._still_legends = self._legend_boxes()
         else:
             self._canvas.restore_region(self._still)
         for axes, artist in self._moving_parts():
             axes.draw_artist(artist)
+        for box in self._still_legends:
+            self._canvas.restore_region(self._still, bbox=box, xy=(0, 0))  # xy: where the still's corner goes
         width, height = self._canvas.get_width_height(physical=True)
         image = Image.frombuffer("RGBA", (width, height), self._canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
         image.save(buffer, format="png", compress_level=1)  # print_png would draw the whole figure again

@@ -6,6 +6,7 @@ import io
 
 import numpy as np
 import pytest
+from matplotlib.text import Text
 from PIL import Image
 
 from nbfsdp import figures, renderer
@@ -64,6 +65,20 @@ def test_a_live_figure_draws_its_still_picture_again_only_when_records_leave_its
     assert len(whole_drawings) == 2
     drawing.add(_records(range(40, 41), changed="mixed_precision=PURE")).png()
     assert len(whole_drawings) == 3
+
+
+def test_a_live_drawing_within_its_limits_draws_no_text(monkeypatch):
+    """Texts (ticks, titles, the rank legends) are most of a drawing's CPU: within its limits a live drawing
+    copies them from the still picture, the legends over the lines included, and draws none again."""
+    drawing = DashboardFigure(2, PREDICTED, live=True)
+    drawing.add(_records(range(0, 10), seconds=1.0)).png()  # steps 0-9 of a second: room up to step 19
+    drawn = []
+    draw_text = Text.draw
+    monkeypatch.setattr(Text, "draw", lambda text, renderer: drawn.append(text.get_text()) or draw_text(text, renderer))
+    drawing.add(_records(range(10, 12), seconds=1.0)).png()
+    assert drawn == []
+    drawing.add(_records(range(12, 40), seconds=1.0)).png()  # beyond the limits: a new still picture, texts too
+    assert {"rank 0", "rank 1", "loss"} <= set(drawn)
 
 
 def test_a_steady_run_keeps_its_first_limits_while_slow_first_steps_and_a_falling_loss_settle():
