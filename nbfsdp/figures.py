@@ -8,7 +8,7 @@ the picture of what does not move (axes, ticks, titles) and draws only the
 moving parts over it (matplotlib's blitting), with limits that leave room to
 grow, so the picture is drawn again only when the records outgrow them. Such a
 drawing draws no text: the rank legends, which lines may pass under, are
-copied back over them from the still picture. It makes 4,800 function calls
+copied back over the lines from the still picture. It makes 4,800 function calls
 and takes 7-11 ms of CPU, against 15,900 calls and 16-22 ms while it drew the
 legends again, and 70-120 ms for the same figure drawn whole (two ranks, 300
 steps, on the 2-core machine).
@@ -191,7 +191,7 @@ class DashboardFigure:
             # "best" would search the plot for a place at every drawing
             # opaque, so that a live drawing can copy it from the still picture over the lines passing under it
             axes.legend(handles=[lines[rank] for rank in ranks], fontsize=7, loc="upper right", framealpha=1)
-            self._still = None
+            self._still = None  # the legend is part of the still picture
 
     def _moving_parts(self) -> list[tuple[Axes, Artist]]:
         """What a live drawing draws over the still picture, in the order a whole drawing layers it (by

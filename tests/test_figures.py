@@ -68,7 +68,7 @@ def test_a_live_figure_draws_its_still_picture_again_only_when_records_leave_its
 
 
 def test_a_live_drawing_within_its_limits_draws_no_text(monkeypatch):
-    """Texts (ticks, titles, the rank legends) are most of a drawing's CPU: within its limits a live drawing
+    """Texts (ticks, titles, the rank legends) are the costliest part of a drawing: within its limits a live drawing
     copies them from the still picture, the legends over the lines included, and draws none again."""
     drawing = DashboardFigure(2, PREDICTED, live=True)
     drawing.add(_records(range(0, 10), seconds=1.0)).png()  # steps 0-9 of a second: room up to step 19
