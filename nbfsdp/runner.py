@@ -24,8 +24,8 @@ import ipyparallel as ipp
 from nbfsdp import engine
 from nbfsdp.cluster import FSDPCluster
 
-#: How often a running cell's output, records and widget events are looked at (about 1% of a core).
-POLL_SECONDS = 0.05
+#: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
+POLL_SECONDS = 0.1
 LIVENESS_SECONDS = 0.25
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
