@@ -3,7 +3,7 @@
 The same ``%%fsdp`` loop as ``step_time`` (world size 2, about 10 steps a second on the project's 2-core
 machine), run alternately without (A) and with (B) ``nbfsdp.log(step=..., loss=...)`` each step, dashboard
 on in both, in the order A B, B A, A B, ... so that a drift over the run weighs on both sides alike. With
-logging the ranks stream records to the kernel every 0.25 s and a worker process redraws the figures every
+logging the ranks stream records to the kernel every 0.5 s and a worker process redraws the figures every
 1 to 3 s, on the same cores: a cost that lands on a step now and then, so this compares the **mean** step
 time after the warm-up (throughput), and reports the median-based figure beside it.
 Target: overhead (B/A - 1) at most 2% of step time.

@@ -320,6 +320,9 @@ class FSDPCluster:
             controller_args=[
                 f"--HeartMonitor.period={HEARTBEAT_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                # no task database: ipyparallel's default keeps every request's and result's buffers (each
+                # cell's shards and gathered state, up to 1 GiB) in the controller, and nbfsdp never reads it
+                "--nodb",
             ],
         )
         self._cluster.start_controller_sync()
