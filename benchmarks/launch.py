@@ -42,11 +42,12 @@ def torchrun(nproc: int, module: str, args: list[str], cpu_only: bool, timeout: 
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", module, *args,
     ]  # fmt: skip
-    started = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=REPO, env=torchrun_env(cpu_only), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    elapsed = time.perf_counter() - started
+    # torchrun makes a log directory under the temporary directory at each launch and leaves it there
+    with tempfile.TemporaryDirectory(prefix="nbfsdp-bench-torchrun-") as scratch:
+        env = {**torchrun_env(cpu_only), "TMPDIR": scratch}
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        elapsed = time.perf_counter() - started
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"torchrun {module} on {nproc} processes failed ({done.returncode}):\n{tail}")

@@ -30,9 +30,16 @@ pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench_tmp(tmp_path_factory):
+    """The run's temporary directory (``TMPDIR``), for what it leaves there."""
+    return tmp_path_factory.mktemp("bench-tmp")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, bench_tmp):
     out = tmp_path_factory.mktemp("bench")
-    env = {**os.environ, "NBFSDP_PREWARM": "0"}  # the cold-start benchmark sets its own per kernel
+    # the cold-start benchmark sets its own NBFSDP_PREWARM per kernel
+    env = {**os.environ, "NBFSDP_PREWARM": "0", "TMPDIR": str(bench_tmp)}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
         cwd=REPO,
@@ -121,6 +128,12 @@ def test_transfer_ranks_hold_exactly_the_model(bench):
 def test_no_processes_left_behind(bench):
     _, results, _ = bench
     assert results["leftover_processes"] == []
+
+
+def test_no_directories_left_behind(bench, bench_tmp):
+    """Kernels, nbfsdp's clusters and torchrun's launches (its log directories) clean up after themselves."""
+    left = sorted(p.name for p in bench_tmp.iterdir() if p.name.startswith(("nbfsdp-", "torchelastic_")))
+    assert left == []
 
 
 # -- the 95% intervals of figures made from rounds (pure functions: no run needed)
