@@ -31,6 +31,12 @@ def start_world(kernel: Kernel, world_size: int, sizes: loops.LoopSizes) -> None
     kernel.execute(f"%%fsdp {loops.cell_flags(world_size, sizes)}\npass")
 
 
+def stop_world(kernel: Kernel) -> bool:
+    """Stop nbfsdp's engines, controller and fork server (the kernel stays); whether none is left running."""
+    kernel.execute("%fsdp stop")
+    return not kernel.execute("import nbfsdp as _nbfsdp\nprint(int(_nbfsdp._magics.session.cluster.running))").json()
+
+
 def run(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, log_each_step: bool = True) -> dict:
     """One ``%%fsdp`` run of the loop on a warm world; rank 0's step times and losses and how it ran."""
     kernel.execute(loops.setup_source(sizes))

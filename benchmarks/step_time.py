@@ -2,9 +2,10 @@
 
 Measured: rank 0's ``perf_counter`` around each step (batch, forward, backward, AdamW step, ``loss.item()``,
 and in the cell ``nbfsdp.log`` with the live dashboard on), median after the warm-up steps. Each round runs
-torchrun (A) and the ``%%fsdp`` cell in a warm kernel (B), A then B in even rounds and B then A in odd ones,
-so that neither side always runs just after the other; the figure is the median over rounds of each side's
-per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
+torchrun (A) and the ``%%fsdp`` cell in a warm kernel (B), each with nothing of the other running: nbfsdp's
+world is stopped for torchrun and started again (untimed) for the cell. A then B in even rounds and B then A
+in odd ones, so that neither side always runs just after the other; the figure is the median over rounds of
+each side's per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
 Both sides must report the same rank-0 losses: the same loop text, weights, batches and FSDP units.
 
 Run alone: ``python -m benchmarks --only step_time``.
@@ -34,11 +35,20 @@ def parity(a_losses: list[float], b_losses: list[float]) -> float:
 def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int, device: str = "cpu") -> dict:
     """Alternate torchrun (A) and ``%%fsdp`` (B) rounds of the loop; per-round medians and the first round's
     losses, units and threads of each side."""
-    notebook_loop.start_world(kernel, world_size, sizes)
-    sides = {
-        "torchrun": lambda: launch.torchrun_loop(world_size, sizes, device),
-        "%%fsdp": lambda: notebook_loop.run(kernel, world_size, sizes, log_each_step=True),
-    }
+    stopped_for_torchrun: list[bool] = []
+
+    def torchrun_alone() -> dict:
+        # as a user runs torchrun: with no nbfsdp world idling beside it. On the 2-core VM an idle world of
+        # four engines made torchrun's world size 4 steps 1.6-2.9% faster, and an %%fsdp cell's 4.4-4.8%
+        # (two runs of 8 and 12 rotated rounds), so each side runs with nothing of the other alive
+        stopped_for_torchrun.append(notebook_loop.stop_world(kernel))
+        return launch.torchrun_loop(world_size, sizes, device)
+
+    def fsdp_cell() -> dict:
+        notebook_loop.start_world(kernel, world_size, sizes)  # not timed: the steps are
+        return notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
+
+    sides = {"torchrun": torchrun_alone, "%%fsdp": fsdp_cell}
     a_rounds, b_rounds, first, first_sides = [], [], {}, []
     for index in range(rounds):
         order = in_turn("torchrun", "%%fsdp", index)
@@ -53,6 +63,7 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         "world_size": world_size,
         "sizes": sizes.as_dict(),
         "first_side_each_round": first_sides,
+        "world_stopped_for_torchrun": stopped_for_torchrun,
         "torchrun_round_medians_s": a_rounds,
         "fsdp_round_medians_s": b_rounds,
         "torchrun_median_s": statistics.median(a_rounds),

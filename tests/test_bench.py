@@ -116,6 +116,13 @@ def test_step_time_rounds_take_turns_at_running_first(bench):
         assert len(result["torchrun_round_medians_s"]) == len(result["fsdp_round_medians_s"]) == 2
 
 
+def test_torchrun_rounds_run_with_no_nbfsdp_world_beside_them(bench):
+    """An idle world beside torchrun changes its step time (faster, on the 2-core VM): each side runs alone."""
+    _, results, _ = bench
+    for result in results["benchmarks"]["step_time"]["by_world_size"].values():
+        assert result["world_stopped_for_torchrun"] == [True, True]
+
+
 def test_transfer_ranks_hold_exactly_the_model(bench):
     _, results, _ = bench
     for round_ in results["benchmarks"]["transfer"]["rounds"]:
