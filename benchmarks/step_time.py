@@ -45,7 +45,7 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         return launch.torchrun_loop(world_size, sizes, device)
 
     def fsdp_cell() -> dict:
-        notebook_loop.start_world(kernel, world_size, sizes)  # not timed: the steps are
+        notebook_loop.start_world(kernel, world_size, sizes)  # untimed: only the cell's steps are measured
         return notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
 
     sides = {"torchrun": torchrun_alone, "%%fsdp": fsdp_cell}
