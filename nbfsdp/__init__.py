@@ -123,6 +123,7 @@ def load_ipython_extension(shell: InteractiveShell) -> None:
         return
     _loading = _Loading(shell, world_size)
     shell.register_magic_function(_loading.magic, "line_cell", "fsdp")
+    shell.events.register("pre_run_cell", _loading.wait_for_imports)
     _loading.thread.start()
 
 
@@ -162,6 +163,8 @@ class _Loading:
         self.started = time.monotonic()
         self.error: BaseException | None = None
         """Why loading in the background failed, if it did (the foreground load then raises it again)."""
+        self.imported = threading.Event()
+        """The thread's imports (torch, FSDP2, ipyparallel, the magics) are done, or failed."""
         self.thread = threading.Thread(target=self._load, name="nbfsdp-load", daemon=True)
 
     def _load(self) -> None:
@@ -171,7 +174,12 @@ class _Loading:
 
             cluster = FSDPCluster()
             cluster.start_fork_server()  # the engines' imports run alongside this thread's
+            import ipyparallel  # noqa: F401  (what the cluster's start imports, imported before cells run again)
+
+            import nbfsdp.engine  # noqa: F401  (torch, torch.distributed, FSDP2)
             from nbfsdp.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
+
+            self.imported.set()
 
             magics = FSDPMagics(self.shell, cluster)
             self.world_size = _world_size(self.world_size)  # imports torch to count the GPUs
@@ -180,6 +188,22 @@ class _Loading:
             _magics = magics
         except BaseException as error:  # the magics then load in the foreground, where the error shows
             self.error = error
+        finally:
+            self.imported.set()
+
+    def wait_for_imports(self, info: Any) -> None:
+        """Before a cell, while the thread imports: a cell importing torch alongside it could get a half-made
+        module (Python breaks a cycle of per-module import locks by handing one thread the partial module).
+
+        ``%%fsdp`` and ``%fsdp`` cells go on at once: they wait for the whole load themselves, and a Ctrl-C
+        ends that wait with the cell. Here a Ctrl-C ends the wait only (IPython runs the cell after a callback
+        raised)."""
+        first_word = (info.raw_cell.split(None, 1) or [""])[0]
+        if first_word in ("%fsdp", "%%fsdp") and not self.imported.is_set():
+            return
+        while not self.imported.wait(0.05):
+            pass
+        self.shell.events.unregister("pre_run_cell", self.wait_for_imports)
 
     def join(self) -> None:
         """Wait for the thread; Ctrl-C still interrupts the wait."""

@@ -138,6 +138,14 @@ def test_load_ext_returns_at_once_and_the_engines_come_up_without_a_cell(kernels
     assert cell_seconds < warm_up / 2, f"first cell {cell_seconds:.2f}s against a warm-up of {warm_up:.2f}s"
 
 
+def test_a_cell_right_after_load_ext_runs_once_the_background_imports_are_done(kernels):
+    """A cell importing torch while the background start imported it could find torch half-initialized."""
+    kernel = kernels("2")
+    kernel.output("%load_ext nbfsdp")
+    assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
+    kernel.output("import torch.distributed.fsdp")  # what failed: a circular-import error from inside torch
+
+
 def test_prewarm_off_starts_nothing_and_a_cell_still_works(kernels):
     kernel = kernels("0")
     kernel.output("%load_ext nbfsdp")
