@@ -144,6 +144,9 @@ def test_a_cell_right_after_load_ext_runs_once_the_background_imports_are_done(k
     kernel.output("%load_ext nbfsdp")
     assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
     kernel.output("import torch.distributed.fsdp")  # what failed: a circular-import error from inside torch
+    # ended once the world is up: a kernel shut down about 3 s after %load_ext once left a process behind
+    # (seen once, in a fresh clone's run; not yet understood)
+    kernel.wait_until_ready(2)
 
 
 def test_prewarm_off_starts_nothing_and_a_cell_still_works(kernels):
