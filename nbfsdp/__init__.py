@@ -182,7 +182,7 @@ class _Loading:
             self.imported.set()
 
             magics = FSDPMagics(self.shell, cluster)
-            self.world_size = _world_size(self.world_size)  # imports torch to count the GPUs
+            self.world_size = _world_size(self.world_size)  # the GPUs counted (torch is imported above)
             magics.session.cluster.start_in_background(self.world_size, DEFAULT_TIMEOUT_SECONDS, since=self.started)
             self.shell.register_magics(magics)
             _magics = magics
