@@ -24,9 +24,10 @@ ipyparallel client serves one thread at a time, so every other use of the
 cluster first waits for that thread, in short slices that Ctrl-C can
 interrupt; a background start that failed is kept, not printed, and the next
 ``ensure_world`` starts again from scratch (and raises, if it fails again).
-The process ids go to the reaper as soon as each process is launched, so a
-kernel killed mid-start leaves nothing behind (the fork server also ends its
-engines when the kernel's end of its pipe closes).
+Every process the cluster launches names the private directory on its command
+line, which is how the reaper (``nbfsdp.reaper``) finds them once the kernel is
+gone, so a kernel killed mid-start leaves nothing behind (the fork server also
+ends its engines when the kernel's end of its pipe closes).
 
 Importing this module loads neither torch nor ipyparallel.
 """
@@ -271,14 +272,13 @@ class FSDPCluster:
         self.stop()
         reaper.clean_stale()
         self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
-        reaper.record(self._private_dir, os.getpid(), [])
+        reaper.note_kernel(self._private_dir, os.getpid())
         reaper.start(os.getpid(), self._private_dir)
         from nbfsdp.forkserver import ForkServer
 
         # the engines' own variables (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) are set in each engine after
         # the fork: torch reads them only when it first uses CUDA or its thread pool, never at import
-        self._fork_server = ForkServer(dict(os.environ), os.path.join(self._private_dir, "forkserver.log"))
-        reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
+        self._fork_server = ForkServer(dict(os.environ), self._private_dir)
 
     def _stop_engines_and_controller(self) -> None:
         if self._client is not None:
@@ -295,8 +295,6 @@ class FSDPCluster:
         if self._cluster is not None:
             # a restart (another size, a rank died) keeps the fork server: it has imported everything once
             self._stop_engines_and_controller()
-            # the ended processes' ids could be reused before the new ones are recorded: only the server is left
-            reaper.record(self._private_dir, os.getpid(), [self._fork_server.pid])
         if self._fork_server is None or not self._fork_server.running:
             self.start_fork_server()
         threads = str(cpu_threads_per_rank(world_size))
@@ -318,6 +316,9 @@ class FSDPCluster:
             # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
             log_level=logging.ERROR,
             controller_args=[
+                # ipyparallel passes the profile in the environment; on the command line it names the cluster
+                # for the reaper, in the controller and in the schedulers it forks
+                f"--profile-dir={self._private_dir}",
                 f"--HeartMonitor.period={HEARTBEAT_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
                 # no task database: ipyparallel's default keeps every request's and result's buffers (each
@@ -326,12 +327,9 @@ class FSDPCluster:
             ],
         )
         self._cluster.start_controller_sync()
-        # each process is recorded as soon as it is launched: a kernel killed mid-start leaves none behind
-        reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
             self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
-            reaper.record(self._private_dir, os.getpid(), self.cluster_pids())
         self.processes_started += world_size
         self._client = self._cluster.connect_client_sync()
         import nbfsdp.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)

@@ -5,7 +5,7 @@ FSDP2 and ``nbfsdp.engine``; four of them on two cores took about 5 s of
 wall time before any could register, which made the first cell slower than
 torchrun's cold start. The fork server is started once per cluster,
 
-    python -m nbfsdp.forkserver
+    python -m nbfsdp.forkserver PRIVATE_DIR
 
 imports all of that once, and then forks each engine on request, so an engine
 starts with those modules already loaded (pages shared copy-on-write).
@@ -62,12 +62,14 @@ class ForkServerError(RuntimeError):
 class ForkServer:
     """The kernel's end: starts the server, asks it for engines, learns how they end."""
 
-    def __init__(self, env: dict[str, str], log_path: str) -> None:
-        """Start the server now, with ``env`` (what it imports may read its environment) and its own log."""
-        self._log_path = log_path
-        with open(log_path, "ab") as log:
+    def __init__(self, env: dict[str, str], private_dir: str) -> None:
+        """Start the server now, with ``env`` (what it imports may read its environment), for the cluster whose
+        directory ``private_dir`` is: its log goes there, and the directory goes on its command line, which the
+        engines it forks keep (the server does not read it; ``nbfsdp.reaper`` and ``ps`` do)."""
+        self._log_path = os.path.join(private_dir, "forkserver.log")
+        with open(self._log_path, "ab") as log:
             self._process = psutil.Popen(
-                [sys.executable, "-m", "nbfsdp.forkserver"],
+                [sys.executable, "-m", "nbfsdp.forkserver", private_dir],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,

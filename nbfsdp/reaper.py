@@ -6,9 +6,14 @@ this watcher in its own session, so it survives the kernel:
 
     python -m nbfsdp.reaper KERNEL_PID PRIVATE_DIR
 
-It checks once a second; when the kernel has exited it kills the processes
-listed in ``PRIVATE_DIR/pids.json``, with what they started (the controller's
-schedulers are processes of their own), and removes the directory. When the
+It checks once a second; when the kernel has exited it kills the cluster's
+processes and removes the directory. It finds them by name, not by process ids
+the kernel noted: every process the cluster launches has the private directory
+on its command line (the controller's ``--profile-dir``, the fork server's
+argument), and what they fork keeps it (the controller's schedulers, the
+engines). A list of ids misses what the kernel launched but had not yet noted:
+a kernel killed in the 10 ms between launching the controller and noting it
+left the controller and its schedulers running, 15 times in 40. When the
 cluster is stopped normally the directory disappears and the watcher exits.
 The same clean-up runs for stale directories of dead kernels when the next
 cluster starts (``clean_stale``), in case a watcher itself was killed.
@@ -28,9 +33,12 @@ from pathlib import Path
 
 import psutil
 
-PIDS_FILE = "pids.json"
+KERNEL_FILE = "kernel.json"
 PRIVATE_DIR_PREFIX = "nbfsdp-"
 POLL_SECONDS = 1.0
+#: ``end_cluster`` looks again this long after its kills, and gives up on processes that outlast this limit
+SWEEP_PAUSE_SECONDS = 0.2
+SWEEP_LIMIT_SECONDS = 10.0
 
 
 def alive(pid: int) -> bool:
@@ -40,11 +48,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def record(private_dir: str, kernel_pid: int, pids: list[int]) -> None:
-    """Write the processes to end if ``kernel_pid`` dies (atomically: the watcher may be reading)."""
-    target = Path(private_dir, PIDS_FILE)
+def note_kernel(private_dir: str, kernel_pid: int) -> None:
+    """Write whose cluster the directory is, for ``clean_stale`` (atomically: another kernel may be reading)."""
+    target = Path(private_dir, KERNEL_FILE)
     partial = target.with_suffix(".tmp")
-    partial.write_text(json.dumps({"kernel": kernel_pid, "pids": pids}))
+    partial.write_text(json.dumps({"kernel": kernel_pid}))
     partial.chmod(0o600)
     partial.replace(target)
 
@@ -54,39 +62,34 @@ def is_cluster_process(process: psutil.Process) -> bool:
     return any("ipyparallel" in part or "nbfsdp.forkserver" in part for part in process.cmdline())
 
 
-def cluster_processes(pids: list[int]) -> list[psutil.Process]:
-    """The recorded processes and everything they started, orphans included.
+def started_for(process: psutil.Process, private_dir: str) -> bool:
+    """The process names ``private_dir`` on its command line (as a word or as an option's value)."""
+    return any(part == private_dir or part.endswith(f"={private_dir}") for part in process.cmdline())
 
-    ipyparallel starts the controller and each engine in a session of its own,
-    and the controller's schedulers are processes of that session: they live
-    on, orphaned, when the controller dies before ending them (killed, or
-    stopped while still starting them up), but keep the session id. A pid
-    recorded long ago may be another process now: only the cluster's are ended,
-    with their children.
-    """
+
+def cluster_processes(private_dir: str) -> list[psutil.Process]:
+    """The cluster's live processes: those started for ``private_dir``, and everything they started (an
+    engine's nanny names no directory)."""
     found: dict[int, psutil.Process] = {}
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            if is_cluster_process(process):
-                found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
-    sessions = set(pids)
     for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if process.pid not in found and os.getsid(process.pid) in sessions and is_cluster_process(process):
-                found[process.pid] = process
-    return list(found.values())
+        with contextlib.suppress(psutil.Error):
+            if process.pid not in found and is_cluster_process(process) and started_for(process, private_dir):
+                found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
+    return [process for process in found.values() if alive(process.pid)]
 
 
 def end_cluster(private_dir: Path) -> None:
-    """Kill the processes the directory lists (see ``cluster_processes``), then remove it."""
-    try:
-        pids = json.loads((private_dir / PIDS_FILE).read_text())["pids"]
-    except (OSError, ValueError, KeyError):
-        pids = []
-    for process in cluster_processes(pids):
-        with contextlib.suppress(psutil.Error):
-            process.send_signal(signal.SIGKILL)
+    """Kill the cluster's processes (see ``cluster_processes``), then remove the directory.
+
+    It looks again after each round of kills until it finds none: a process can fork between the look and
+    its kill (the controller forks its schedulers early in its start), and one still starting must not
+    create the directory again after it is removed."""
+    deadline = time.monotonic() + SWEEP_LIMIT_SECONDS
+    while (processes := cluster_processes(str(private_dir))) and time.monotonic() < deadline:
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGKILL)
+        time.sleep(SWEEP_PAUSE_SECONDS)
     shutil.rmtree(private_dir, ignore_errors=True)
 
 
@@ -96,7 +99,7 @@ def clean_stale() -> None:
         try:
             if candidate.stat().st_uid != os.getuid():
                 continue
-            kernel = json.loads((candidate / PIDS_FILE).read_text())["kernel"]
+            kernel = json.loads((candidate / KERNEL_FILE).read_text())["kernel"]
         except (OSError, ValueError, KeyError):
             continue
         if not alive(kernel):

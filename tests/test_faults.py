@@ -60,7 +60,9 @@ def test_no_engine_or_controller_outlives_a_kernel_shut_down_or_restarted(shell,
 
 def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster):
     kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
-    watchers = [p for p in psutil.process_iter(["cmdline"]) if private_dir in (p.info["cmdline"] or [])]
+    watchers = [
+        p for p in psutil.process_iter(["cmdline"]) if {"nbfsdp.reaper", private_dir} <= set(p.info["cmdline"] or [])
+    ]
     assert len(watchers) == 1
     watchers[0].kill()  # without its watcher, the dead kernel's cluster would live on
     os.kill(kernel_pid, signal.SIGKILL)
@@ -206,7 +208,7 @@ def test_everything_listens_on_loopback_and_files_are_private(shell, cluster, ti
     assert stat.S_IMODE(private.stat().st_mode) == 0o700  # nothing inside is reachable by other users
     with_keys = [f for f in private.rglob("*.json") if '"key"' in f.read_text()]
     assert len(with_keys) == 2  # the controller's client and engine connection files
-    for path in [*with_keys, private / "pids.json"]:
+    for path in [*with_keys, private / "kernel.json"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     # the rendezvous is a file: no TCPStore port anywhere on this machine belongs to the engines
     assert not [

@@ -63,7 +63,7 @@ def test_a_fork_server_that_died_is_replaced_at_the_next_restart(shell, cluster)
 
 def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
     log = tmp_path / "forkserver.log"
-    server = ForkServer(dict(os.environ), str(log))
+    server = ForkServer(dict(os.environ), str(tmp_path))
     psutil.Process(server.pid).kill()
     with pytest.raises(ForkServerError, match=f"fork server .*{log}"):
         server.spawn(["ipengine"], dict(os.environ), cwd=str(tmp_path), output=str(tmp_path / "engine.log"))

@@ -144,9 +144,6 @@ def test_a_cell_right_after_load_ext_runs_once_the_background_imports_are_done(k
     kernel.output("%load_ext nbfsdp")
     assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
     kernel.output("import torch.distributed.fsdp")  # what failed: a circular-import error from inside torch
-    # ended once the world is up: a kernel shut down about 3 s after %load_ext once left a process behind
-    # (seen once, in a fresh clone's run; not yet understood)
-    kernel.wait_until_ready(2)
 
 
 def test_prewarm_off_starts_nothing_and_a_cell_still_works(kernels):
@@ -231,6 +228,52 @@ def test_a_kernel_gone_while_the_engines_start_leaves_none_behind(kernels, how):
         kernel.manager.shutdown_kernel(now=False)  # a shutdown request, as a notebook sends
     assert left_behind(kernel.seen, 30) == []
     kernel.shutdown()
+
+
+def _first_child_running(parent: int, module: str, within: float) -> psutil.Process:
+    """``parent``'s child running ``python -m module``, seen within about a millisecond of its start: only
+    processes new since the call are looked at (``psutil.Process.children`` reads every process each time)."""
+    deadline = time.monotonic() + within
+    others = set(psutil.pids())
+    while time.monotonic() < deadline:
+        for pid in set(psutil.pids()) - others:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                if process.ppid() != parent:
+                    others.add(pid)
+                elif module in process.cmdline():  # else not yet exec'd: looked at again
+                    return process
+    raise AssertionError(f"no {module} started within {within:g}s")
+
+
+def test_a_kernel_killed_the_moment_its_controller_starts_leaves_nothing_behind(kernels):
+    """Killed before it can note the new controller (the kernel gets to that about 10 ms after the launch):
+    the reaper must still end the controller and the schedulers it forks, and its directory must stay gone
+    (a controller that lived on created it again)."""
+    kernel = kernels("2")
+    kernel.output("%load_ext nbfsdp")
+    kernel.cluster_processes()  # the fork server
+    controller = _first_child_running(kernel.pid, "ipyparallel.controller", READY_TIMEOUT)
+    os.kill(kernel.pid, signal.SIGKILL)
+    private_dir = controller.environ()["IPP_PROFILE_DIR"]
+
+    def controller_session() -> list[int]:  # the controller and the schedulers it forks
+        return [p.pid for p in psutil.process_iter() if not gone(p.pid) and _session(p.pid) == controller.pid]
+
+    deadline = time.monotonic() + 30
+    while controller_session() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert controller_session() == [], "the controller or its schedulers outlived the kernel"
+    time.sleep(1.0)
+    assert not os.path.exists(private_dir)
+    assert left_behind(kernel.seen, 30) == []
+    kernel.shutdown()
+
+
+def _session(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        return os.getsid(pid)
+    return None
 
 
 def test_interrupting_a_cell_that_waits_for_the_background_start(kernels):
