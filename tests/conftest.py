@@ -71,6 +71,14 @@ def left_behind(pids: list[int] | set[int], seconds: float) -> list[int]:
     return sorted(p for p in pids if not gone(p))
 
 
+def removed(path: str, seconds: float) -> bool:
+    """``path`` no longer exists, after waiting up to ``seconds`` for it to go."""
+    deadline = time.monotonic() + seconds
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not os.path.exists(path)
+
+
 TINY_MODEL = """
 import torch, torch.nn as nn, nbfsdp
 

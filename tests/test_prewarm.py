@@ -19,7 +19,7 @@ import pytest
 import nbfsdp
 from nbfsdp import reaper
 from nbfsdp.cluster import FSDPCluster
-from tests.conftest import gone, left_behind
+from tests.conftest import gone, left_behind, removed
 from tests.test_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(240)
@@ -264,8 +264,9 @@ def test_a_kernel_killed_the_moment_its_controller_starts_leaves_nothing_behind(
     while controller_session() and time.monotonic() < deadline:
         time.sleep(0.25)
     assert controller_session() == [], "the controller or its schedulers outlived the kernel"
+    assert removed(private_dir, 10)
     time.sleep(1.0)
-    assert not os.path.exists(private_dir)
+    assert not os.path.exists(private_dir), "a process of the cluster created its directory again"
     assert left_behind(kernel.seen, 30) == []
     kernel.shutdown()
 
