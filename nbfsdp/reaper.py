@@ -59,21 +59,26 @@ def note_kernel(private_dir: str, kernel_pid: int) -> None:
 
 def is_cluster_process(process: psutil.Process) -> bool:
     """ipyparallel's controller and schedulers, the engine fork server and the engines it forked."""
-    return any("ipyparallel" in part or "nbfsdp.forkserver" in part for part in process.cmdline())
+    return _is_cluster_command(process.cmdline())
 
 
-def started_for(process: psutil.Process, private_dir: str) -> bool:
-    """The process names ``private_dir`` on its command line (as a word or as an option's value)."""
-    return any(part == private_dir or part.endswith(f"={private_dir}") for part in process.cmdline())
+def _is_cluster_command(cmdline: list[str]) -> bool:
+    return any("ipyparallel" in part or "nbfsdp.forkserver" in part for part in cmdline)
+
+
+def _names(cmdline: list[str], private_dir: str) -> bool:
+    """The command line names ``private_dir`` (as a word or as an option's value)."""
+    return any(part == private_dir or part.endswith(f"={private_dir}") for part in cmdline)
 
 
 def cluster_processes(private_dir: str) -> list[psutil.Process]:
     """The cluster's live processes: those started for ``private_dir``, and everything they started (an
     engine's nanny names no directory)."""
     found: dict[int, psutil.Process] = {}
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if process.pid not in found and is_cluster_process(process) and started_for(process, private_dir):
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []  # None: not ours to read, or gone
+        if process.pid not in found and _is_cluster_command(cmdline) and _names(cmdline, private_dir):
+            with contextlib.suppress(psutil.Error):
                 found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
     return [process for process in found.values() if alive(process.pid)]
 
