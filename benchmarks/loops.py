@@ -58,13 +58,14 @@ def batch_for(rank, step, device):
 '''
 
 #: The loop itself. Reads model, rank, device (nbfsdp injects them; torchrun_loop.py defines them),
-#: the sizes and batch_for from setup_source, and LOG_EACH_STEP. Leaves losses and step_times (rank 0's
-#: come back from a %%fsdp cell as names), and deletes the optimizer so nothing big stays on the engines.
+#: the sizes and batch_for from setup_source, and LOG_EACH_STEP. Leaves losses, step_times and
+#: step_cpu_times (the CPU seconds of the whole rank process, every thread, in each step; rank 0's come back
+#: from a %%fsdp cell as names), and deletes the optimizer so nothing big stays on the engines.
 LOOP_SOURCE = """
 opt = torch.optim.AdamW(model.parameters(), lr=LR)
-losses, step_times = [], []
+losses, step_times, step_cpu_times = [], [], []
 for step in range(STEPS):
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     x, y = batch_for(rank, step, device)
     loss = nn.functional.mse_loss(model(x).float(), y)  # under PURE the output is bf16, the target fp32
     loss.backward()
@@ -74,6 +75,7 @@ for step in range(STEPS):
     if LOG_EACH_STEP:
         nbfsdp.log(step=step, loss=losses[-1])
     step_times.append(time.perf_counter() - started)
+    step_cpu_times.append(time.process_time() - cpu_started)
 del opt, x, y, loss
 """
 

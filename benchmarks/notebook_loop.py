@@ -2,8 +2,8 @@
 
 Each run defines the sizes, model class and batch function in the notebook (``loops.setup_source``), builds
 a fresh model under the seed (so every round starts from the same weights and the model is sent again),
-runs ``loops.fsdp_cell`` and reads back rank 0's step times and losses (names the cell assigned), the FSDP
-units nbfsdp chose and the engines' thread counts. In a kernel the live dashboard is always on.
+runs ``loops.fsdp_cell`` and reads back rank 0's step times (wall and CPU) and losses (names the cell
+assigned), the FSDP units nbfsdp chose and the engines' thread counts. In a kernel the live dashboard is always on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import nbfsdp as _nbfsdp
 _run = _nbfsdp.last_run()
 _world = _nbfsdp._magics.session.cluster.world
 print(_json.dumps({
-    "step_times": step_times, "losses": losses, "units": _run.config["fsdp_units"]["model"],
+    "step_times": step_times, "step_cpu_times": step_cpu_times, "losses": losses,
+    "units": _run.config["fsdp_units"]["model"],
     "records": len(_run.metrics), "backend": _world.backend,
     "engine_threads": [e["threads"] for e in _world.engines], "devices": [e["device"] for e in _world.engines],
 }))

@@ -6,6 +6,7 @@ torchrun (A) and the ``%%fsdp`` cell in a warm kernel (B), each with nothing of 
 world is stopped for torchrun and started again (untimed) for the cell. A then B in even rounds and B then A
 in odd ones, so that neither side always runs just after the other; the figure is the median over rounds of
 each side's per-round median, and the ratio B/A (target at most 1.03). World sizes 2 and 4 (``--quick``: 2).
+Beside it, without a target, the same ratio of rank 0's process CPU time per step (``process_time``).
 Both sides must report the same rank-0 losses: the same loop text, weights, batches and FSDP units.
 
 Run alone: ``python -m benchmarks --only step_time``.
@@ -50,6 +51,7 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
 
     sides = {"torchrun": torchrun_alone, "%%fsdp": fsdp_cell}
     a_rounds, b_rounds, first, first_sides = [], [], {}, []
+    a_cpu_rounds, b_cpu_rounds = [], []
     for index in range(rounds):
         order = in_turn("torchrun", "%%fsdp", index)
         first_sides.append(order[0])
@@ -57,6 +59,8 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         a, b = ran["torchrun"], ran["%%fsdp"]
         a_rounds.append(loops.median_step(a["step_times"], sizes))
         b_rounds.append(loops.median_step(b["step_times"], sizes))
+        a_cpu_rounds.append(loops.median_step(a["step_cpu_times"], sizes))
+        b_cpu_rounds.append(loops.median_step(b["step_cpu_times"], sizes))
         if index == 0:
             first = {"torchrun": a, "fsdp": b}
     return {
@@ -69,6 +73,8 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         "torchrun_median_s": statistics.median(a_rounds),
         "fsdp_median_s": statistics.median(b_rounds),
         "ratio": statistics.median(b_rounds) / statistics.median(a_rounds),
+        "torchrun_cpu_round_medians_s": a_cpu_rounds,
+        "fsdp_cpu_round_medians_s": b_cpu_rounds,
         "losses_torchrun": first["torchrun"]["losses"],
         "losses_fsdp": first["fsdp"]["losses"],
         "loss_max_abs_diff": parity(first["torchrun"]["losses"], first["fsdp"]["losses"]),
@@ -92,7 +98,12 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
 
 def measurements(result: dict, label: str, throughput: bool = False, loss_tolerance: float = 1e-5) -> list[Measurement]:
     """The rows of one comparison: the step-time ratio %%fsdp / torchrun (target at most 1.03), or with
-    ``throughput`` its inverse, %%fsdp's speed relative to torchrun (target at least 0.98); and loss parity."""
+    ``throughput`` its inverse, %%fsdp's speed relative to torchrun (target at least 0.98); the CPU time of
+    rank 0's process per step, %%fsdp / torchrun (no target); and loss parity.
+
+    The CPU row tells apart the two ways a step can be slower: work the rank's process does (its own threads
+    included: ipyparallel's, ``nbfsdp.log``'s), which it counts, and cores taken by other processes (the
+    kernel, the controller, the drawing worker) or lost to the scheduler, which only the wall-clock row sees."""
     a, b = result["torchrun_round_medians_s"], result["fsdp_round_medians_s"]
     ms = [x * 1000 for x in a], [x * 1000 for x in b]
     same_units = result["units_torchrun"] == result["units_fsdp"]
@@ -127,6 +138,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
                 f"{min(ratios):.3f}-{max(ratios):.3f}x"
             ),
         ),
+        _cpu_per_step(result, label),
         Measurement(
             what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
             value=result["loss_max_abs_diff"] if same_units else float("inf"),
@@ -136,6 +148,32 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
             note=f"FSDP units {'the same' if same_units else 'DIFFER'}: {units}",
         ),
     ]
+
+
+def _cpu_per_step(result: dict, label: str) -> Measurement:
+    """Rank 0's process CPU seconds per step (median after the warm-up), %%fsdp / torchrun: no target."""
+    a, b = result["torchrun_cpu_round_medians_s"], result["fsdp_cpu_round_medians_s"]
+
+    def ratio(torchrun: list[float], fsdp: list[float]) -> float:
+        return statistics.median(fsdp) / statistics.median(torchrun)
+
+    per_round = [ratio([x], [y]) for x, y in zip(a, b, strict=True)]
+    return Measurement(
+        what=f"{label}: CPU time of rank 0's process per step, %%fsdp / torchrun (median of round medians)",
+        value=ratio(a, b),
+        unit="x",
+        a_label="torchrun",
+        a=median([x * 1000 for x in a]),
+        b_label="%%fsdp",
+        b=median([x * 1000 for x in b]),
+        ab_unit="ms",
+        samples_a=[x * 1000 for x in a],
+        samples_b=[x * 1000 for x in b],
+        samples_value=per_round,
+        interval=round_interval(a, b, ratio),
+        note="no target: the work a step costs the rank's process, all its threads; the row above adds the "
+        "cores other processes take",
+    )
 
 
 def run(ctx: Context) -> dict:

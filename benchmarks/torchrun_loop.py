@@ -3,7 +3,7 @@
 Launched by the benchmarks as
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.torchrun_loop CONFIG OUT``:
 CONFIG is a JSON file of ``loops.LoopSizes`` fields plus ``device`` (cpu or cuda); rank 0 writes OUT, a JSON
-file with its per-step times and losses, the FSDP units, and its thread settings.
+file with its per-step times (wall and CPU) and losses, the FSDP units, and its thread settings.
 
 Same model, seed, per-rank batch and loop text as the ``%%fsdp`` cell (``loops.py``); the same modules are
 FSDP units, with the same mixed precision, as nbfsdp's flags in ``loops.cell_flags`` ask for.
@@ -58,6 +58,7 @@ def main(config_path: str, out_path: str) -> None:
     if rank == 0:
         result = {
             "step_times": namespace["step_times"],
+            "step_cpu_times": namespace["step_cpu_times"],
             "losses": namespace["losses"],
             "units": [*units, ""],
             "torch_threads": torch.get_num_threads(),

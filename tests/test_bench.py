@@ -108,6 +108,21 @@ def test_torchrun_and_fsdp_run_literally_the_same_loop(bench):
         assert result["fsdp_records_per_cell"] == result["sizes"]["steps"] * world_size  # nbfsdp.log each step
 
 
+def test_step_time_reports_the_cpu_a_step_costs_each_side(bench):
+    """Beside the wall-clock ratio: rank 0's process CPU per step on both sides (the same work, so a ratio
+    near 1 on an idle machine), which tells work a rank does from cores other processes take."""
+    _, results, _ = bench
+    step_time = results["benchmarks"]["step_time"]
+    for result in step_time["by_world_size"].values():
+        for side in ("torchrun", "fsdp"):
+            cpu, wall = result[f"{side}_cpu_round_medians_s"], result[f"{side}_round_medians_s"]
+            assert len(cpu) == len(wall) == 2
+            assert all(0 < c <= 1.5 * w for c, w in zip(cpu, wall, strict=True)), (side, cpu, wall)
+    rows = [m for m in step_time["measurements"] if "CPU time of rank 0's process per step" in m["what"]]
+    assert len(rows) == len(step_time["by_world_size"])
+    assert all(0.5 < m["value"] < 2.0 and m["ok"] is None for m in rows)
+
+
 def test_step_time_rounds_take_turns_at_running_first(bench):
     """Neither side always runs just after the other (the quick run has two rounds)."""
     _, results, _ = bench
