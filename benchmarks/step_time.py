@@ -15,6 +15,8 @@ Run alone: ``python -m benchmarks --only step_time``.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks import launch, loops, notebook_loop
 from benchmarks.context import Context
@@ -104,8 +106,6 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     The CPU row tells apart the two ways a step can be slower: work the rank's process does (its own threads
     included: ipyparallel's, ``nbfsdp.log``'s), which it counts, and cores taken by other processes (the
     kernel, the controller, the drawing worker) or lost to the scheduler, which only the wall-clock row sees."""
-    a, b = result["torchrun_round_medians_s"], result["fsdp_round_medians_s"]
-    ms = [x * 1000 for x in a], [x * 1000 for x in b]
     same_units = result["units_torchrun"] == result["units_fsdp"]
     units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
 
@@ -114,31 +114,31 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
         ratio = statistics.median(fsdp) / statistics.median(torchrun)
         return 1 / ratio if throughput else ratio
 
-    value = figure(a, b)
-    ratios = [figure([x], [y]) for x, y in zip(a, b, strict=True)]
     what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
+    step_time = _rounds_row(
+        f"{label}: {what} (median of round medians)",
+        result["torchrun_round_medians_s"],
+        result["fsdp_round_medians_s"],
+        figure,
+        target=TARGET_THROUGHPUT if throughput else TARGET_RATIO,
+        op=">=" if throughput else "<=",
+    )
+    ratios = step_time.samples_value
+    step_time.note = (
+        f"per-round ratios (each round's two sides run back to back): median {median(ratios):.3f}x, "
+        f"{min(ratios):.3f}-{max(ratios):.3f}x"
+    )
+    cpu = _rounds_row(
+        f"{label}: CPU time of rank 0's process per step, %%fsdp / torchrun (median of round medians)",
+        result["torchrun_cpu_round_medians_s"],
+        result["fsdp_cpu_round_medians_s"],
+        lambda torchrun, fsdp: statistics.median(fsdp) / statistics.median(torchrun),
+        note="no target: the work a step costs the rank's process, all its threads; the row above adds the "
+        "cores other processes take",
+    )
     return [
-        Measurement(
-            what=f"{label}: {what} (median of round medians)",
-            value=value,
-            unit="x",
-            target=TARGET_THROUGHPUT if throughput else TARGET_RATIO,
-            op=">=" if throughput else "<=",
-            a_label="torchrun",
-            a=median(ms[0]),
-            b_label="%%fsdp",
-            b=median(ms[1]),
-            ab_unit="ms",
-            samples_a=ms[0],
-            samples_b=ms[1],
-            samples_value=ratios,
-            interval=round_interval(a, b, figure),
-            note=(
-                f"per-round ratios (each round's two sides run back to back): median {median(ratios):.3f}x, "
-                f"{min(ratios):.3f}-{max(ratios):.3f}x"
-            ),
-        ),
-        _cpu_per_step(result, label),
+        step_time,
+        cpu,
         Measurement(
             what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
             value=result["loss_max_abs_diff"] if same_units else float("inf"),
@@ -150,29 +150,29 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     ]
 
 
-def _cpu_per_step(result: dict, label: str) -> Measurement:
-    """Rank 0's process CPU seconds per step (median after the warm-up), %%fsdp / torchrun: no target."""
-    a, b = result["torchrun_cpu_round_medians_s"], result["fsdp_cpu_round_medians_s"]
-
-    def ratio(torchrun: list[float], fsdp: list[float]) -> float:
-        return statistics.median(fsdp) / statistics.median(torchrun)
-
-    per_round = [ratio([x], [y]) for x, y in zip(a, b, strict=True)]
+def _rounds_row(
+    what: str,
+    torchrun: list[float],
+    fsdp: list[float],
+    figure: Callable[[list[float], list[float]], float],
+    **extra: Any,
+) -> Measurement:
+    """A row made from per-round medians in seconds (shown in ms): ``figure`` of all rounds, of each round,
+    and its bootstrap interval over the rounds."""
     return Measurement(
-        what=f"{label}: CPU time of rank 0's process per step, %%fsdp / torchrun (median of round medians)",
-        value=ratio(a, b),
+        what=what,
+        value=figure(torchrun, fsdp),
         unit="x",
         a_label="torchrun",
-        a=median([x * 1000 for x in a]),
+        a=median([x * 1000 for x in torchrun]),
         b_label="%%fsdp",
-        b=median([x * 1000 for x in b]),
+        b=median([x * 1000 for x in fsdp]),
         ab_unit="ms",
-        samples_a=[x * 1000 for x in a],
-        samples_b=[x * 1000 for x in b],
-        samples_value=per_round,
-        interval=round_interval(a, b, ratio),
-        note="no target: the work a step costs the rank's process, all its threads; the row above adds the "
-        "cores other processes take",
+        samples_a=[x * 1000 for x in torchrun],
+        samples_b=[x * 1000 for x in fsdp],
+        samples_value=[figure([x], [y]) for x, y in zip(torchrun, fsdp, strict=True)],
+        interval=round_interval(torchrun, fsdp, figure),
+        **extra,
     )
 
 
