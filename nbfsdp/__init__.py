@@ -26,6 +26,7 @@ runs).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import sys
@@ -196,13 +197,17 @@ class _Loading:
         module (Python breaks a cycle of per-module import locks by handing one thread the partial module).
 
         ``%%fsdp`` and ``%fsdp`` cells go on at once: they wait for the whole load themselves, and a Ctrl-C
-        ends that wait with the cell. Here a Ctrl-C ends the wait only (IPython runs the cell after a callback
-        raised)."""
+        ends that wait with the cell. A Ctrl-C here ends the cell too: IPython runs a cell whatever its
+        ``pre_run_cell`` callbacks raise, so the cell is rejected before it runs (``_RejectNextCell``)."""
         first_word = (info.raw_cell.split(None, 1) or [""])[0]
         if first_word in ("%fsdp", "%%fsdp") and not self.imported.is_set():
             return
-        while not self.imported.wait(0.05):
-            pass
+        try:
+            while not self.imported.wait(0.05):
+                pass
+        except KeyboardInterrupt:
+            self.shell.ast_transformers.append(_RejectNextCell(self.shell))
+            return
         self.shell.events.unregister("pre_run_cell", self.wait_for_imports)
 
     def join(self) -> None:
@@ -226,3 +231,22 @@ class _Loading:
             return None
         magics = self.wait()
         return magics.fsdp_line(line) if cell is None else magics.fsdp(line, cell)
+
+
+class _RejectNextCell(ast.NodeTransformer):
+    """Rejects the cell being run, once: IPython's way for an extension to stop a cell before it runs."""
+
+    def __init__(self, shell: InteractiveShell) -> None:
+        self.shell = shell
+        self.cell = shell.execution_count  # a cell that fails to compile never reaches this: spare the next one
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        from IPython.core.error import InputRejected
+
+        self.shell.ast_transformers.remove(self)
+        if self.shell.execution_count != self.cell:
+            return node
+        raise InputRejected(
+            "nbfsdp: interrupted while torch was still loading in the background (from %load_ext nbfsdp); "
+            "this cell did not run. Run it again: it waits until that loading is done."
+        )

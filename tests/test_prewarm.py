@@ -286,6 +286,31 @@ def test_interrupting_a_cell_that_waits_for_the_background_start(kernels):
     assert kernel.value("[total, seen]") == [3.0, 2]
 
 
+def test_interrupting_a_plain_cell_that_waits_for_the_background_imports_stops_that_cell(kernels):
+    """IPython runs a cell whatever its pre_run_cell callbacks raise: without the rejection the cell ran after
+    the Ctrl-C, alongside the imports it had waited for, and the callback's KeyboardInterrupt was printed."""
+    kernel = kernels("2")
+    kernel.output("%load_ext nbfsdp")
+    reply, messages = kernel.execute("ran = True", interrupt_after=0.3)  # torch takes seconds to import
+    assert reply["content"]["status"] == "error", "the cell ran: the interrupt did not stop it"
+    assert reply["content"]["ename"] == "InputRejected"
+    assert "this cell did not run" in reply["content"]["evalue"]
+    assert "Error in callback" not in kernel.stdout(messages)
+    assert kernel.value("'ran' in globals()") is False  # this cell waits for the imports again, then runs
+    assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
+    kernel.output("ran = True")  # rejected once only
+    assert kernel.value("ran") is True
+
+
+def test_a_cell_that_does_not_compile_after_that_interrupt_leaves_the_next_cell_alone(kernels):
+    kernel = kernels("2")
+    kernel.output("%load_ext nbfsdp")
+    reply, _ = kernel.execute("ran = (", interrupt_after=0.3)
+    assert reply["content"]["ename"] == "SyntaxError"
+    kernel.output("ran = True")  # not rejected in the stead of the cell that never compiled
+    assert kernel.value("ran") is True
+
+
 @pytest.mark.parametrize("action", ["%fsdp stop", "%unload_ext nbfsdp"])
 def test_stop_or_unload_while_the_engines_start_waits_then_ends_them(kernels, action):
     kernel = kernels("2")
