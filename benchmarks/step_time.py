@@ -111,7 +111,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
 
     def figure(torchrun: list[float], fsdp: list[float]) -> float:
         """``value`` from a set of rounds: the ratio of the medians, or with ``throughput`` its inverse."""
-        ratio = statistics.median(fsdp) / statistics.median(torchrun)
+        ratio = _ratio_of_medians(torchrun, fsdp)
         return 1 / ratio if throughput else ratio
 
     what = "speed, torchrun step / %%fsdp step" if throughput else "step time, %%fsdp / torchrun"
@@ -132,7 +132,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
         f"{label}: CPU time of rank 0's process per step, %%fsdp / torchrun (median of round medians)",
         result["torchrun_cpu_round_medians_s"],
         result["fsdp_cpu_round_medians_s"],
-        lambda torchrun, fsdp: statistics.median(fsdp) / statistics.median(torchrun),
+        _ratio_of_medians,
         note="no target: the work a step costs the rank's process, all its threads; the row above adds the "
         "cores other processes take",
     )
@@ -150,6 +150,11 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
     ]
 
 
+def _ratio_of_medians(torchrun: list[float], fsdp: list[float]) -> float:
+    """%%fsdp's median over torchrun's."""
+    return statistics.median(fsdp) / statistics.median(torchrun)
+
+
 def _rounds_row(
     what: str,
     torchrun: list[float],
@@ -159,17 +164,18 @@ def _rounds_row(
 ) -> Measurement:
     """A row made from per-round medians in seconds (shown in ms): ``figure`` of all rounds, of each round,
     and its bootstrap interval over the rounds."""
+    torchrun_ms, fsdp_ms = [x * 1000 for x in torchrun], [x * 1000 for x in fsdp]
     return Measurement(
         what=what,
         value=figure(torchrun, fsdp),
         unit="x",
         a_label="torchrun",
-        a=median([x * 1000 for x in torchrun]),
+        a=median(torchrun_ms),
         b_label="%%fsdp",
-        b=median([x * 1000 for x in fsdp]),
+        b=median(fsdp_ms),
         ab_unit="ms",
-        samples_a=[x * 1000 for x in torchrun],
-        samples_b=[x * 1000 for x in fsdp],
+        samples_a=torchrun_ms,
+        samples_b=fsdp_ms,
         samples_value=[figure([x], [y]) for x, y in zip(torchrun, fsdp, strict=True)],
         interval=round_interval(torchrun, fsdp, figure),
         **extra,
