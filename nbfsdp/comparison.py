@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from nbfsdp import history
 
 #: Run-record settings that describe the run rather than choose it.
-_NOT_SETTINGS = frozenset({"fsdp_units", "ignored"})
+_NOT_SETTINGS = frozenset({"fsdp_units", "ignored", "why"})
 
 
 def compare(last: int = 5) -> list[dict[str, Any]]:

@@ -2,13 +2,15 @@
 
 People learn FSDP from Composer's docs, so the names and defaults are
 Composer's; ``sharding.py`` maps them onto FSDP2. Where FSDP2 has no exact
-equivalent the mapping says so (``effective`` and the warnings below).
+equivalent the mapping says so (``effective_backward_prefetch`` and ``why``).
+Runs in the notebook's kernel; the engines get a config every default of which
+``validate`` has filled in for the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +58,15 @@ class FSDPConfig:
 
     sharding_strategy: str = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD."""
-    mixed_precision: str | dict = "DEFAULT"
-    """FULL, DEFAULT, PURE, or a dict of param_dtype / reduce_dtype / buffer_dtype."""
-    precision: str = "bf16"
-    """The low precision of DEFAULT and PURE: bf16 or fp16."""
-    backward_prefetch: str = "BACKWARD_POST"
-    """BACKWARD_PRE, BACKWARD_POST (FSDP2 has none: BACKWARD_PRE is used) or NONE."""
+    mixed_precision: str | dict | None = None
+    """FULL, DEFAULT, PURE, or a dict of param_dtype / reduce_dtype / buffer_dtype; None (not given) is
+    Composer's default for the device: FULL on CPU, where its precision is fp32 unless ``precision``
+    is given, DEFAULT on GPU."""
+    precision: str | None = None
+    """The low precision of DEFAULT and PURE: bf16 or fp16; None (not given) is bf16."""
+    backward_prefetch: str | None = None
+    """BACKWARD_PRE, BACKWARD_POST (FSDP2 has none: BACKWARD_PRE is used) or NONE; None (not given) is
+    Composer's default BACKWARD_POST, which runs as BACKWARD_PRE without a word."""
     forward_prefetch: bool = False
     """All-gather the next unit while the current one computes its forward."""
     activation_checkpointing: bool = False
@@ -80,9 +85,13 @@ class FSDPConfig:
     """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
+    why: dict[str, str] = field(default_factory=dict)
+    """Settings nbfsdp chose (a default for the device) or runs otherwise than asked, with why."""
 
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(param, reduce, buffer) dtypes of the mixed-precision setting."""
+        if self.mixed_precision is None or self.precision is None:
+            raise ValueError("settings not given: validate(config, world_size, device_type) fills them in")
         if isinstance(self.mixed_precision, dict):
             return tuple(_DTYPES[self.mixed_precision.get(k, "fp32")] for k in _MIXED_PRECISION_KEYS)
         low = _DTYPES[self.precision]
@@ -109,6 +118,7 @@ class FSDPConfig:
         settings["backward_prefetch"] = self.effective_backward_prefetch
         settings["wrap_cls"] = list(self.wrap_cls)
         settings["ignored"] = dict(self.ignored)
+        settings["why"] = dict(self.why)
         return settings
 
 
@@ -176,17 +186,45 @@ def resolve(
     return FSDPConfig(**settings, ignored=ignored)
 
 
-def validate(config: FSDPConfig, world_size: int, device_type: str) -> None:
-    """Checks that need the world: mesh shape and what the device can run."""
+#: Why a setting not given takes the value it does.
+_FULL_ON_CPU = "not given; Composer's precision on CPU is fp32: one process's math (DEFAULT or PURE for bf16)"
+_DEFAULT_PREFETCH = (
+    "not given; Composer's default BACKWARD_POST, which FSDP2 does not have, runs as FSDP2's own backward prefetch"
+)
+_POST_ASKED = "BACKWARD_POST asked, which FSDP2 does not have (it can prefetch the wrong unit, pytorch#108190)"
+
+
+def for_device(config: FSDPConfig, device_type: str) -> FSDPConfig:
+    """``config`` with the settings not given filled in as Composer would on ``device_type``, saying why."""
+    why = dict(config.why)
+    mixed_precision, backward_prefetch = config.mixed_precision, config.backward_prefetch
+    precision = config.precision or "bf16"
+    if mixed_precision is None and device_type == "cpu" and config.precision is None:
+        mixed_precision, why["mixed_precision"] = "FULL", _FULL_ON_CPU
+    elif mixed_precision is None:  # Composer's DEFAULT wherever its precision is low: on GPU, or asked for
+        where = "on GPU" if device_type == "cuda" else "once a precision is given"
+        mixed_precision = "DEFAULT"
+        why["mixed_precision"] = f"not given; Composer's default {where}: gradients reduced in {precision}"
+    if backward_prefetch is None:
+        backward_prefetch, why["backward_prefetch"] = "BACKWARD_PRE", _DEFAULT_PREFETCH
+    elif backward_prefetch == "BACKWARD_POST":
+        why["backward_prefetch"] = f"{_POST_ASKED}: FSDP2's own backward prefetch runs"
+    chosen = {"mixed_precision": mixed_precision, "precision": precision, "backward_prefetch": backward_prefetch}
+    return dataclasses.replace(config, **chosen, why=why)
+
+
+def validate(config: FSDPConfig, world_size: int, device_type: str, *, quiet: bool = False) -> FSDPConfig:
+    """Checks that need the world (mesh shape, what the device can run); the config the ranks run.
+
+    An explicit BACKWARD_POST is said in one line on stderr unless ``quiet`` (a plan shows it anyway).
+    """
+    config = for_device(config, device_type)
     if config.sharding_strategy == "HYBRID_SHARD":
         replicas = config.replicas
         if not replicas or world_size % replicas or not 1 <= replicas <= world_size:
             raise UsageError(f"HYBRID_SHARD needs --replicas R dividing the world size {world_size}; got {replicas}")
     if device_type == "cpu" and torch.float16 in config.dtypes():
         raise UsageError("fp16 needs a GPU; on CPU use --precision bf16 (or mixed_precision FULL)")
-    if config.backward_prefetch == "BACKWARD_POST":
-        warnings.warn(
-            "FSDP2 has no BACKWARD_POST prefetch (it can prefetch the wrong unit, pytorch#108190); "
-            "using BACKWARD_PRE, FSDP2's own implicit backward prefetch",
-            stacklevel=2,
-        )
+    if config.backward_prefetch == "BACKWARD_POST" and not quiet:
+        print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)
+    return config

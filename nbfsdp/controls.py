@@ -16,7 +16,10 @@ from nbfsdp.config import BACKWARD_PREFETCHES, MIXED_PRECISIONS, SHARDING_STRATE
 
 #: A mixed_precision dict (param/reduce/buffer dtypes) is shown as this choice.
 CUSTOM_PRECISION = "custom"
-_LAYOUT = {"width": "auto"}
+#: Each control as wide as its description and value, a gap after it (a checkbox's label otherwise runs on into
+#: the next control's), wrapping to the next line where the notebook is narrow.
+_GAP = "2px 1.2em 2px 0"
+_LAYOUT = {"width": "auto", "margin": _GAP}
 _STYLE = {"description_width": "initial"}
 
 
@@ -42,7 +45,7 @@ class SettingsControls:
             "activation_checkpointing": _checkbox("activation checkpointing"),
             "cpu_offload": _checkbox("CPU offload"),
             "world_size": widgets.BoundedIntText(
-                min=1, max=64, description="world size", layout={"width": "8em"}, style=_STYLE
+                min=1, max=64, description="world size", layout={"width": "11em", "margin": _GAP}, style=_STYLE
             ),
         }
         shown = {**values, "mixed_precision": CUSTOM_PRECISION if custom else precision}

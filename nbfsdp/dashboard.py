@@ -89,6 +89,7 @@ class LiveDashboard:
         self._figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         # a background run's output lines go here: the cell that started it has ended
         self.output = widgets.Output() if with_output else None
+        self._bars: dict[str, int] = {}  # a progress bar's place among the output's entries
         rows = [widgets.HBox([self.controls.box, self._stop]), self._notes_area, self._status, self._figure]
         self._box = widgets.VBox(rows + ([self.output] if self.output else []))
         self._handle = display(self._bundle(), raw=True, display_id=True)
@@ -115,6 +116,17 @@ class LiveDashboard:
             self.output.append_stderr(text)
         else:
             self.output.append_stdout(text)
+
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        """Rank 0's progress bar in a background run: one entry of the output, replaced as it moves."""
+        entry = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": {}}
+        outputs = list(self.output.outputs)
+        if bar in self._bars:
+            outputs[self._bars[bar]] = entry
+        else:
+            self._bars[bar] = len(outputs)
+            outputs.append(entry)
+        self.output.outputs = tuple(outputs)
 
     def finish(self, records: list[dict[str, Any]] | None, state: str) -> None:
         """The cell is over: draw its complete records (as ``last_run`` has them) one last time."""

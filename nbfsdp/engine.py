@@ -27,12 +27,14 @@ from ipyparallel.datapub import publish_data
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 import nbfsdp
-from nbfsdp import metrics, transfer
+from nbfsdp import dataloaders, metrics, optimizers, transfer
 from nbfsdp.cluster import loopback_interface
 from nbfsdp.config import FSDPConfig
 from nbfsdp.control import CellCancelled, RankControl
+from nbfsdp.progress import route_bars
 from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 
 _PACKAGE_DIR = str(Path(nbfsdp.__file__).parent)
@@ -175,28 +177,61 @@ def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degr
     set_model_state_dict(model, state, options=options)
 
 
-def _names_back(world: _World, assigned: list[str]) -> tuple[dict[str, bytes], dict[str, str]]:
-    """Rank 0's pickled values of the names the cell assigned, and why others stay."""
+def _names_back(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 sends back besides the models: the names the cell assigned, pickled, and the trained
+    state of the notebook's own optimizers and schedulers (to load in place), with why any name stays.
+
+    What the notebook has its own copy of travels as a reference to it (``transfer.model_references``):
+    a parameter of a cell's model comes back as the notebook model's own. Another sharded tensor comes
+    back whole; an optimizer's sharded state too, gathered like the weights. Both are collectives:
+    every rank walks the same names in the same order.
+    """
+    gather = spec["gather"] != []
+    cell_models = {name: world.models[name][1].module for name in spec["models"]}
+    references = transfer.model_references(cell_models) if gather else {}
     sharded = {id(model.module) for _, model in world.models.values()}
+    assigned = {name: world.namespace[name] for name in spec["assigned"] if name in world.namespace}
+    # optimizers first: the notebook loads them before a scheduler that refers to one
+    assigned = {
+        name: value
+        for name, value in sorted(assigned.items(), key=lambda item: not isinstance(item[1], Optimizer))
+        if id(value) not in sharded
+    }
+    stateful = {n: v for n, v in read.items() if isinstance(v, optimizers.STATEFUL) and n not in assigned}
+    stateful = stateful if gather else {}
+    made = {name: v for name, v in assigned.items() if isinstance(v, optimizers.STATEFUL)} if gather else {}
+    whole: dict[int, torch.Tensor] = {}
+    for value in [*stateful.values(), *made.values()]:
+        if isinstance(value, Optimizer):
+            whole.update(optimizers.gather_state(value))
+    for name, value in assigned.items():
+        if isinstance(value, DTensor) and id(value) not in references:
+            assigned[name] = value.full_tensor()
+    if world.rank != 0:
+        return {"names": {}, "skipped": {}, "in_place": {}}
+    references.update((key, ("whole", tensor)) for key, tensor in whole.items())
+    references.update((id(value), ("object", name)) for name, value in stateful.items())
+    made_ids = {id(value): ("object", name) for name, value in made.items()}  # a scheduler finds its optimizer
     values: dict[str, bytes] = {}
     skipped: dict[str, str] = {}
-    for name in assigned:
-        if name not in world.namespace:
-            continue
-        value = world.namespace[name]
-        if id(value) in sharded:
-            continue  # a sharded model comes back through the gather, not by pickle
-        if isinstance(value, DTensor):
-            value = value.full_tensor()  # a collective: every rank walks the same names
-        if world.rank != 0:
-            continue
+    for name, value in assigned.items():
+        others = {key: ref for key, ref in made_ids.items() if key != id(value)}
         try:
-            values[name] = transfer.pickle_result(value)
+            values[name] = transfer.pickle_result(value, {**references, **others})
         except transfer.HoldsDTensor:
             skipped[name] = "holds sharded tensors (DTensor)"
         except Exception as error:
             skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
-    return values, skipped
+    in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
+    return {"names": values, "skipped": skipped, "in_place": in_place}
+
+
+def _split_loaders(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, dataloaders.SplitLoader]:
+    """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.dataloaders``)."""
+    return {
+        name: dataloaders.split(read[name], world.rank, world.world_size, how["per_rank"], how["seed_state"])
+        for name, how in spec["loaders"].items()
+    }
 
 
 def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[str]:
@@ -222,7 +257,13 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
         models = {name: sharded.module for name, (_, sharded) in world.models.items()}
         namespace = world.namespace
         namespace.update(__name__="__main__", __builtins__=builtins)
-        namespace.update(transfer.unpack_values(values, models))
+        read = transfer.unpack_values(values, models)
+        loaders = _split_loaders(world, spec, read)
+        for value in read.values():
+            if isinstance(value, Optimizer):
+                optimizers.shard_state(value)
+            optimizers.track_steps(value)
+        namespace.update(read)
         namespace.update((name, models[name]) for name in spec["models"])
         namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
         _remember_source(spec["filename"], spec["code"])
@@ -230,6 +271,7 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
         params = [p for sharded in cell_models for p in sharded.module.parameters()]
         control = RankControl(spec["control"], lambda settings: _apply_live(cell_models, settings))
         cancelled = False
+        route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
         with metrics.MemoryMeter(world.device, params) as meter:
             recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter, publish_data, control)
             try:
@@ -238,14 +280,14 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
                 cancelled = True  # every rank stops at the same step; the cell ends as a finished one
             finally:
                 metrics.active_recorder = None
-        names, skipped = _names_back(world, spec["assigned"])
+        back = _names_back(world, spec, read)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}
         return {
             "ok": True,
             "cancelled": cancelled,
-            "names": names,
-            "skipped": skipped,
+            **back,
+            "loaders": {name: split.state() for name, split in loaders.items()} if world.rank == 0 else {},
             "states": states if world.rank == 0 else {},
             "metrics": recorder.records,
             "settings": {name: dataclasses.asdict(world.models[name][1].config) for name in spec["models"]},

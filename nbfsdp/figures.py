@@ -25,6 +25,7 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Annotation
 from PIL import Image
 
 #: Memory categories drawn per rank, in stacking order.
@@ -48,6 +49,14 @@ LOSS_FALL = 0.5
 SLOW_STEP_ROOM = 0.5
 #: Below lines, above bars: where setting-change markers sit, so a live drawing layers as a full one does.
 MARKER_ZORDER = 1.5
+#: A setting change's label sits in one of this many rows above the loss and step-time axes (under their titles),
+#: where no line passes under it; a row this many points high, labels at least this many points apart in a row.
+MARKER_ROWS = 2
+MARKER_ROW_POINTS = 11.0
+MARKER_GAP_POINTS = 6.0
+MARKER_FONT_SIZE = 8
+#: The memory legend's column, between the memory and step-time axes, as a share of an axes' width.
+LEGEND_COLUMN = 0.5
 
 
 class DashboardFigure:
@@ -56,13 +65,19 @@ class DashboardFigure:
     def __init__(self, world_size: int, predicted: list[dict[str, int]] | None, live: bool = False) -> None:
         """``predicted``: ``explain``'s memory per rank, drawn beside the measured bars. ``live``: drawn
         again and again as records come (blitted, limits with room to grow); else drawn whole, limits fit."""
-        self.figure = Figure(figsize=(12, 3.2), dpi=72)
+        self.figure = Figure(figsize=(12, 3.6), dpi=72)
         self._canvas = FigureCanvasAgg(self.figure)
         self._live = live
         self._still: Any = None  # a live figure's picture without its moving parts, while its limits hold
         self._still_legends: list[tuple[int, int, int, int]] = []  # where its rank legends lie
         self.records = 0
-        self._loss_axes, self._memory_axes, self._time_axes = self.figure.subplots(1, 3)
+        # fixed margins: tight_layout would draw the whole figure once more just to measure it. The memory legend
+        # has a column of its own, and the loss and step-time titles leave room for the change labels under them.
+        grid = self.figure.add_gridspec(
+            1, 4, width_ratios=(1, 1, LEGEND_COLUMN, 1), left=0.045, right=0.985, bottom=0.15, top=0.82, wspace=0.3
+        )
+        self._loss_axes, self._memory_axes, self._time_axes = (self.figure.add_subplot(grid[i]) for i in (0, 1, 3))
+        self._marker_labels: dict[Axes, list[Annotation]] = {self._loss_axes: [], self._time_axes: []}
         ranks = range(world_size)
         self._loss = [self._loss_axes.plot([], [], label=f"rank {rank}")[0] for rank in ranks]
         self._time = [self._time_axes.plot([], [], label=f"rank {rank}")[0] for rank in ranks]
@@ -78,17 +93,16 @@ class DashboardFigure:
         self._predicted_lines: list[Any] = []
         self._comm_buffers = self._predicted(predicted or [])
         # titles at a fixed height: placing them above the tick labels measured every axis at each drawing
-        self._loss_axes.set_title("loss", y=1.0)
-        self._memory_axes.set_title("memory per rank (MiB, last step)", y=1.0)
-        self._time_axes.set_title("step time (ms)", y=1.0)
+        title_pad = 2 + MARKER_ROWS * MARKER_ROW_POINTS + 4
+        self._loss_axes.set_title("loss", y=1.0, pad=title_pad)
+        self._memory_axes.set_title("memory per rank (MiB, last step)", y=1.0, pad=title_pad)
+        self._time_axes.set_title("step time (ms)", y=1.0, pad=title_pad)
         for axes in (self._loss_axes, self._time_axes):
             axes.set_xlabel("step")
         self._memory_axes.set_xlabel("rank")
         self._memory_axes.set_xticks(ranks)
-        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         self._legend_ranks: dict[str, tuple[int, ...]] = {}
-        # fixed margins: tight_layout would draw the whole figure once more just to measure it
-        self.figure.subplots_adjust(left=0.04, right=0.97, bottom=0.16, top=0.9, wspace=0.45)
         if live:
             for _, artist in self._moving_parts():
                 artist.set_animated(True)  # left out of the still picture; drawn over it each time
@@ -136,6 +150,8 @@ class DashboardFigure:
                 self._keep_in_view(axes)
             else:
                 axes.autoscale_view()
+        if self._still is None:  # the limits or the markers changed: a live figure draws its still picture again
+            self._place_marker_labels()
         return self
 
     def _keep_in_view(self, axes: Axes) -> None:
@@ -175,13 +191,50 @@ class DashboardFigure:
             self._comm_buffers[rank].set_y(bottom)
 
     def _mark(self, step: int, changed: str) -> None:
-        for axes in (self._loss_axes, self._time_axes):
+        for axes, labels in self._marker_labels.items():
             axes.axvline(step, color="grey", linestyle=":", zorder=MARKER_ZORDER)
-            axes.annotate(
-                changed, (step, 1), xycoords=("data", "axes fraction"),
-                rotation=90, va="top", ha="right", fontsize=6, color="grey", zorder=MARKER_ZORDER,
+            label = axes.annotate(
+                f"step {step}: {changed}", (step, 1), xycoords=("data", "axes fraction"),
+                xytext=(0, 2), textcoords="offset points",
+                va="bottom", fontsize=MARKER_FONT_SIZE, color="0.25", annotation_clip=False,
             )  # fmt: skip
+            labels.append(label)
         self._still = None  # markers are part of the still picture
+
+    def _place_marker_labels(self) -> None:
+        """Each change's label above its axes, starting at its marker (ending there where it would pass the axes'
+        right edge), in the lowest row where it keeps clear of the labels already placed. The newest are placed
+        first: where the rows are full, the oldest labels are left out (``last_run().changes`` lists every change)."""
+        points = self.figure.dpi / 72
+        gap, renderer = MARKER_GAP_POINTS * points, self._canvas.get_renderer()
+
+        def clear(start: float, width: float, span: tuple[float, float]) -> bool:
+            return start + width + gap <= span[0] or span[1] + gap <= start
+
+        for axes, labels in self._marker_labels.items():
+            rows: list[list[tuple[float, float]]] = [[] for _ in range(MARKER_ROWS)]
+            for label in reversed(labels):
+                x = axes.transData.transform((label.xy[0], 0))[0]
+                label.set_visible(True)  # a hidden text measures nothing
+                width = self._fit(label, axes.bbox.width, renderer)
+                start = x if x + width <= axes.bbox.x1 else max(x - width, axes.bbox.x0)
+                free = [index for index, row in enumerate(rows) if all(clear(start, width, span) for span in row)]
+                label.set_visible(bool(free))
+                if free:
+                    rows[free[0]].append((start, start + width))
+                    label.xyann = ((start - x) / points, 2 + free[0] * MARKER_ROW_POINTS)
+
+    @staticmethod
+    def _fit(label: Annotation, room: float, renderer: Any) -> float:
+        """Shorten a label wider than its axes (several settings changed at once) to fit, ending in an ellipsis;
+        its width. ``last_run().changes`` keeps the whole text."""
+        text, width = label.get_text(), label.get_window_extent(renderer).width
+        while width > room and len(text) > 1:
+            text = text.removesuffix("\u2026")
+            text = text[: max(1, int(len(text) * room / width) - 1)] + "\u2026"
+            label.set_text(text)
+            width = label.get_window_extent(renderer).width
+        return width
 
     def _legend(self, axes: Any, lines: list[Any], key: str) -> None:
         """A legend of the ranks that have points, made anew only when that set changes."""

@@ -29,7 +29,7 @@ CONFIG_FLAGS = (
 
 
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
-SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name != "ignored"), "world_size")
+SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in ("ignored", "why")), "world_size")
 
 
 def _switch(flag: str, help_text: str):
@@ -49,13 +49,18 @@ _CONFIG_ARGUMENTS = [
     argument(
         "--mixed-precision",
         choices=config.MIXED_PRECISIONS,
-        help="FULL: fp32; DEFAULT (default): low-precision gradient reduction; PURE: low precision throughout.",
+        help="FULL: fp32 (default on CPU); DEFAULT: low-precision gradient reduction (default on GPU); "
+        "PURE: low precision throughout.",
     ),
-    argument("--precision", choices=config.PRECISIONS, help="The low precision of DEFAULT and PURE (default bf16)."),
+    argument(
+        "--precision",
+        choices=config.PRECISIONS,
+        help="The low precision of DEFAULT and PURE (default bf16); given, DEFAULT is the default on CPU too.",
+    ),
     argument(
         "--backward-prefetch",
         choices=config.BACKWARD_PREFETCHES,
-        help="Gather the next unit during backward (BACKWARD_POST, Composer's default, runs as BACKWARD_PRE).",
+        help="Gather the next unit during backward (default: Composer's BACKWARD_POST, which runs as BACKWARD_PRE).",
     ),
     _switch("--forward-prefetch", "Gather the next unit during forward."),
     _switch("--activation-checkpointing", "Recompute activations in backward (Composer's module rules decide where)."),
@@ -106,6 +111,13 @@ class FSDPMagics(Magics):
         help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
     )
     @argument(
+        "--per-rank-batches",
+        action="store_true",
+        help="Each rank takes whole batches of the notebook's DataLoaders (N x batch_size per step, len / N "
+        "steps), as DistributedSampler does; by default each batch is split across the ranks (the same math "
+        "as the plain cell).",
+    )
+    @argument(
         "--async",
         dest="background",
         action="store_true",
@@ -133,6 +145,7 @@ class FSDPMagics(Magics):
             gather=not args.no_gather,
             config=self._settings(args),
             background=args.background,
+            per_rank_batches=args.per_rank_batches,
         )
 
     def _settings(self, args) -> config.FSDPConfig:
@@ -225,7 +238,7 @@ class FSDPMagics(Magics):
             raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
         world_size = _world_size(args.world_size)
         settings = self._settings(args)
-        config.validate(settings, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
+        settings = config.validate(settings, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
         print(plan(model, settings, world_size))
 
     def _compare(self, words: list[str]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
@@ -17,7 +16,7 @@ import torch.nn as nn
 from IPython.core.error import UsageError
 
 from nbfsdp.cluster import visible_gpus
-from nbfsdp.config import resolve, validate
+from nbfsdp.config import for_device, resolve, validate
 from nbfsdp.controls import SettingsControls
 from nbfsdp.planning import plan
 from nbfsdp.widget_events import answer_while_cells_run
@@ -33,7 +32,8 @@ class SettingsPanel:
         self._session = session
         self._model = model
         self._world_size = world_size
-        settings = {**dataclasses.asdict(resolve({}, {}, session.panel)), "world_size": world_size}
+        config = for_device(resolve({}, {}, session.panel), _device(world_size))
+        settings = {**dataclasses.asdict(config), "world_size": world_size}
         self.controls = SettingsControls(settings, self._changed)
         self.plan = widgets.HTML()
         self.box = widgets.VBox([self.controls.box, self.plan])
@@ -50,12 +50,14 @@ class SettingsPanel:
             self.plan.value = "<i>these settings are the defaults of the next %%fsdp cells</i>"
             return
         config = resolve({}, {}, self._session.panel)
-        device = "cuda" if visible_gpus() >= self._world_size else "cpu"
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # validate's BACKWARD_POST note: the plan says what runs
-                validate(config, self._world_size, device)
+            # quiet: an explicit BACKWARD_POST is said in the plan, not on stderr at every change
+            config = validate(config, self._world_size, _device(self._world_size), quiet=True)
             text = str(plan(self._model, config, self._world_size))
         except UsageError as error:
             text = f"not valid: {error}"
         self.plan.value = f"<pre>{html.escape(text)}</pre>"
+
+
+def _device(world_size: int) -> str:
+    return "cuda" if visible_gpus() >= world_size else "cpu"

@@ -1,7 +1,7 @@
 """What FSDP2 will do with a model, before it does it: ``%fsdp explain`` and ``nbfsdp.explain``.
 
 Nothing runs on the engines. The plan uses the same rules as a real run
-(``sharding.wrap_units`` and friends), and the memory it predicts counts what
+(``units.wrap_units`` and friends), and the memory it predicts counts what
 FSDP2 allocates: each rank stores ``ceil(rows / shards)`` rows of every
 parameter (shards are padded to equal size), gradients alike; AdamW keeps two
 fp32 tensors the size of each rank's *unpadded* slice plus a 4-byte step.
@@ -10,14 +10,17 @@ Tests hold these predictions to 5% of ``FSDPMemTracker``'s measurement.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from nbfsdp.config import FSDPConfig, resolve
-from nbfsdp.sharding import activation_modules, forward_order, wrap_units
+from nbfsdp.cluster import visible_gpus
+from nbfsdp.config import FSDPConfig, for_device, resolve
+from nbfsdp.sharding import activation_modules, forward_order
+from nbfsdp.units import wrap_rule, wrap_units
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +46,8 @@ class Plan:
     config: dict[str, Any]
     units: list[UnitPlan]
     """In forward order: the root first."""
+    wrap_rule: dict[str, Any]
+    """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words."""
     checkpointed: list[str]
     dtypes: dict[str, str]
     """param_dtype, reduce_dtype, buffer_dtype."""
@@ -61,9 +66,13 @@ class Plan:
             f"FSDP plan at world size {self.world_size}: {c['sharding_strategy']}, "
             f"mixed precision {c['mixed_precision']} (params {self.dtypes['param_dtype']}, "
             f"reduce {self.dtypes['reduce_dtype']}, buffers {self.dtypes['buffer_dtype']})",
+            *(f"{key.replace('_', ' ')} {c[key]}: {why}" for key, why in c["why"].items()),
             f"{'unit':<24} {'class':<16} {'params':>12} {'sharded/rank':>14}",
         ]
         lines += [f"{name(u.name):<24} {u.cls:<16} {u.params:>12,} {_size(u.sharded_bytes):>14}" for u in self.units]
+        counts = Counter(u.cls for u in self.units[1:])
+        chosen = ", ".join(f"{cls} x {n}" for cls, n in counts.items()) or "the root alone"
+        lines.append(f"units: {chosen}, {self.wrap_rule['rule']}")
         lines.append(f"activation checkpointing: {', '.join(map(name, self.checkpointed)) or 'none'}")
         lines.append(f"forward order: {' -> '.join(name(u.name) for u in self.units)}")
         prefetch = ", ".join(f"{name(a)} prefetches {name(b)}" for a, b in self.forward_prefetch) or "off"
@@ -164,6 +173,7 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
         world_size=world_size,
         config=config.as_dict(),
         units=unit_plans,
+        wrap_rule=wrap_rule(model, config).as_dict(),
         checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
         if config.activation_checkpointing
         else [],
@@ -184,4 +194,5 @@ def explain(model: nn.Module, world_size: int = 2, **settings: Any) -> Plan:
 
     >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
     """
-    return plan(model, resolve(settings, {}), world_size)
+    device = "cuda" if visible_gpus() >= world_size else "cpu"
+    return plan(model, for_device(resolve(settings, {}), device), world_size)

@@ -20,8 +20,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import ipyparallel as ipp
+from IPython import get_ipython
+from IPython.display import DisplayHandle, display
 
-from nbfsdp import engine
+from nbfsdp import engine, progress
 from nbfsdp.cluster import FSDPCluster
 
 #: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
@@ -46,38 +48,71 @@ class RankError(Exception):
 
 
 class OutputSink(Protocol):
-    """Where ranks' output lines go: the cell's own streams, or a widget for a background run."""
+    """Where ranks' output goes: the cell's own streams, or a widget for a background run."""
 
     def write(self, text: str, stderr: bool) -> None: ...
 
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        """Rank 0's progress bar ``bar`` now reads ``text`` (``nbfsdp.progress``); ``ended``: its last state."""
+
 
 class CellStreams:
-    """The running cell's stdout and stderr."""
+    """The running cell's stdout and stderr; each progress bar in a display of its own, updated in place
+    (a terminal IPython, which cannot update one, prints a bar once, when it ends)."""
+
+    def __init__(self) -> None:
+        self._in_kernel = getattr(get_ipython(), "kernel", None) is not None
+        self._bars: dict[str, DisplayHandle] = {}
 
     def write(self, text: str, stderr: bool) -> None:
         stream = sys.stderr if stderr else sys.stdout
         stream.write(text)
         stream.flush()
 
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        if not self._in_kernel:
+            if ended and text:
+                self.write(f"{text}\n", stderr=True)
+        elif bar in self._bars:
+            self._bars[bar].update({"text/plain": text}, raw=True)
+        elif text:  # a bar that ends unseen and leaves nothing (leave=False) needs no display
+            self._bars[bar] = display({"text/plain": text}, raw=True, display_id=True)
+
 
 class _OutputStreamer:
-    """Writes each rank's stdout and stderr as they grow, one prefixed line at a time."""
+    """Writes each rank's stdout and stderr as they grow, one prefixed line at a time; rank 0's progress
+    bars go to the sink's ``progress``, each bar's latest state once a look (other ranks draw none)."""
 
     def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink) -> None:
         self._results = results
         self._sink = sink
         self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
+        self._bars: dict[str, tuple[str, bool]] = {}  # id -> the text last shown, whether it ended
 
     def pump(self, final: bool = False) -> None:
+        bars: dict[str, tuple[str, bool]] = {}
         for rank, result in enumerate(self._results):
             for name in ("stdout", "stderr"):
                 text = result.metadata[name]
                 start = self._sent[rank, name]
                 end = len(text) if final else text.rfind("\n", start) + 1
                 if end > start:
-                    lines = "".join(f"[rank {rank}] {line}\n" for line in text[start:end].splitlines())
-                    self._sink.write(lines, name == "stderr")
+                    lines = []
+                    for line in text[start:end].splitlines():
+                        before, marker, drawn = line.partition(progress.MARKER)
+                        if before or not marker:
+                            lines.append(f"[rank {rank}] {before}\n")
+                        if marker and rank == 0 and len(fields := drawn.split(" ", 2)) == 3:
+                            bars[fields[0]] = (fields[2], fields[1] == "end")
+                    if lines:
+                        self._sink.write("".join(lines), name == "stderr")
                     self._sent[rank, name] = end
+        if final:  # a bar the cell left open (an error, a break) ends in its last state
+            bars = {bar: (text, True) for bar, (text, _) in (self._bars | bars).items()}
+        for bar, state in bars.items():
+            if self._bars.get(bar) != state:
+                self._bars[bar] = state
+                self._sink.progress(bar, *state)
 
 
 def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:

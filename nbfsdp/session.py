@@ -12,7 +12,6 @@ import ast
 import dataclasses
 import functools
 import itertools
-import pickle
 import sys
 import threading
 import time
@@ -23,8 +22,9 @@ import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
+from torch.utils.data import DataLoader
 
-from nbfsdp import history, transfer
+from nbfsdp import dataloaders, history, optimizers, transfer
 from nbfsdp.cluster import FSDPCluster, World, visible_gpus
 from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
 from nbfsdp.control import RunControl
@@ -32,7 +32,8 @@ from nbfsdp.dashboard import LiveDashboard
 from nbfsdp.delivery import deliver
 from nbfsdp.planning import plan
 from nbfsdp.runner import RankRun
-from nbfsdp.sharding import check_initializable, wrap_units
+from nbfsdp.sharding import check_initializable
+from nbfsdp.units import wrap_rule, wrap_units
 from nbfsdp.widget_events import pending_events
 
 
@@ -70,6 +71,8 @@ class CellRun:
     control: RunControl
     dashboard: LiveDashboard | None
     models: dict[str, nn.Module]
+    sent: dict[str, Any]
+    """The notebook's own loaders, optimizers and schedulers the cell read: they take rank 0's state after."""
     skeletons: dict[str, bytes]
     tokens: dict[str, int]
     started: float
@@ -98,20 +101,32 @@ class Session:
         self._tokens = itertools.count(1)
         self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
         self._models_generation: int | None = None
+        self._loaders = dataloaders.NotebookLoaders()
 
     def run_cell(
-        self, cell: str, *, world_size: int, timeout: float, gather: bool, config: FSDPConfig, background: bool = False
+        self,
+        cell: str,
+        *,
+        world_size: int,
+        timeout: float,
+        gather: bool,
+        config: FSDPConfig,
+        background: bool = False,
+        per_rank_batches: bool = False,
     ) -> None:
         if self.active is not None:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
-        validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
+        config = validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
-        models, values = self._read_inputs(reads)
+        models, values, sent = self._read_inputs(reads)
+        plans = self._loaders.plan(sent, world_size, per_rank_batches)
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
+        for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
+            wrap_units(model, config)
         fingerprints = {
             name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(dataclasses.asdict(config)))
             for name, model in models.items()
@@ -141,13 +156,21 @@ class Session:
             "materialize": materialize,
             "seed": torch.initial_seed() % 2**63,
             "control": str(control.path),
+            "loaders": {
+                name: {"per_rank": per_rank_batches, "seed_state": self._loaders.shuffle_state(sent[name])}
+                for name in plans
+            },
         }
         record = history.RunRecord(
             world_size=world_size,
             config=self._effective_settings(world, timeout, gather, config, models),
             sent_bytes=sent_bytes,
         )
+        if plans:
+            record.config["loaders"] = {name: plan.as_dict() for name, plan in plans.items()}
         history.record(record)
+        for name, loader_plan in plans.items():
+            print(loader_plan.line(name))
         dashboard = self._dashboard(world, models, config, background)
         ranks = RankRun(
             self.cluster,
@@ -158,7 +181,7 @@ class Session:
             sink=dashboard if background else None,
             on_records=functools.partial(_stream_into, record, dashboard),
         )
-        run = CellRun(ranks, record, control, dashboard, models, skeletons, tokens, started)
+        run = CellRun(ranks, record, control, dashboard, models, sent, skeletons, tokens, started)
         self.active = run
         if background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
@@ -249,8 +272,9 @@ class Session:
             world.world_size, device, predicted, settings, self.change_settings, self.cancel, with_output=background
         )
 
-    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes]:
-        """The notebook's models the cell reads, and every other name it reads, pickled.
+    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes, dict[str, Any]]:
+        """The notebook's models the cell reads, and every other name it reads, pickled; and the
+        loaders, optimizers and schedulers among those, which take the ranks' state after the cell.
 
         Everything that can be refused is refused here, before an engine is touched.
         """
@@ -271,7 +295,8 @@ class Session:
             raise UsageError(str(error)) from None
         if len(values) > HUGE_INPUT_BYTES:
             self._warn_huge(others, models)
-        return models, values
+        sent = {n: v for n, v in others.items() if isinstance(v, (DataLoader, *optimizers.STATEFUL))}
+        return models, values, sent
 
     def _warn_huge(self, values: dict[str, Any], models: dict[str, nn.Module]) -> None:
         """Name the inputs that make a cell's payload big: each rank gets a copy of each."""
@@ -285,7 +310,8 @@ class Session:
     def _effective_settings(
         world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
     ) -> dict[str, Any]:
-        """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names."""
+        """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names (``why``: those
+        nbfsdp chose for the device or runs otherwise than asked)."""
         return {
             "world_size": world.world_size,
             "backend": world.backend,
@@ -294,6 +320,7 @@ class Session:
             "gather": gather,
             **config.as_dict(),
             "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
+            "fsdp_wrap": {name: wrap_rule(model, config).as_dict() for name, model in models.items()},
         }
 
     def _apply_results(self, outcomes: list[dict[str, Any]], run: CellRun) -> None:
@@ -302,7 +329,7 @@ class Session:
         for name, state in first["states"].items():
             model = run.models[name]
             # in place, so other references see it too; a meta-built model takes the tensors as they are
-            model.load_state_dict(state, assign=_on_meta(model))
+            model.load_state_dict(transfer.tied_as(model, state), assign=_on_meta(model))
         for name, model in run.models.items():
             # what the engines hold now: these weights, under the settings in force at the end (live changes too)
             settings = _settings_key(first["settings"][name])
@@ -310,8 +337,14 @@ class Session:
                 (transfer.model_fingerprint(model, run.skeletons[name]), settings),
                 run.tokens[name],
             )
-        for name, data in first["names"].items():
-            self.shell.user_ns[name] = pickle.loads(data)
+        for name, state in first["in_place"].items():
+            run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
+        for name, state in first["loaders"].items():
+            self._loaders.continue_after(run.sent[name], state)
+        objects = dict(run.sent)
+        for name, data in first["names"].items():  # optimizers first: a scheduler the cell made refers to one
+            objects[name] = self.shell.user_ns[name] = transfer.load_result(data, run.models, objects)
+            optimizers.track_steps(objects[name])
         if first["skipped"]:
             reasons = "; ".join(f"{name} ({why})" for name, why in first["skipped"].items())
             print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
@@ -338,5 +371,7 @@ def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, rec
 
 
 def _settings_key(fields: dict[str, Any]) -> str:
-    """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again."""
-    return repr(sorted(fields.items()))
+    """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again.
+
+    ``why`` only explains them: FULL chosen by default and FULL asked for shard alike."""
+    return repr(sorted((key, value) for key, value in fields.items() if key != "why"))

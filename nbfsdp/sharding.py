@@ -1,25 +1,21 @@
-"""Apply an ``FSDPConfig`` with FSDP2: choose the units, checkpoint, shard, prefetch.
+"""Apply an ``FSDPConfig`` with FSDP2, on the engines: checkpoint, shard, prefetch.
 
-Composer's rules, in its order. A module is its own FSDP unit when its
-``_fsdp_wrap`` attribute says so; otherwise when the root's
-``fsdp_wrap_fn(module)`` is true, its class is in ``wrap_cls`` (TorchAcc), or
-it holds at least ``min_params`` parameters not already in a unit below it.
-The root is always a unit. Activation checkpointing goes where a module's
-``_activation_checkpointing`` attribute says, else where the root's
-``activation_checkpointing_fn(module)`` says, else on every non-root unit.
+The notebook's kernel plans with the same functions (``forward_order``,
+``activation_modules``). The units are ``units.wrap_units``'s (Composer's
+rules, else the model's ``_no_split_modules``). Activation checkpointing goes
+where a module's ``_activation_checkpointing`` attribute says, else where the
+root's ``activation_checkpointing_fn(module)`` says, else on every non-root unit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from IPython.core.error import UsageError
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -27,51 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
 from nbfsdp.transfer import shard_slice
-
-
-def _root_method(model: nn.Module, name: str) -> Callable[[nn.Module], object] | None:
-    method = getattr(model, name, None)
-    return method if callable(method) else None
-
-
-#: Containers without a forward of their own: FSDP2 cannot make them units (FSDP1's size policy,
-#: which Composer's min_params used, skipped them too and counted their parameters in the parent).
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
-    """The non-root units in post-order (a unit's descendants come before it).
-
-    Raises ``UsageError`` when an explicit rule picks a container that FSDP2 cannot shard.
-    """
-    wrap_fn = _root_method(model, "fsdp_wrap_fn")
-    units: list[nn.Module] = []
-
-    def unwrapped_params(name: str, module: nn.Module) -> int:
-        count = sum(p.numel() for p in module.parameters(recurse=False))
-        count += sum(
-            unwrapped_params(f"{name}.{key}" if name else key, child) for key, child in module.named_children()
-        )
-        if module is model or count == 0:
-            return count
-        if hasattr(module, "_fsdp_wrap"):
-            chosen = bool(module._fsdp_wrap)
-        else:
-            chosen = bool(wrap_fn and wrap_fn(module)) or type(module).__name__ in config.wrap_cls
-        if isinstance(module, _CONTAINERS):
-            if chosen:
-                raise UsageError(
-                    f"{name} ({type(module).__name__}) has no forward, so FSDP2 cannot make it a unit; "
-                    "choose its elements instead (--wrap-cls, _fsdp_wrap or fsdp_wrap_fn)"
-                )
-            return count
-        if chosen or count >= config.min_params:
-            units.append(module)
-            return 0
-        return count
-
-    unwrapped_params("", model)
-    return units
+from nbfsdp.units import root_method, wrap_units
 
 
 def forward_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -87,7 +39,7 @@ def activation_modules(model: nn.Module, units: list[nn.Module], config: FSDPCon
     """
     if not (config.activation_checkpointing or config.activation_cpu_offload):
         return []
-    choose = _root_method(model, "activation_checkpointing_fn")
+    choose = root_method(model, "activation_checkpointing_fn")
     unit_ids = {id(u) for u in units}
     chosen: list[nn.Module] = []
     inside: set[int] = set()
@@ -242,13 +194,14 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
     _set_checkpointing(sharded, new)
     if new.dtypes() != old.dtypes():
         _set_mixed_precision(sharded, new)
+    new.why = {key: why for key, why in old.why.items() if key not in changed}  # now as asked
     sharded.config = new
     return [f"{key}={getattr(new, key)}" for key in changed]
 
 
 def check_initializable(model: nn.Module) -> str | None:
     """Why a meta-device model could not be materialized on the ranks, or None."""
-    if _root_method(model, "param_init_fn"):
+    if root_method(model, "param_init_fn"):
         return None
     for name, module in model.named_modules():
         owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
@@ -265,16 +218,14 @@ def _initialized_copy(module: nn.Module, root: nn.Module, device: torch.device, 
     copy = object.__new__(type(module))
     copy.__dict__ = dict(module.__dict__)
     copy._modules = {}
-    copy._parameters = {
-        key: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)  # noqa: E731
+    copy._parameters = {  # None stays: reset_parameters reads it (a Linear without bias)
+        key: None if p is None else nn.Parameter(empty(p), requires_grad=p.requires_grad)
         for key, p in module._parameters.items()
-        if p is not None
     }
-    copy._buffers = {
-        key: torch.empty(b.shape, dtype=b.dtype, device=device) for key, b in module._buffers.items() if b is not None
-    }
+    copy._buffers = {key: None if b is None else empty(b) for key, b in module._buffers.items()}
     torch.manual_seed(seed)
-    init_fn = _root_method(root, "param_init_fn")
+    init_fn = root_method(root, "param_init_fn")
     if init_fn is not None:
         init_fn(copy)
     else:
@@ -307,7 +258,7 @@ def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], 
                     state[prefix + key] = copy._parameters[key].detach().cpu()
             for key, buffer in copy._buffers.items():
                 module._buffers[key] = buffer
-                if full and key not in module._non_persistent_buffers_set:
+                if full and buffer is not None and key not in module._non_persistent_buffers_set:
                     state[prefix + key] = buffer.cpu()
     return state
 

@@ -213,6 +213,23 @@ def model_fingerprint(model: nn.Module, skeleton: bytes) -> tuple:
     )
 
 
+def tied_as(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each of ``model``'s tied parameters as one Parameter under all its names.
+
+    The gathered state holds a copy per name, and ``load_state_dict(assign=True)``
+    (a meta-built model) would set each name its own: GPT-2's ``lm_head`` would
+    come back untied from ``transformer.wte``. One shared Parameter keeps them tied.
+    """
+    names_of: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(fqn)
+    tied = dict(state)
+    for fqns in names_of.values():
+        if len(fqns) > 1 and fqns[0] in state:
+            tied.update(dict.fromkeys(fqns, nn.Parameter(state[fqns[0]])))
+    return tied
+
+
 @dataclass
 class CellInputs:
     """What the notebook sends for one cell: shared by all ranks but the shards."""
@@ -232,14 +249,7 @@ class UnpicklableName(Exception):
 
 def pack_values(values: dict[str, Any], models: dict[str, nn.Module]) -> bytes:
     """Pickle the cell's inputs with each model, submodule and model tensor as a reference."""
-    references: dict[int, tuple] = {}
-    for name, model in models.items():
-        for qualname, module in model.named_modules():
-            references[id(module)] = ("module", name, qualname)
-        for fqn, param in model.named_parameters():
-            references[id(param)] = ("parameter", name, fqn)
-        for fqn, buffer in model.named_buffers():
-            references[id(buffer)] = ("buffer", name, fqn)
+    references = model_references(models)
     try:
         return _dumps(values, references)
     except Exception:
@@ -284,6 +294,16 @@ def load_skeleton(data: bytes) -> nn.Module:
     return _SkeletonUnpickler(data).load()
 
 
+def _model_part(models: dict[str, nn.Module], kind: str, name: str, path: str) -> Any:
+    """What a ``model_references`` reference stands for, in ``models``."""
+    model = models[name]
+    if kind == "module":
+        return model.get_submodule(path)
+    if kind == "parameter":
+        return model.get_parameter(path)
+    return model.get_buffer(path)
+
+
 class _ValuesUnpickler(pickle.Unpickler):
     """Resolves model references to the engine's sharded models."""
 
@@ -292,13 +312,7 @@ class _ValuesUnpickler(pickle.Unpickler):
         self._models = models
 
     def persistent_load(self, pid: tuple) -> Any:
-        kind, name, path = pid
-        model = self._models[name]
-        if kind == "module":
-            return model.get_submodule(path)
-        if kind == "parameter":
-            return model.get_parameter(path)
-        return model.get_buffer(path)
+        return _model_part(self._models, *pid)
 
 
 def unpack_values(data: bytes, models: dict[str, nn.Module]) -> dict[str, Any]:
@@ -310,7 +324,19 @@ class HoldsDTensor(Exception):
 
 
 class _ResultPickler(cloudpickle.Pickler):
-    """cloudpickle that refuses sharded tensors instead of pickling a shard."""
+    """cloudpickle that writes chosen objects as references and refuses any other sharded tensor.
+
+    References (by ``id``) stand for what the notebook has its own copy of: the
+    cell's sharded models' parameters, buffers and modules, the notebook's own
+    optimizers and schedulers, a gathered tensor for a sharded optimizer state.
+    """
+
+    def __init__(self, file: io.BytesIO, references: dict[int, tuple]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._references = references
+
+    def persistent_id(self, obj: Any) -> tuple | None:
+        return self._references.get(id(obj))
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.distributed.tensor.DTensor):
@@ -318,7 +344,45 @@ class _ResultPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def pickle_result(value: Any) -> bytes:
+def pickle_result(value: Any, references: dict[int, tuple] | None = None) -> bytes:
     buffer = io.BytesIO()
-    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    with warnings.catch_warnings():
+        # a loss the cell assigned carries FSDP's backward hooks; torch says it drops them, which is the point
+        warnings.filterwarnings("ignore", message="backward hook .* will not be serialized", category=UserWarning)
+        _ResultPickler(buffer, references or {}).dump(value)
     return buffer.getvalue()
+
+
+def model_references(models: dict[str, nn.Module]) -> dict[int, tuple]:
+    """Each model's modules, parameters and buffers as references (by ``id``), resolved by name and path
+    on the other side: the notebook's models there are the ranks' sharded ones, and the other way round."""
+    references: dict[int, tuple] = {}
+    for name, model in models.items():
+        for qualname, module in model.named_modules():
+            references[id(module)] = ("module", name, qualname)
+        for fqn, param in model.named_parameters():
+            references[id(param)] = ("parameter", name, fqn)
+        for fqn, buffer in model.named_buffers():
+            references[id(buffer)] = ("buffer", name, fqn)
+    return references
+
+
+class _ResultUnpickler(pickle.Unpickler):
+    """In the notebook: references resolve to the notebook's own models and objects."""
+
+    def __init__(self, data: bytes, models: dict[str, nn.Module], objects: dict[str, Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._models, self._objects = models, objects
+
+    def persistent_load(self, pid: tuple) -> Any:
+        kind, *rest = pid
+        if kind == "whole":
+            return rest[0]
+        if kind == "object":
+            return self._objects[rest[0]]
+        return _model_part(self._models, kind, *rest)
+
+
+def load_result(data: bytes, models: dict[str, nn.Module], objects: dict[str, Any]) -> Any:
+    """A value rank 0 sent back, bound to the notebook's own models and to ``objects`` (by name)."""
+    return _ResultUnpickler(data, models, objects).load()

@@ -1,8 +1,9 @@
 """The quick start as a user sees it: JupyterLab in headless Chromium, run cell by cell by the page.
 
 The other tests check what the kernel sends; only a browser shows that the dashboard's widgets
-render, that its figure redraws while the cell runs and that a click on a toggle reaches the
-ranks. Chromium is Debian's package (``make test`` installs it when run as root); Playwright only
+render, that its figure redraws while the cell runs, that a click on a toggle reaches the
+ranks, and that its parts, as laid out, keep clear of each other at JupyterLab's usual width and a
+narrower one. Chromium is Debian's package (``make test`` installs it when run as root); Playwright only
 drives it and downloads no browser. Screenshots, JupyterLab's log and the notebook as saved go to
 ``test-artifacts/browser/``.
 """
@@ -44,6 +45,12 @@ LAB_SETTINGS = {
 TOGGLE = "activation checkpointing"
 # the dashboard's note once every rank switched (right after the click it only says "requested ...")
 TOGGLE_APPLIED = re.compile(r"step \d+: activation_checkpointing=True on every rank")
+#: The dashboard's parts as boxes: the controls, Stop, the notes and status table (HTML), the figure.
+DASHBOARD_PARTS = ".widget-dropdown, .widget-checkbox, .widget-text, .widget-button, .widget-html, .widget-image"
+#: Side by side, two parts keep at least this many pixels apart: closer, "CPU offload" read "CPU offload world size".
+SIDE_GAP = 8
+#: The quick start's viewport (JupyterLab's usual notebook width), then a narrower one where the controls wrap.
+WIDTHS = (1400, 1024)
 
 # Outside CI a machine without them skips (installing chromium needs root); in CI, which runs
 # `make test` as root, a missing browser or JupyterLab is a failure, never a silent skip.
@@ -197,7 +204,7 @@ def failures(notebook: Path) -> list[str]:
 def test_quickstart_in_chromium(lab: Lab) -> None:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": WIDTHS[0], "height": 1000})
         try:
             run_quickstart(page, lab)
         except BaseException:  # pytest's timeout too: the page as it was is the first thing to look at
@@ -264,3 +271,54 @@ def run_quickstart(page: Page, lab: Lab) -> None:
     problems = failures(lab.notebook)
     assert not problems, problems
     assert toggle_problem is None, toggle_problem
+    for width in WIDTHS:
+        page.set_viewport_size({"width": width, "height": 1000})
+        dashboard = cell.locator(".jp-OutputArea-output .widget-vbox").first
+        dashboard.scroll_into_view_if_needed()
+        shot(dashboard, f"dashboard-{width}")
+        clashes = overlaps(dashboard)
+        assert not clashes, f"at {width} px wide (see test-artifacts/browser/dashboard-{width}.png): {clashes}"
+
+
+class Part(NamedTuple):
+    name: str
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+def overlaps(dashboard: Locator) -> list[str]:
+    """Where the dashboard's parts, as laid out, overlap or stand closer than ``SIDE_GAP`` side by side, and
+    which part's own content (a label, a value) spills out of its box into a neighbour's.
+
+    What is drawn inside the figure (legends, change labels) is one image here: test_figures checks it.
+    """
+    parts = []
+    for index in range(dashboard.locator(DASHBOARD_PARTS).count()):
+        part = dashboard.locator(DASHBOARD_PARTS).nth(index)
+        box = part.bounding_box()
+        if box and box["width"] and box["height"]:  # the notes stay empty until a setting changes
+            name = repr(part.inner_text().strip().split("\n")[0][:40] or "figure")  # a dropdown lists its options next
+            parts.append(Part(name, box["x"], box["y"], box["x"] + box["width"], box["y"] + box["height"]))
+    assert len(parts) >= 11, parts  # 7 settings, Stop, notes, status, figure
+    problems = []
+    for index, a in enumerate(parts):
+        for b in parts[index + 1 :]:
+            if a.y0 < b.y1 and b.y0 < a.y1 and a.x0 < b.x1 + SIDE_GAP and b.x0 < a.x1 + SIDE_GAP:
+                problems.append(f"{a.name} and {b.name} overlap or stand closer than {SIDE_GAP} px")
+    spills = dashboard.locator(DASHBOARD_PARTS).evaluate_all(SPILLS)
+    return problems + [f"{name} spills out of its box" for name in spills]
+
+
+#: Parts whose descendants reach outside the part's box, or whose text field hides part of its value.
+SPILLS = """parts => parts.filter(part => {
+    const box = part.getBoundingClientRect();
+    const outside = Array.from(part.querySelectorAll("*")).some(child => {
+        const inner = child.getBoundingClientRect();
+        return inner.width && (inner.left < box.left - 1 || inner.right > box.right + 1);
+    });
+    const clipped = Array.from(part.querySelectorAll("input[type=number], input[type=text]"))
+        .some(input => input.scrollWidth > input.clientWidth);
+    return outside || clipped;
+}).map(part => JSON.stringify(part.innerText.trim().split("\\n")[0].slice(0, 40)))"""

@@ -15,7 +15,7 @@ import torch.nn as nn
 import nbfsdp
 from nbfsdp import dashboard as dashboard_module
 from nbfsdp import renderer
-from nbfsdp.config import FSDPConfig
+from nbfsdp.config import FSDPConfig, for_device
 from nbfsdp.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
 
@@ -149,7 +149,7 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
 
 def _dashboard(predicted: list[dict[str, int]] | None = None) -> LiveDashboard:
     """A 2-rank CPU dashboard with default settings, fed by hand."""
-    settings = {**dataclasses.asdict(FSDPConfig()), "world_size": 2}
+    settings = {**dataclasses.asdict(for_device(FSDPConfig(), "cpu")), "world_size": 2}
     return LiveDashboard(2, "cpu", predicted, settings, lambda change: "", lambda: None)
 
 
@@ -168,7 +168,7 @@ def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffer
     dashboard.add(records)
     loss_axes, memory_axes, time_axes = dashboard.figure().axes
     for axes in (loss_axes, time_axes):
-        assert [text.get_text() for text in axes.texts] == ["activation_checkpointing=True"]
+        assert [text.get_text() for text in axes.texts] == ["step 3: activation_checkpointing=True"]
         assert [line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == ":"] == [3]
     assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]
 

@@ -109,3 +109,54 @@ def test_the_final_drawing_fits_its_limits_to_the_records_and_matches_the_kernel
     assert live_loss_axes.get_xlim()[1] > 40 > whole_loss_axes.get_xlim()[1] > 29
     final = renderer.render("final-drawing-test", 2, PREDICTED, records, 0, final=True).result(60)[0]
     np.testing.assert_array_equal(_pixels(final), _pixels(figures.png(records, 2, PREDICTED)))
+
+
+def _changes(*changes: str) -> list[dict]:
+    """A setting changed every 30 steps, from step 30 (close enough that their labels would meet)."""
+    records = _records(range(0, 30))
+    for index, change in enumerate(changes):
+        records += _records(range(30 * index + 30, 30 * index + 60), change)
+    return records
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["whole", "live"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        ("activation_checkpointing=True", "mixed_precision=PURE"),
+        ("activation_checkpointing=True, cpu_offload=True, mixed_precision=PURE", "sharding_strategy=SHARD_GRAD_OP"),
+        ("activation_checkpointing=True", "mixed_precision=PURE", "backward_prefetch=BACKWARD_POST"),
+    ],
+    ids=["two changes", "a long change", "three changes"],
+)
+def test_the_memory_legend_and_the_change_labels_keep_clear_of_the_axes_and_of_every_other_text(live, changes):
+    """As drawn, not as placed: the memory legend stays out of the step-time axes (ticks included), and each
+    change's label is inside the figure, above its axes (where no line passes under it), clear of every tick
+    label, title, legend and other change label. Where the rows above the axes are full, the newest are shown."""
+    drawing = DashboardFigure(2, PREDICTED, live=live)
+    drawing.add(_changes(*changes)).png()
+    figure = drawing.figure
+    renderer = figure.canvas.get_renderer()
+    loss_axes, memory_axes, time_axes = figure.axes
+    legend = memory_axes.get_legend().get_window_extent(renderer)
+    assert figure.bbox.x0 <= legend.x0 and legend.x1 <= figure.bbox.x1
+    for axes in (loss_axes, time_axes):
+        assert not legend.overlaps(axes.get_tightbbox(renderer))
+
+    labels = {axes: [text for text in axes.texts if text.get_visible()] for axes in (loss_axes, time_axes)}
+    newest = [f"step {30 * index + 30}: {change}" for index, change in enumerate(changes)][-figures.MARKER_ROWS :]
+    for shown in labels.values():
+        assert sorted(text.get_text()[:25] for text in shown) == sorted(text[:25] for text in newest)
+    others = {f"{axes.get_title()!r} title": axes.title.get_window_extent(renderer) for axes in figure.axes}
+    others |= {f"{axes.get_title()!r} legend": axes.get_legend().get_window_extent(renderer) for axes in figure.axes}
+    for axes in figure.axes:  # tick labels and axis labels, as drawn
+        others[f"{axes.get_title()!r} x axis"] = axes.xaxis.get_tightbbox(renderer)
+        others[f"{axes.get_title()!r} y axis"] = axes.yaxis.get_tightbbox(renderer)
+    for axes, shown in labels.items():
+        for label in shown:
+            box = label.get_window_extent(renderer)
+            assert box.x0 >= axes.bbox.x0 - 1 and box.x1 <= axes.bbox.x1 + 1, (label.get_text(), box, axes.bbox)
+            assert box.y0 >= axes.bbox.y1 and box.y1 <= figure.bbox.y1, (label.get_text(), box, axes.bbox)
+            near = others | {text.get_text(): text.get_window_extent(renderer) for text in shown if text is not label}
+            for name, extent in near.items():
+                assert not box.overlaps(extent), (label.get_text(), name)

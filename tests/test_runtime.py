@@ -87,17 +87,21 @@ def test_unpicklable_results_are_named_in_one_line_and_dtensors_come_back_full(s
         """%%fsdp --world-size 2
 lock = __import__("threading").Lock()
 first_param = next(model.parameters())
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+doubled = [p.detach() * 2 for p in model.parameters()]
+first_doubled = first_param.detach() * 2
 """,
     )
     err = capsys.readouterr().err
     warning = [line for line in err.splitlines() if line.startswith("nbfsdp: kept on the engines only")]
     assert len(warning) == 1, err
-    assert "lock" in warning[0] and "opt" in warning[0] and "DTensor" in warning[0]
-    assert "lock" not in shell.user_ns
+    assert "lock" in warning[0] and "doubled" in warning[0] and "DTensor" in warning[0]
+    assert "lock" not in shell.user_ns and "doubled" not in shell.user_ns
     first = shell.user_ns["first_param"]
-    assert not isinstance(first, DTensor)
-    assert first.shape == next(tiny_model.parameters()).shape  # full, not one rank's shard
+    assert first is next(tiny_model.parameters())  # the notebook's own parameter, as in a plain cell
+    first_doubled = shell.user_ns["first_doubled"]
+    assert not isinstance(first_doubled, DTensor)
+    assert first_doubled.shape == first.shape  # full, not one rank's shard
+    torch.testing.assert_close(first_doubled, first.detach() * 2)
     assert isinstance(threading.Lock(), type(threading.Lock()))
 
 
@@ -168,7 +172,7 @@ for step in range(3):
     run = nbfsdp.last_run()
     assert run.world_size == 2
     assert run.config["sharding_strategy"] == "FULL_SHARD" and run.config["backend"] == "gloo"
-    assert run.config["mixed_precision"] == "DEFAULT" and run.config["min_params"] == 1000
+    assert run.config["mixed_precision"] == "FULL" and run.config["min_params"] == 1000  # Composer's on CPU
     # Composer's size rule, bottom-up: each MLP (1,072 parameters) reaches 1,000 first
     assert run.config["fsdp_units"]["model"] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp", ""]
     assert [(m["rank"], m["step"], m["loss"]) for m in run.metrics] == [

@@ -1,0 +1,165 @@
+"""Defaults that are the same math as one process: what a cell without FSDP flags runs, and what it prints."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+import nbfsdp
+from nbfsdp.config import FSDPConfig, for_device
+from tests.conftest import TINY_MODEL, run_ok
+from tests.test_config import DTYPES_SEEN
+from tests.test_kernel import Kernel
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 5
+TRAIN = """%%fsdp --world-size 2{flags}
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range({steps}):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+del opt
+"""
+POST_LINE = re.compile(r"^nbfsdp: BACKWARD_POST asked, which FSDP2 does not have .*BACKWARD_PRE\)$")
+
+
+def test_a_cell_without_fsdp_flags_is_one_process_training_on_cpu(shell, tiny_model):
+    reference = copy.deepcopy(tiny_model)
+    run_ok(shell, TRAIN.format(flags="", steps=STEPS))
+    ns = shell.user_ns
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for step in range(STEPS):
+        batches = [ns["batch_for"](rank, step) for rank in range(2)]
+        loss = ns["loss_fn"](reference(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    run = nbfsdp.last_run()
+    measured = [(run.metric("loss", 0)[s] + run.metric("loss", 1)[s]) / 2 for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected))
+    for (name, trained), (_, wanted) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, wanted, msg=lambda m, name=name: f"{name}: {m}")
+    assert run.config["mixed_precision"] == "FULL" and run.config["backward_prefetch"] == "BACKWARD_PRE"
+    assert "on CPU is fp32" in run.config["why"]["mixed_precision"]
+    assert "Composer's default BACKWARD_POST" in run.config["why"]["backward_prefetch"]
+
+
+def _seen_after(shell, flags: str) -> tuple[dict, dict]:
+    run_ok(shell, DTYPES_SEEN.format(flags=flags))
+    return shell.user_ns["seen"], nbfsdp.last_run().config
+
+
+def test_low_precision_asked_by_name_is_bf16_on_cpu_by_flag_dict_and_set(shell, tiny_model):
+    session = nbfsdp._magics.session
+    shell.user_ns["composer"] = {"mixed_precision": "PURE"}
+    try:
+        seen, config = _seen_after(shell, "--mixed-precision DEFAULT")
+        assert (seen["param"], seen["reduce"], config["mixed_precision"]) == (
+            "torch.float32",
+            "torch.bfloat16",
+            "DEFAULT",
+        )
+        seen, config = _seen_after(shell, "--config composer")
+        assert (seen["param"], seen["reduce"], config["mixed_precision"]) == (
+            "torch.bfloat16",
+            "torch.bfloat16",
+            "PURE",
+        )
+        shell.run_line_magic("fsdp", "set mixed_precision=DEFAULT")
+        seen, config = _seen_after(shell, "")
+        assert (seen["reduce"], config["mixed_precision"]) == ("torch.bfloat16", "DEFAULT")
+        assert "mixed_precision" not in config["why"]  # asked for: nothing to explain
+        session.panel.clear()
+        seen, config = _seen_after(shell, "")
+        assert (seen["reduce"], config["mixed_precision"]) == ("torch.float32", "FULL")
+    finally:
+        session.panel.clear()
+        del shell.user_ns["composer"]
+
+
+def test_explain_and_the_run_record_say_what_applied_and_why(shell, tiny_model, capsys):
+    shell.run_line_magic("fsdp", "explain model")
+    out, err = capsys.readouterr()
+    assert "mixed precision FULL (params float32, reduce float32, buffers float32)" in out
+    assert "mixed precision FULL: not given; Composer's precision on CPU is fp32" in out
+    assert "backward prefetch BACKWARD_PRE: not given; Composer's default BACKWARD_POST" in out
+    assert err == ""
+
+    shell.run_line_magic("fsdp", "explain --mixed-precision DEFAULT --backward-prefetch BACKWARD_POST model")
+    out, err = capsys.readouterr()
+    assert "mixed precision DEFAULT (params float32, reduce bfloat16" in out and "mixed precision DEFAULT:" not in out
+    assert "backward prefetch BACKWARD_PRE: BACKWARD_POST asked, which FSDP2 does not have" in out
+    assert POST_LINE.match(err.strip()) and len(err.splitlines()) == 1, err
+
+    plan = nbfsdp.explain(tiny_model, world_size=2)
+    assert plan.config["mixed_precision"] == "FULL" and set(plan.config["why"]) == {
+        "mixed_precision",
+        "backward_prefetch",
+    }
+
+
+def test_gpu_keeps_composers_default_and_so_does_a_precision_given_on_cpu():
+    """Where the device is known: no GPU needed to check what one would get."""
+    on_gpu = for_device(FSDPConfig(), "cuda")
+    assert (on_gpu.mixed_precision, on_gpu.dtypes()[1]) == ("DEFAULT", torch.bfloat16)
+    assert on_gpu.why["mixed_precision"] == "not given; Composer's default on GPU: gradients reduced in bf16"
+    asked = for_device(FSDPConfig(precision="fp16"), "cpu")  # Composer's precision is no longer fp32
+    assert (asked.mixed_precision, asked.dtypes()[1]) == ("DEFAULT", torch.float16)
+    assert asked.why["mixed_precision"].endswith("once a precision is given: gradients reduced in fp16")
+    assert for_device(FSDPConfig(mixed_precision="PURE"), "cuda").why.keys() == {"backward_prefetch"}
+    assert for_device(FSDPConfig(backward_prefetch="NONE"), "cpu").why.keys() == {"mixed_precision"}
+
+
+def test_explicit_backward_post_is_one_plain_line_from_a_dict_or_set(shell, tiny_model, capsys):
+    session = nbfsdp._magics.session
+    shell.user_ns["composer"] = {"backward_prefetch": "BACKWARD_POST"}
+    try:
+        for flags, before in ((" --config composer", ""), ("", "%fsdp set backward_prefetch=BACKWARD_POST")):
+            if before:
+                shell.run_line_magic("fsdp", before.removeprefix("%fsdp "))
+            capsys.readouterr()
+            run_ok(shell, f"%%fsdp --world-size 2{flags}\nx, y = batch_for(rank, 0)\nloss_fn(model(x), y).backward()\n")
+            err = capsys.readouterr().err
+            assert len(err.splitlines()) == 1 and POST_LINE.match(err.strip()), err
+            why = nbfsdp.last_run().config["why"]["backward_prefetch"]
+            assert (
+                why.startswith("BACKWARD_POST asked")
+                and nbfsdp.last_run().config["backward_prefetch"] == "BACKWARD_PRE"
+            )
+    finally:
+        session.panel.clear()
+        del shell.user_ns["composer"]
+
+
+def _streams(messages: list) -> dict[str, str]:
+    out = {"stdout": "", "stderr": ""}
+    for _, msg in messages:
+        if msg["msg_type"] == "stream":
+            out[msg["content"]["name"]] += msg["content"]["text"]
+    return out
+
+
+def test_in_a_kernel_a_default_cell_prints_nothing_and_an_explicit_backward_post_one_line():
+    kernel = Kernel()
+    try:
+        reply, _ = kernel.execute("%load_ext nbfsdp\n" + TINY_MODEL + "\ntorch.manual_seed(0)\nmodel = Net()\n")
+        assert reply["content"]["status"] == "ok"
+        for cell in ("first, starting the cluster", "warm"):
+            reply, messages = kernel.execute(TRAIN.format(flags="", steps=3))
+            assert reply["content"]["status"] == "ok", (cell, reply["content"])
+            assert _streams(messages) == {"stdout": "", "stderr": ""}, cell  # no warning, no path, no note
+        reply, messages = kernel.execute(TRAIN.format(flags=" --backward-prefetch BACKWARD_POST", steps=3))
+        assert reply["content"]["status"] == "ok"
+        streams = _streams(messages)
+        assert streams["stdout"] == "" and POST_LINE.match(streams["stderr"].strip()), streams
+        assert len(streams["stderr"].splitlines()) == 1 and "Warning" not in streams["stderr"]
+    finally:
+        kernel.shutdown()
