@@ -5,11 +5,13 @@
 Benchmarks (each module's docstring says what it measures and how):
 
 1. ``step_time``    the same FSDP loop in ``%%fsdp`` (log each step, dashboard on) vs torchrun, ws 2 and 4
-2. ``warm_cell``    a trivial ``%%fsdp --world-size 4`` cell on a warm cluster vs a raw ipyparallel execute
-3. ``cold_start``   the first ``%%fsdp --world-size 4`` cell in a fresh kernel vs torchrun's cold start
-4. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
-5. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
-6. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
+2. ``dataloader``   that loop reading the notebook's DataLoader split by ``%%fsdp`` vs torchrun's
+                    ``DistributedSampler``, same global batch, ws 2 and 4
+3. ``warm_cell``    a trivial ``%%fsdp --world-size 4`` cell on a warm cluster vs a raw ipyparallel execute
+4. ``cold_start``   the first ``%%fsdp --world-size 4`` cell in a fresh kernel vs torchrun's cold start
+5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
+6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
+7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
 
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out`` (default ``benchmarks/results``)
 and prints the table. ``--quick`` runs tiny sizes, few rounds and world size 2 where the point allows (the
@@ -27,14 +29,15 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import cold_start, gpu, log_overhead, machine, model_transfer, report, step_time, warm_cell
+from benchmarks import cold_start, dataloader, gpu, log_overhead, machine, model_transfer, report, step_time, warm_cell
 from benchmarks.context import Context
 
 #: Report order (the issue's numbering).
-BENCHMARKS = {m.NAME: m for m in (step_time, warm_cell, cold_start, model_transfer, log_overhead, gpu)}
-#: Run order: the three that share the warm kernel first, its world size growing 2 -> 4 only once.
-RUN_ORDER = ("log_overhead", "step_time", "warm_cell", "cold_start", "transfer", "gpu")
-SHARE_WARM_KERNEL = {"log_overhead", "step_time", "warm_cell"}
+BENCHMARKS = {m.NAME: m for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu)}
+#: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
+#: world each round anyway), then those with kernels of their own.
+RUN_ORDER = ("log_overhead", "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "gpu")
+SHARE_WARM_KERNEL = {"log_overhead", "step_time", "dataloader", "warm_cell"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 

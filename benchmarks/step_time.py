@@ -95,19 +95,44 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         "fsdp_records_per_cell": first["fsdp"]["records"],
         "torchrun_wall_s": first["torchrun"]["wall_s"],
         "fsdp_cell_round_trip_s": first["fsdp"]["cell_round_trip_s"],
+        **(_loader_reads(first) if sizes.from_loader else {}),
+    }
+
+
+def _loader_reads(first: dict) -> dict:
+    """What each side's ranks read from their loaders in the first round, and how nbfsdp split the notebook's."""
+    return {
+        "global_batches_torchrun": first["torchrun"]["global_batches"],
+        "global_batches_fsdp": first["fsdp"]["global_batches"],
+        "loader_plan_fsdp": first["fsdp"]["loader_plan"],
     }
 
 
 def measurements(result: dict, label: str, throughput: bool = False, loss_tolerance: float = 1e-5) -> list[Measurement]:
-    """The rows of one comparison: the step-time ratio %%fsdp / torchrun (target at most 1.03), or with
-    ``throughput`` its inverse, %%fsdp's speed relative to torchrun (target at least 0.98); the CPU time of
-    rank 0's process per step, %%fsdp / torchrun (no target); and loss parity.
+    """The rows of one comparison: ``timing_rows``, and loss parity."""
+    same_units = result["units_torchrun"] == result["units_fsdp"]
+    units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
+    return [
+        *timing_rows(result, label, throughput),
+        Measurement(
+            what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
+            value=result["loss_max_abs_diff"] if same_units else float("inf"),
+            unit="",
+            target=loss_tolerance,
+            op="<=",
+            note=f"FSDP units {'the same' if same_units else 'DIFFER'}: {units}",
+        ),
+    ]
+
+
+def timing_rows(result: dict, label: str, throughput: bool = False) -> list[Measurement]:
+    """The step-time ratio %%fsdp / torchrun (target at most 1.03), or with ``throughput`` its inverse,
+    %%fsdp's speed relative to torchrun (target at least 0.98); and the CPU time of rank 0's process per step,
+    %%fsdp / torchrun (no target).
 
     The CPU row tells apart the two ways a step can be slower: work the rank's process does (its own threads
     included: ipyparallel's, ``nbfsdp.log``'s), which it counts, and cores taken by other processes (the
     kernel, the controller, the drawing worker) or lost to the scheduler, which only the wall-clock row sees."""
-    same_units = result["units_torchrun"] == result["units_fsdp"]
-    units = ", ".join(unit or "(root)" for unit in result["units_fsdp"])
 
     def figure(torchrun: list[float], fsdp: list[float]) -> float:
         """``value`` from a set of rounds: the ratio of the medians, or with ``throughput`` its inverse."""
@@ -136,18 +161,7 @@ def measurements(result: dict, label: str, throughput: bool = False, loss_tolera
         note="no target: the work a step costs the rank's process, all its threads; the row above adds the "
         "cores other processes take",
     )
-    return [
-        step_time,
-        cpu,
-        Measurement(
-            what=f"{label}: same loop, rank-0 losses max |torchrun - %%fsdp| ({len(result['losses_fsdp'])} steps)",
-            value=result["loss_max_abs_diff"] if same_units else float("inf"),
-            unit="",
-            target=loss_tolerance,
-            op="<=",
-            note=f"FSDP units {'the same' if same_units else 'DIFFER'}: {units}",
-        ),
-    ]
+    return [step_time, cpu]
 
 
 def _ratio_of_medians(torchrun: list[float], fsdp: list[float]) -> float:

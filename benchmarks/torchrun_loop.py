@@ -3,10 +3,12 @@
 Launched by the benchmarks as
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.torchrun_loop CONFIG OUT``:
 CONFIG is a JSON file of ``loops.LoopSizes`` fields plus ``device`` (cpu or cuda); rank 0 writes OUT, a JSON
-file with its per-step times (wall and CPU) and losses, the FSDP units, and its thread settings.
+file with its per-step times (wall and CPU) and losses, the FSDP units, and its thread settings (and, for a
+loop from a loader, the samples all ranks read at each step).
 
-Same model, seed, per-rank batch and loop text as the ``%%fsdp`` cell (``loops.py``); the same modules are
-FSDP units, with the same mixed precision, as nbfsdp's flags in ``loops.cell_flags`` ask for.
+Same model, seed, per-rank batch and loop text as the ``%%fsdp`` cell (``loops.py``), a loop from a loader
+reading the same data through a ``DistributedSampler``; the same modules are FSDP units, with the same mixed
+precision, as nbfsdp's flags in ``loops.cell_flags`` ask for.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def main(config_path: str, out_path: str) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: FSDP2's own reshard choice, as nbfsdp leaves it
 
     namespace.update(model=model, rank=rank, world_size=world_size, device=device, LOG_EACH_STEP=False)
-    exec(compile(loops.LOOP_SOURCE, "<loop>", "exec"), namespace)
+    if sizes.from_loader:
+        data = loops.dataset_source(sizes, world_size) + loops.TORCHRUN_LOADER_SOURCE
+        exec(compile(data, "<data>", "exec"), namespace)
+    exec(compile(loops.loop_source(sizes), "<loop>", "exec"), namespace)
 
     if rank == 0:
         result = {
@@ -65,6 +70,8 @@ def main(config_path: str, out_path: str) -> None:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         }
+        if sizes.from_loader:
+            result["global_batches"] = namespace["global_batches"]
         with open(out_path, "w") as file:
             json.dump(result, file)
     dist.barrier()

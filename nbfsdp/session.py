@@ -300,7 +300,7 @@ class Session:
 
     def _warn_huge(self, values: dict[str, Any], models: dict[str, nn.Module]) -> None:
         """Name the inputs that make a cell's payload big: each rank gets a copy of each."""
-        sizes = {name: len(transfer.pack_values({name: v}, models)) for name, v in values.items()}
+        sizes = {name: transfer.pickled_size(v, models) for name, v in values.items()}
         big = ", ".join(f"{n} ({s / 2**20:.0f} MiB)" for n, s in sizes.items() if s > HUGE_INPUT_BYTES // 4)
         world = self.cluster.world
         ranks = f"each of {world.world_size} ranks" if world else "each rank"

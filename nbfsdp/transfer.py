@@ -104,7 +104,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _ReferencingPickler(cloudpickle.Pickler):
     """cloudpickle that writes chosen objects as references (by ``id``)."""
 
-    def __init__(self, file: io.BytesIO, references: dict[int, tuple]) -> None:
+    def __init__(self, file: Any, references: dict[int, tuple]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._references = references
 
@@ -116,6 +116,24 @@ def _dumps(obj: Any, references: dict[int, tuple]) -> bytes:
     buffer = io.BytesIO()
     _ReferencingPickler(buffer, references).dump(obj)
     return buffer.getvalue()
+
+
+class _ByteCounter:
+    """A file that keeps only how many bytes were written to it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def write(self, data: bytes) -> int:
+        self.count += len(data)
+        return len(data)
+
+
+def pickled_size(value: Any, models: dict[str, nn.Module]) -> int:
+    """Bytes ``value`` adds to a cell's payload, measured without keeping a second copy of it."""
+    counter = _ByteCounter()
+    _ReferencingPickler(counter, model_references(models)).dump(value)
+    return counter.count
 
 
 def model_skeleton(model: nn.Module) -> bytes:

@@ -24,9 +24,9 @@ from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_i
 from benchmarks.report import markdown
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("step_time", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu")
+BENCHMARKS = ("step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu")
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(480)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def bench(tmp_path_factory, bench_tmp):
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=460,
         check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
@@ -136,6 +136,27 @@ def test_torchrun_rounds_run_with_no_nbfsdp_world_beside_them(bench):
     _, results, _ = bench
     for result in results["benchmarks"]["step_time"]["by_world_size"].values():
         assert result["world_stopped_for_torchrun"] == [True, True]
+
+
+def test_dataloader_row_compares_a_split_notebook_loader_with_torchrun_at_the_same_global_batch(bench):
+    """Both sides read one epoch, the same number of samples (all ranks together) at every step: the notebook's
+    loader of the global batch split by nbfsdp, and torchrun's per-rank loaders with a DistributedSampler."""
+    _, results, _ = bench
+    dataloader = results["benchmarks"]["dataloader"]
+    for key, result in dataloader["by_world_size"].items():
+        sizes, world_size = result["sizes"], result["world_size"]
+        assert sizes["from_loader"] is True
+        global_batch = sizes["tokens"] * world_size
+        assert result["global_batches_fsdp"] == result["global_batches_torchrun"] == [global_batch] * sizes["steps"]
+        plan = result["loader_plan_fsdp"]
+        assert (plan["mode"], plan["batch_size"], plan["per_rank"]) == ("split", global_batch, sizes["tokens"])
+        assert len(result["losses_fsdp"]) == len(result["losses_torchrun"]) == sizes["steps"]
+        assert result["units_fsdp"] == result["units_torchrun"]
+        assert result["first_side_each_round"] == ["torchrun", "%%fsdp"]
+        assert result["world_stopped_for_torchrun"] == [True, True]
+        rows = {m["what"].split(": ", 1)[1].split(",")[0]: m for m in dataloader["measurements"] if key in m["what"]}
+        assert rows["step time"]["target"] == 1.03 and _number(rows["step time"]["value"])
+        assert rows["samples all ranks read per step"]["value"] == 0 and rows["samples all ranks read per step"]["ok"]
 
 
 def test_transfer_ranks_hold_exactly_the_model(bench):

@@ -57,6 +57,8 @@ def test_engines_reuse_an_unchanged_model_and_resend_a_changed_one(shell, tiny_m
     first_id = shell.user_ns["engine_model_id"]
     run_ok(shell, "%%fsdp --world-size 2\nengine_model_id = id(model)\n")
     assert shell.user_ns["engine_model_id"] == first_id  # not sent again
+    run_ok(shell, "%%fsdp --world-size 2 --mixed-precision FULL\nengine_model_id = id(model)\n")
+    assert shell.user_ns["engine_model_id"] == first_id  # FULL asked for is FULL by default on CPU: the same
     with torch.no_grad():
         tiny_model.head.weight.fill_(0.5)  # an edit in the notebook
     run_ok(shell, "%%fsdp --world-size 2\nhead_seen = model.head.weight.full_tensor()\nengine_model_id = id(model)\n")
