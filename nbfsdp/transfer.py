@@ -124,9 +124,10 @@ class _ByteCounter:
     def __init__(self) -> None:
         self.count = 0
 
-    def write(self, data: bytes) -> int:
-        self.count += len(data)
-        return len(data)
+    def write(self, data: bytes | pickle.PickleBuffer) -> int:
+        size = memoryview(data).nbytes  # a large tensor's bytes arrive as one PickleBuffer, which has no len()
+        self.count += size
+        return size
 
 
 def pickled_size(value: Any, models: dict[str, nn.Module]) -> int:
