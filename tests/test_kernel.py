@@ -59,13 +59,19 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
 
 
-@pytest.fixture(scope="module")
-def kernel():
+def warm_kernel(setup: str) -> Kernel:
+    """A kernel that ran ``setup`` (which loads nbfsdp) and one cell, so its 2-rank cluster is up."""
     k = Kernel()
-    reply, _ = k.execute("import sys; print(sys.executable)\n%load_ext nbfsdp\nimport torch, nbfsdp")
+    reply, _ = k.execute(setup)
     assert reply["content"]["status"] == "ok"
     reply, _ = k.execute("%%fsdp --world-size 2\npass")  # start the cluster once
     assert reply["content"]["status"] == "ok", reply["content"]
+    return k
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = warm_kernel("import sys; print(sys.executable)\n%load_ext nbfsdp\nimport torch, nbfsdp")
     yield k
     k.shutdown()
 

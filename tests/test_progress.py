@@ -14,7 +14,7 @@ import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import run_ok
-from tests.test_kernel import Kernel
+from tests.test_kernel import warm_kernel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,11 +49,7 @@ del bar  # a bar holds its stream: it does not pickle
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    reply, _ = k.execute("%load_ext nbfsdp\nimport nbfsdp")
-    assert reply["content"]["status"] == "ok"
-    reply, _ = k.execute("%%fsdp --world-size 2\npass")  # start the cluster once
-    assert reply["content"]["status"] == "ok", reply["content"]
+    k = warm_kernel("%load_ext nbfsdp\nimport nbfsdp")
     yield k
     k.shutdown()
 
