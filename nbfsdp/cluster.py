@@ -91,6 +91,11 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def device_type(world_size: int) -> str:
+    """Where a world of ``world_size`` ranks runs: one GPU a rank when there are enough, else the CPU."""
+    return "cuda" if visible_gpus() >= world_size else "cpu"
+
+
 def cpu_threads_per_rank(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // world_size)

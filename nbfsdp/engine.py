@@ -197,8 +197,7 @@ def _names_back(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> di
         for name, value in sorted(assigned.items(), key=lambda item: not isinstance(item[1], Optimizer))
         if id(value) not in sharded
     }
-    stateful = {n: v for n, v in read.items() if isinstance(v, optimizers.STATEFUL) and n not in assigned}
-    stateful = stateful if gather else {}
+    stateful = {n: v for n, v in read.items() if gather and isinstance(v, optimizers.STATEFUL) and n not in assigned}
     made = {name: v for name, v in assigned.items() if isinstance(v, optimizers.STATEFUL)} if gather else {}
     whole: dict[int, torch.Tensor] = {}
     for value in [*stateful.values(), *made.values()]:

@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import Image, display
 
 from nbfsdp import comparison, config
-from nbfsdp.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
+from nbfsdp.cluster import MAX_WORLD_SIZE, FSDPCluster, device_type, visible_gpus
 from nbfsdp.panel import SettingsPanel
 from nbfsdp.planning import plan
 from nbfsdp.session import Session
@@ -238,7 +238,7 @@ class FSDPMagics(Magics):
             raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
         world_size = _world_size(args.world_size)
         settings = self._settings(args)
-        settings = config.validate(settings, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
+        settings = config.validate(settings, world_size, device_type(world_size))
         print(plan(model, settings, world_size))
 
     def _compare(self, words: list[str]) -> None:

@@ -12,7 +12,7 @@ pickle as its optimizer, so it stays bound to it.
 
 After the cell, ``gather_state`` (engines, a collective) makes every sharded
 state tensor whole on rank 0, as the model's weights are; the notebook then
-loads it into its own optimizer in place (``load_into``) or rebuilds an
+loads it into its own optimizer in place (``load_state_dict``) or rebuilds an
 optimizer the cell created around the notebook's own parameters
 (``nbfsdp.transfer.load_result``).
 """
@@ -90,12 +90,3 @@ def portable_state_dict(value: Any, whole: dict[int, torch.Tensor]) -> dict[str,
             index: {key: whole.get(id(v), v) for key, v in entry.items()} for index, entry in state["state"].items()
         }
     return state
-
-
-def load_into(target: Any, state: dict[str, Any]) -> None:
-    """In the notebook: the trained state into the notebook's own optimizer or scheduler, in place.
-
-    In place, so a scheduler bound to the optimizer, and the parameters the
-    optimizer holds (the notebook model's own), stay what they were.
-    """
-    target.load_state_dict(state)

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 import torch.nn as nn
 from IPython.core.error import UsageError
 
-from nbfsdp.cluster import visible_gpus
+from nbfsdp.cluster import device_type
 from nbfsdp.config import for_device, resolve, validate
 from nbfsdp.controls import SettingsControls
 from nbfsdp.planning import plan
@@ -32,7 +32,7 @@ class SettingsPanel:
         self._session = session
         self._model = model
         self._world_size = world_size
-        config = for_device(resolve({}, {}, session.panel), _device(world_size))
+        config = for_device(resolve({}, {}, session.panel), device_type(world_size))
         settings = {**dataclasses.asdict(config), "world_size": world_size}
         self.controls = SettingsControls(settings, self._changed)
         self.plan = widgets.HTML()
@@ -52,12 +52,8 @@ class SettingsPanel:
         config = resolve({}, {}, self._session.panel)
         try:
             # quiet: an explicit BACKWARD_POST is said in the plan, not on stderr at every change
-            config = validate(config, self._world_size, _device(self._world_size), quiet=True)
+            config = validate(config, self._world_size, device_type(self._world_size), quiet=True)
             text = str(plan(self._model, config, self._world_size))
         except UsageError as error:
             text = f"not valid: {error}"
         self.plan.value = f"<pre>{html.escape(text)}</pre>"
-
-
-def _device(world_size: int) -> str:
-    return "cuda" if visible_gpus() >= world_size else "cpu"

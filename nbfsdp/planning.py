@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nbfsdp.cluster import visible_gpus
+from nbfsdp.cluster import device_type
 from nbfsdp.config import FSDPConfig, for_device, resolve
 from nbfsdp.sharding import activation_modules, forward_order
 from nbfsdp.units import wrap_rule, wrap_units
@@ -194,5 +194,4 @@ def explain(model: nn.Module, world_size: int = 2, **settings: Any) -> Plan:
 
     >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
     """
-    device = "cuda" if visible_gpus() >= world_size else "cpu"
-    return plan(model, for_device(resolve(settings, {}), device), world_size)
+    return plan(model, for_device(resolve(settings, {}), device_type(world_size)), world_size)

@@ -25,7 +25,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from torch.utils.data import DataLoader
 
 from nbfsdp import dataloaders, history, optimizers, transfer
-from nbfsdp.cluster import FSDPCluster, World, visible_gpus
+from nbfsdp.cluster import FSDPCluster, World, device_type
 from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
 from nbfsdp.control import RunControl
 from nbfsdp.dashboard import LiveDashboard
@@ -118,7 +118,7 @@ class Session:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
-        config = validate(config, world_size, "cuda" if visible_gpus() >= world_size else "cpu")
+        config = validate(config, world_size, device_type(world_size))
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))

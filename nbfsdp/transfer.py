@@ -342,20 +342,13 @@ class HoldsDTensor(Exception):
     """Raised while pickling an object that holds a sharded tensor."""
 
 
-class _ResultPickler(cloudpickle.Pickler):
-    """cloudpickle that writes chosen objects as references and refuses any other sharded tensor.
+class _ResultPickler(_ReferencingPickler):
+    """The referencing pickler, refusing any sharded tensor it does not write as a reference.
 
-    References (by ``id``) stand for what the notebook has its own copy of: the
-    cell's sharded models' parameters, buffers and modules, the notebook's own
-    optimizers and schedulers, a gathered tensor for a sharded optimizer state.
+    References stand for what the notebook has its own copy of: the cell's sharded
+    models' parameters, buffers and modules, the notebook's own optimizers and
+    schedulers, a gathered tensor for a sharded optimizer state.
     """
-
-    def __init__(self, file: io.BytesIO, references: dict[int, tuple]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._references = references
-
-    def persistent_id(self, obj: Any) -> tuple | None:
-        return self._references.get(id(obj))
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.distributed.tensor.DTensor):

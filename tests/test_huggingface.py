@@ -1,7 +1,7 @@
 """A Hugging Face GPT-2 under ``%%fsdp``: its ``_no_split_modules`` as units, its tied weights kept, generate after.
 
-Built from a tiny config (no download). transformers is an optional extra:
-without it this module is skipped (tests/test_units.py covers the rule with plain modules).
+Built from a tiny config (no download). transformers is an optional extra of nbfsdp, never a runtime
+requirement, but `make test` installs it (the ``examples`` extra), so these tests always run there.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from IPython.core.error import UsageError
 import nbfsdp
 from tests.conftest import run_failing, run_ok
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 3
