@@ -168,7 +168,8 @@ class FSDPMagics(Magics):
         "action",
         choices=LINE_ACTIONS,
         help="status: engines, ranks, devices, pids; stop: end the cluster; "
-        "explain [settings] [--world-size N] MODEL: the FSDP plan, nothing run (see %%fsdp? for settings); "
+        "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
+        "code it amounts to, nothing run (see %%fsdp? for settings); "
         "compare [N]: the last N runs (default 5) side by side; "
         "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
         "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
@@ -226,9 +227,10 @@ class FSDPMagics(Magics):
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")
     @argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
+    @argument("--code", action="store_true", help="Print the plain FSDP2 code these settings amount to.")
     @config_arguments
     def _explain_arguments(self, line: str) -> None:
-        """%fsdp explain [settings] [--world-size N] MODEL"""
+        """%fsdp explain [--code] [settings] [--world-size N] MODEL"""
 
     def _explain(self, line: str) -> None:
         args = parse_argstring(self._explain_arguments, line)
@@ -239,7 +241,8 @@ class FSDPMagics(Magics):
         world_size = _world_size(args.world_size)
         settings = self._settings(args)
         settings = config.validate(settings, world_size, device_type(world_size))
-        print(plan(model, settings, world_size))
+        planned = plan(model, settings, world_size)
+        print(planned.code if args.code else planned, end="" if args.code else "\n")
 
     def _compare(self, words: list[str]) -> None:
         if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):

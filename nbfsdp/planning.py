@@ -6,6 +6,11 @@ FSDP2 allocates: each rank stores ``ceil(rows / shards)`` rows of every
 parameter (shards are padded to equal size), gradients alike; AdamW keeps two
 fp32 tensors the size of each rank's *unpadded* slice plus a 4-byte step.
 Tests hold these predictions to 5% of ``FSDPMemTracker``'s measurement.
+
+Communication is given twice: the size of the tensors each collective handles (what a
+``TorchDispatchMode`` sees), and the bytes a rank sends and receives on the wire under the ring
+algorithms NCCL uses for large messages (``ring_bytes``). The plan's ``code`` is the plain FSDP2
+code the settings amount to (``fsdp_code``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn as nn
 
 from nbfsdp.cluster import device_type
 from nbfsdp.config import FSDPConfig, for_device, resolve
+from nbfsdp.fsdp_code import render
 from nbfsdp.sharding import activation_modules, forward_order
 from nbfsdp.units import wrap_rule, wrap_units
 
@@ -57,7 +63,12 @@ class Plan:
     memory: list[dict[str, int]] = field(default_factory=list)
     """Per rank: predicted bytes of params, grads and optim (AdamW), and FSDP2's comm_buffers at their peak."""
     communication: dict[str, int] = field(default_factory=dict)
-    """Bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
+    """Tensor bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
+    wire: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per collective: ``tensor`` bytes (as ``communication``), ``group`` size, and the bytes a rank
+    ``sent`` and ``received`` per step under the ring algorithms."""
+    code: str = ""
+    """The plain FSDP2 code these settings amount to, to run on each rank."""
 
     def __str__(self) -> str:
         name = lambda n: n or "(root)"  # noqa: E731
@@ -87,8 +98,15 @@ class Plan:
             )
         comm = self.communication
         lines.append(
-            f"per step per rank: all-gather {_size(comm['all_gather'])}, reduce-scatter "
-            f"{_size(comm['reduce_scatter'])}, all-reduce {_size(comm['all_reduce'])}"
+            f"per step per rank, tensors the collectives handle: all-gather {_size(comm['all_gather'])}, "
+            f"reduce-scatter {_size(comm['reduce_scatter'])}, all-reduce {_size(comm['all_reduce'])}"
+        )
+        wire = self.wire
+        lines.append(
+            "per step per rank, bytes sent (and as many received) under the ring algorithms, (g-1)/g of the "
+            "tensor per all-gather or reduce-scatter and 2(g-1)/g per all-reduce in a group of g: "
+            + ", ".join(f"{kind.replace('_', '-')} {_size(w['sent'])}" for kind, w in wire.items())
+            + f"; {_size(sum(w['sent'] for w in wire.values()))} in all"
         )
         return "\n".join(lines)
 
@@ -102,6 +120,18 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
         nbytes /= 1024
     raise AssertionError
+
+
+def ring_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
+    """Bytes a rank sends (and receives) in a ring ``kind`` collective over ``tensor_bytes``, group of ``group_size``.
+
+    All-gather and reduce-scatter: N-1 steps of 1/N of the (gathered, or unreduced) tensor; an
+    all-reduce is a reduce-scatter then an all-gather, twice that (Patarasuk & Yuan; NCCL's ring).
+    """
+    if group_size <= 1:
+        return 0
+    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[kind]
+    return factor * tensor_bytes * (group_size - 1) // group_size
 
 
 def _shard_numel(param: torch.Tensor, shards: int, shard: int) -> tuple[int, int]:
@@ -163,6 +193,16 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
         "reduce_scatter": 0 if shards == 1 else sum(u.params for u in unit_plans) * low(reduce_dtype),
         "all_reduce": 0 if replicas == 1 else stored_numel * low(reduce_dtype),
     }
+    groups = {"all_gather": shards, "reduce_scatter": shards, "all_reduce": replicas}
+    wire = {
+        kind: {
+            "tensor": nbytes,
+            "group": groups[kind],
+            "sent": ring_bytes(kind, nbytes, groups[kind]),
+            "received": ring_bytes(kind, nbytes, groups[kind]),
+        }
+        for kind, nbytes in communication.items()
+    }
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch
@@ -186,6 +226,8 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
         backward_order=[names[id(u)] for u in reversed(ordered)],
         memory=memory,
         communication=communication,
+        wire=wire,
+        code=render(model, config, world_size, device_type(world_size)),
     )
 
 

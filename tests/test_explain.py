@@ -6,6 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbfsdp
+from nbfsdp.planning import ring_bytes
 from tests.conftest import run_ok
 from tests.test_metrics import MEASURE
 
@@ -48,7 +49,7 @@ def test_the_plan_shows_units_checkpointing_precision_prefetch_and_communication
     assert "forward order: (root) -> blocks.0 -> blocks.1 -> blocks.2" in out
     assert "blocks.0 prefetches blocks.1, blocks.1 prefetches blocks.2" in out
     assert "backward order: blocks.2 -> blocks.1 -> blocks.0 -> (root)" in out
-    assert "rank 3 predicted: params" in out and "per step per rank: all-gather" in out
+    assert "rank 3 predicted: params" in out and "per step per rank, tensors the collectives handle: all-gather" in out
 
     plan = nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block", sharding_strategy="SHARD_GRAD_OP")
     blocks = [u for u in plan.units if u.cls == "Block"]
@@ -73,3 +74,43 @@ def test_explain_refuses_what_is_not_a_model(shell):
         shell.run_line_magic("fsdp", "explain not_a_model")
     with pytest.raises(UsageError, match="invalid choice: 'ZERO'"):
         shell.run_line_magic("fsdp", "explain --sharding-strategy ZERO model")
+
+
+def test_ring_bytes_are_the_ring_algorithms_shares():
+    assert ring_bytes("all_gather", 4000, 4) == ring_bytes("reduce_scatter", 4000, 4) == 3000  # (N-1)/N
+    assert ring_bytes("all_reduce", 4000, 4) == 6000  # 2(N-1)/N
+    assert ring_bytes("all_reduce", 4000, 1) == ring_bytes("all_gather", 4000, 1) == 0
+
+
+COMMUNICATION = """%%fsdp --world-size 2 --wrap-cls MLPBlock --mixed-precision FULL --no-gather {settings}
+from nbfsdp.course import CommMeter, rotation_batch
+with CommMeter() as comm:
+    x, y = rotation_batch(rank, 0)
+    torch.nn.functional.mse_loss(mlp(x.to(device)), y.to(device)).backward()
+tensors, sent, calls = comm.totals(), comm.sent(), comm.calls
+"""
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_bytes_on_the_wire_match_what_a_rank_measures(shell, capsys, strategy):
+    """explain's tensor sizes and ring bytes against the collectives a rank runs in one step (CommMeter)."""
+    run_ok(shell, "from nbfsdp.course import MLP\ntorch.manual_seed(0)\nmlp = MLP(width=64, depth=3)\n")
+    plan = nbfsdp.explain(
+        shell.user_ns["mlp"], world_size=2, wrap_cls="MLPBlock", mixed_precision="FULL", sharding_strategy=strategy
+    )
+    run_ok(shell, COMMUNICATION.format(settings=f"--sharding-strategy {strategy}"))
+    tensors, sent = shell.user_ns["tensors"], shell.user_ns["sent"]
+    for kind, wire in plan.wire.items():
+        assert tensors[kind] == wire["tensor"] == plan.communication[kind], (kind, tensors, plan.wire)
+        assert sent[kind] == wire["sent"] == wire["received"], (kind, sent, plan.wire)
+    assert {group for _, _, group in shell.user_ns["calls"]} == {2}
+    psi = sum(p.numel() * 4 for p in shell.user_ns["mlp"].parameters())
+    total = sum(w["sent"] for w in plan.wire.values())
+    # a rank sends (N-1)/N of: 2 psi for NO_SHARD (all-reduce) and SHARD_GRAD_OP, 3 psi for FULL_SHARD less the
+    # root's second gather (FSDP2 keeps the root gathered into backward)
+    root = plan.units[0].full_bytes
+    expected = {"NO_SHARD": 2 * psi, "SHARD_GRAD_OP": 2 * psi, "FULL_SHARD": 3 * psi - root}[strategy] // 2
+    assert abs(total - expected) <= 2, (total, expected)
+    capsys.readouterr()
+    shell.run_line_magic("fsdp", f"explain --world-size 2 --wrap-cls MLPBlock --sharding-strategy {strategy} mlp")
+    assert "bytes sent (and as many received) under the ring algorithms" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import torch
 
 import nbfsdp
 from tests.conftest import gpu, run_ok
+from tests.test_fsdp_code import printed_code_against_the_cell
 
 pytestmark = [gpu, pytest.mark.timeout(180)]
 
@@ -32,3 +33,10 @@ nbfsdp.log(step=0)
     record = nbfsdp.last_run().metrics[0]
     assert record["cuda_max_allocated"] >= record["cuda_allocated"] > 0
     assert record["mem_peak"] == record["cuda_max_allocated"]
+
+
+def test_printed_fsdp2_code_on_gpus_trains_like_the_cell(shell, tiny_model, capsys):
+    """On GPUs the code says cuda and Composer's GPU default (DEFAULT: bf16 gradient reduction); same training."""
+    printed = printed_code_against_the_cell(shell, capsys, "--wrap-cls Block", torch.cuda.device_count())
+    assert 'init_device_mesh("cuda"' in printed
+    assert "MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)" in printed

@@ -1,0 +1,26 @@
+"""The course notebooks' shared parts, so each notebook shows only its own idea.
+
+``models`` (the notebook and the ranks): the tiny GPT and MLP every notebook trains, their batches
+and loss. ``meters`` (the ranks): what a rank measures inside a ``%%fsdp`` cell, the collectives it
+runs and the parameters it holds gathered. ``diagrams`` (the notebook): the pictures drawn from
+numbers. The notebooks import them by name::
+
+    from nbfsdp.course import TinyGPT, batch_for, loss_fn, CommMeter
+
+Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course`` themselves).
+"""
+
+from nbfsdp.course.meters import CommMeter, unsharded_bytes
+from nbfsdp.course.models import MLP, Block, MLPBlock, TinyGPT, batch_for, loss_fn, rotation_batch
+
+__all__ = [
+    "MLP",
+    "Block",
+    "CommMeter",
+    "MLPBlock",
+    "TinyGPT",
+    "batch_for",
+    "loss_fn",
+    "rotation_batch",
+    "unsharded_bytes",
+]
