@@ -80,7 +80,9 @@ class Plan:
             *(f"{key.replace('_', ' ')} {c[key]}: {why}" for key, why in c["why"].items()),
             f"{'unit':<24} {'class':<16} {'params':>12} {'sharded/rank':>14}",
         ]
-        lines += [f"{name(u.name):<24} {u.cls:<16} {u.params:>12,} {_size(u.sharded_bytes):>14}" for u in self.units]
+        lines += [
+            f"{name(u.name):<24} {u.cls:<16} {u.params:>12,} {size_text(u.sharded_bytes):>14}" for u in self.units
+        ]
         counts = Counter(u.cls for u in self.units[1:])
         chosen = ", ".join(f"{cls} x {n}" for cls, n in counts.items()) or "the root alone"
         lines.append(f"units: {chosen}, {self.wrap_rule['rule']}")
@@ -93,20 +95,20 @@ class Plan:
         )
         for rank, m in enumerate(self.memory):
             lines.append(
-                f"rank {rank} predicted: params {_size(m['params'])}, grads {_size(m['grads'])}, "
-                f"optimizer (AdamW) {_size(m['optim'])}, comm buffers at peak {_size(m['comm_buffers'])}"
+                f"rank {rank} predicted: params {size_text(m['params'])}, grads {size_text(m['grads'])}, "
+                f"optimizer (AdamW) {size_text(m['optim'])}, comm buffers at peak {size_text(m['comm_buffers'])}"
             )
         comm = self.communication
         lines.append(
-            f"per step per rank, tensors the collectives handle: all-gather {_size(comm['all_gather'])}, "
-            f"reduce-scatter {_size(comm['reduce_scatter'])}, all-reduce {_size(comm['all_reduce'])}"
+            f"per step per rank, tensors the collectives handle: all-gather {size_text(comm['all_gather'])}, "
+            f"reduce-scatter {size_text(comm['reduce_scatter'])}, all-reduce {size_text(comm['all_reduce'])}"
         )
         wire = self.wire
         lines.append(
             "per step per rank, bytes sent (and as many received) under the ring algorithms, (g-1)/g of the "
             "tensor per all-gather or reduce-scatter and 2(g-1)/g per all-reduce in a group of g: "
-            + ", ".join(f"{kind.replace('_', '-')} {_size(w['sent'])}" for kind, w in wire.items())
-            + f"; {_size(sum(w['sent'] for w in wire.values()))} in all"
+            + ", ".join(f"{kind.replace('_', '-')} {size_text(w['sent'])}" for kind, w in wire.items())
+            + f"; {size_text(sum(w['sent'] for w in wire.values()))} in all"
         )
         return "\n".join(lines)
 
@@ -114,7 +116,8 @@ class Plan:
         printer.text(str(self))
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB, as a person reads it."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
@@ -127,6 +130,8 @@ def ring_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
 
     All-gather and reduce-scatter: N-1 steps of 1/N of the (gathered, or unreduced) tensor; an
     all-reduce is a reduce-scatter then an all-gather, twice that (Patarasuk & Yuan; NCCL's ring).
+    gloo differs in one place: it runs a reduce-scatter as an all-reduce of the whole input, so
+    on CPU a rank sends twice this per reduce-scatter (measured in notebook 03).
     """
     if group_size <= 1:
         return 0

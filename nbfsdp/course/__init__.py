@@ -10,7 +10,8 @@ numbers. The notebooks import them by name::
 Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course`` themselves).
 """
 
-from nbfsdp.course.meters import CommMeter, unsharded_bytes
+from nbfsdp.course.diagrams import collective, strategy_timeline
+from nbfsdp.course.meters import CommMeter, peer_connections, tcp_counters, traffic, unsharded_bytes
 from nbfsdp.course.models import MLP, Block, MLPBlock, TinyGPT, batch_for, loss_fn, rotation_batch
 
 __all__ = [
@@ -20,7 +21,12 @@ __all__ = [
     "MLPBlock",
     "TinyGPT",
     "batch_for",
+    "collective",
     "loss_fn",
+    "peer_connections",
     "rotation_batch",
+    "strategy_timeline",
+    "tcp_counters",
+    "traffic",
     "unsharded_bytes",
 ]

@@ -3,10 +3,15 @@
 ``CommMeter`` is a ``TorchDispatchMode`` (PyTorch's hook on every operation) that keeps each c10d
 collective with the size of the tensor it handles and the size of its group; from those two,
 ``planning.ring_bytes`` gives what the rank sends and receives under the ring algorithms.
+``tcp_counters``, ``peer_connections`` and ``traffic`` read what a rank really sent and received
+on its own TCP connections to the other ranks (gloo's), from the kernel's per-socket counters.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 from typing import Any
 
 import torch
@@ -29,7 +34,10 @@ class CommMeter(TorchDispatchMode):
 
     The tensor counted is the one a collective handles whole: the gathered output of an
     all-gather, the unreduced input of a reduce-scatter, the tensors of an all-reduce.
-    Anything else from c10d is kept under its own op name, so nothing passes unseen.
+    Anything else from c10d is kept under its own op name. PyTorch's ``CommDebugMode`` counts
+    collectives but not their bytes, hence this meter. Like any dispatch mode it sees the
+    collectives FSDP2 issues on plain tensors, not those a DTensor op issues inside its own
+    dispatch (``clip_grad_norm_``'s all-reduce of the norm, ``full_tensor()``).
     """
 
     def __init__(self) -> None:
@@ -78,3 +86,59 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
     FSDP2 swaps a unit's sharded parameters (DTensors) for plain full tensors while it is gathered.
     """
     return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+
+
+#: Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): tcpi_bytes_received, tcpi_bytes_sent (4.19+).
+_TCP_INFO_SIZE, _BYTES_RECEIVED, _BYTES_SENT = 232, 128, 200
+
+Connection = tuple[tuple[str, int], tuple[str, int]]
+
+
+def tcp_counters() -> dict[Connection, tuple[int, int]]:
+    """(bytes sent, bytes received) of each connected TCP socket of this process, by (this end, other end).
+
+    The kernel's own counters (what ``ss -ti`` prints), read through a duplicate of each socket's
+    descriptor; psutil has per-interface counters only, not per socket.
+    """
+    counters = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))  # closed below; the owner's descriptor stays open
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                ends = (sock.getsockname()[:2], sock.getpeername()[:2])
+            except OSError:  # listening, not connected
+                continue
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+            counters[ends] = (
+                struct.unpack_from("Q", info, _BYTES_SENT)[0],
+                struct.unpack_from("Q", info, _BYTES_RECEIVED)[0],
+            )
+    return counters
+
+
+def peer_connections(rank: int, world_size: int) -> set[Connection]:
+    """This rank's connections whose other end is another rank's socket (gloo's, not ipyparallel's).
+
+    A collective: every rank must call it.
+    """
+    mine = {local for local, _ in tcp_counters()}
+    everyone: list[set | None] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    others = set().union(*(ends for r, ends in enumerate(everyone) if r != rank))
+    return {ends for ends in tcp_counters() if ends[1] in others}
+
+
+def traffic(
+    before: dict[Connection, tuple[int, int]], after: dict[Connection, tuple[int, int]], connections: set[Connection]
+) -> tuple[int, int]:
+    """(bytes sent, bytes received) over ``connections`` between two ``tcp_counters`` readings."""
+    sent = sum(after[c][0] - before.get(c, (0, 0))[0] for c in connections if c in after)
+    received = sum(after[c][1] - before.get(c, (0, 0))[1] for c in connections if c in after)
+    return sent, received
