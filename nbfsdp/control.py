@@ -2,14 +2,19 @@
 
 The notebook writes the wanted live settings (and a cancel flag) to a request
 file in the cluster's private directory; every rank looks at it, one ``stat``,
-in each ``nbfsdp.log`` call. All ranks must switch at the same log call or
-their FSDP collectives would disagree, yet a collective inside ``log`` would
-hang a cell that logs on rank 0 only. So the ranks agree through the file
-system: the first rank to see request version v at its log call ``a`` claims
-call ``a + 1`` for it (``os.link`` is atomic and fails if another rank claimed
-first), and every rank applies v at the claimed call. A training step holds
-collectives, so no rank runs a whole log call ahead of another: a rank that
-first sees v at call ``b`` has ``b <= a + 1``, never past the claimed call.
+at each step boundary: the start of a forward of the cell's models
+(``StepBoundaries``), or, in a cell without a model, each ``nbfsdp.log`` call.
+A forward is the boundary because every rank runs the same forwards (their
+collectives must match) whether it logs on every rank, on one, or never; a
+change applied at a log call would switch only the ranks that log.
+
+All ranks must switch at the same boundary, yet no collective may be added
+there (it would hang or reorder the cell's own). So the ranks agree through
+the file system: the first rank to see request version v at its boundary
+``a`` claims boundary ``a + 1`` for it (``os.link`` is atomic and fails if
+another rank claimed first), and every rank applies v at the claimed one.
+A training step holds collectives, so no rank passes a whole boundary ahead
+of another: a rank that first sees v at boundary ``b`` has ``b <= a + 1``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch.nn as nn
 
 
 class CellCancelled(BaseException):
@@ -63,7 +70,7 @@ class RunControl:
 
 
 class RankControl:
-    """A rank's side: at each log call, notice new requests and apply them at the agreed call."""
+    """A rank's side: at each step boundary, notice new requests and apply them at the agreed one."""
 
     def __init__(self, path: str, apply: Callable[[dict[str, Any]], list[str]]) -> None:
         self._path = Path(path)
@@ -72,8 +79,8 @@ class RankControl:
         self._seen = 0
         self._pending: tuple[int, dict[str, Any]] | None = None  # (claimed call, request)
 
-    def at_log(self, call: int) -> list[str]:
-        """Called at log call number ``call``; returns the settings changed here, or raises CellCancelled."""
+    def at_boundary(self, call: int) -> list[str]:
+        """Called at boundary number ``call``; returns the settings changed here, or raises CellCancelled."""
         try:
             stat = self._path.stat()
         except FileNotFoundError:
@@ -105,3 +112,29 @@ class RankControl:
         finally:
             mine.unlink()
         return int(claim.read_text())
+
+
+class StepBoundaries:
+    """The start of every forward of the cell's models as the step boundary, on every rank.
+
+    A forward pre-hook put first, ahead of FSDP2's own (which gathers the root): a change then
+    applies while every parameter is sharded, and a cancel ends the cell before the step begins.
+    ``on_change`` hears what changed (the cell's records mark it at the next log call).
+    """
+
+    def __init__(self, models: list[nn.Module], control: RankControl, on_change: Callable[[list[str]], None]) -> None:
+        self._control = control
+        self._on_change = on_change
+        self._forwards = 0
+        self._handles = [model.register_forward_pre_hook(self._at_forward, prepend=True) for model in models]
+
+    def _at_forward(self, module: nn.Module, args: Any) -> None:
+        changed = self._control.at_boundary(self._forwards)
+        self._forwards += 1
+        if changed:
+            self._on_change(changed)
+
+    def remove(self) -> None:
+        """Take the hooks off: the models outlive the cell."""
+        for handle in self._handles:
+            handle.remove()

@@ -99,7 +99,7 @@ class LiveDashboard:
         self.records.extend(records)
         for record in records:
             if "changed" in record and record["rank"] == 0:
-                self.note(f"step {record['step']}: {record['changed']} on every rank from the next step")
+                self.note(f"step {record['step']}: {record['changed']} on every rank from this step")
 
     def rank_state(self, rank: int, state: str) -> None:
         self._states[rank] = state

@@ -33,7 +33,7 @@ import nbfsdp
 from nbfsdp import dataloaders, metrics, optimizers, transfer
 from nbfsdp.cluster import loopback_interface
 from nbfsdp.config import FSDPConfig
-from nbfsdp.control import CellCancelled, RankControl
+from nbfsdp.control import CellCancelled, RankControl, StepBoundaries
 from nbfsdp.progress import route_bars
 from nbfsdp.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 
@@ -272,13 +272,17 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
         cancelled = False
         route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
         with metrics.MemoryMeter(world.device, params) as meter:
-            recorder = metrics.active_recorder = metrics.Recorder(world.rank, meter, publish_data, control)
+            recorder = metrics.active_recorder = metrics.Recorder(
+                world.rank, meter, publish_data, None if cell_models else control
+            )
+            boundaries = StepBoundaries([s.module for s in cell_models], control, recorder.changed)
             try:
                 exec(code, namespace)
             except CellCancelled:
                 cancelled = True  # every rank stops at the same step; the cell ends as a finished one
             finally:
                 metrics.active_recorder = None
+                boundaries.remove()
         back = _names_back(world, spec, read)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}

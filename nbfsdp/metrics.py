@@ -258,6 +258,8 @@ class Recorder:
     Each batch goes out with ipyparallel's ``datapub`` under its own key
     (``records0``, ``records1``, ...): the client merges published dicts by
     key, so no batch overwrites another. ``publish`` is None off the engines.
+    ``control`` is given for a cell without a model, whose log calls are its
+    step boundaries (a cell with models has ``control.StepBoundaries``).
     """
 
     def __init__(
@@ -272,25 +274,32 @@ class Recorder:
         self.records: list[dict[str, Any]] = []
         self._publish = publish
         self._control = control
+        self._changed: list[str] = []
         self._unsent: list[dict[str, Any]] = []
         self._batches = 0
         self._sent_at = 0.0
         self._last = time.perf_counter()
 
+    def changed(self, changes: list[str]) -> None:
+        """Settings changed at a step boundary: the next record says so, and counts that step's activations."""
+        self._changed += changes
+        self.meter.count_next_step()
+
     def record(self, scalars: dict[str, Any]) -> None:
-        """One step's record; then, at this step boundary, what the notebook asked for (changes, cancel)."""
+        """One step's record; in a cell without a model, then what the notebook asked for (a cancel)."""
         now = time.perf_counter()
         step = scalars.pop("step", len(self.records))
         entry: dict[str, Any] = {"rank": self.rank, "step": int(step), "step_time": now - self._last}
         for name, value in scalars.items():
             entry[name] = value.item() if isinstance(value, torch.Tensor) else value
         entry.update(self.meter.read())
+        if self._changed:  # in force for this record's step
+            entry["changed"], self._changed = ", ".join(self._changed), []
         self.records.append(entry)
         self._unsent.append(entry)
         try:
-            if self._control is not None and (changed := self._control.at_log(len(self.records) - 1)):
-                entry["changed"] = ", ".join(changed)  # in force from the next step
-                self.meter.count_next_step()
+            if self._control is not None:
+                self._control.at_boundary(len(self.records) - 1)
         finally:  # a cancel raises here: its last record still goes out
             if now - self._sent_at >= PUBLISH_SECONDS or "changed" in entry:
                 self.send()

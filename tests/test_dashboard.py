@@ -131,7 +131,7 @@ def test_a_toggle_clicked_while_the_cell_runs_applies_on_every_rank(kernel):
     assert len(changes) == 1 and changes[0][1] == "activation_checkpointing=True"
     step = changes[0][0]
     assert 0 < step < 49
-    assert flags == [[s > step for s in range(50)]] * 2  # both ranks, from the same step on
+    assert flags == [[s >= step for s in range(50)]] * 2  # both ranks, from the same step on
 
 
 def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):

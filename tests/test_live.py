@@ -73,7 +73,7 @@ def _after(seconds: float, action) -> threading.Thread:
 
 
 def _change_step(run) -> int:
-    """The step after which the change applied: the same on every rank."""
+    """The first step the change was in force: the same on every rank (applied as its forward began)."""
     steps = {m["rank"]: m["step"] for m in run.metrics if "changed" in m}
     assert sorted(steps) == [0, 1], run.metrics
     assert len(set(steps.values())) == 1, steps
@@ -120,10 +120,10 @@ def test_toggles_apply_on_every_rank_at_one_step_and_training_stays_exact(shell,
     timer.join()
     run = nbfsdp.last_run()
     switched = _change_step(run)
-    assert 0 <= switched < STEPS - 2, "the change came while the cell ran"
+    assert 0 < switched < STEPS - 1, "the change came while the cell ran"
     for rank in (0, 1):
-        assert run.metric("checkpointing", rank) == [s > switched for s in range(STEPS)]
-        assert run.metric("reshard", rank) == [s <= switched for s in range(STEPS)]  # ZeRO-3, then ZeRO-2
+        assert run.metric("checkpointing", rank) == [s >= switched for s in range(STEPS)]
+        assert run.metric("reshard", rank) == [s < switched for s in range(STEPS)]  # ZeRO-3, then ZeRO-2
     assert [step for step, _ in run.changes] == [switched]
     assert (
         "activation_checkpointing=True" in run.changes[0][1] and "sharding_strategy=SHARD_GRAD_OP" in run.changes[0][1]
@@ -146,13 +146,13 @@ def test_mixed_precision_switched_mid_run_follows_a_run_that_used_it_from_that_s
     switched = _change_step(run)
     for rank in (0, 1):
         assert run.metric("dtype", rank) == [
-            "torch.bfloat16" if s > switched else "torch.float32" for s in range(STEPS)
+            "torch.bfloat16" if s >= switched else "torch.float32" for s in range(STEPS)
         ]
     assert shell.user_ns["adam_steps"] == {float(STEPS)}
-    expected = _reference(shell, reference, low_from=switched + 1)
+    expected = _reference(shell, reference, low_from=switched)
     measured = _mean_losses(run)
     # fp32 until the switch, exactly; then within bf16 tolerance of the same casts
-    torch.testing.assert_close(torch.tensor(measured[: switched + 1]), torch.tensor(expected[: switched + 1]))
+    torch.testing.assert_close(torch.tensor(measured[:switched]), torch.tensor(expected[:switched]))
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1.6e-2, atol=1e-5)
 
 
@@ -182,7 +182,7 @@ def test_cancel_ends_every_rank_at_one_step_and_the_cell_finishes_cleanly(shell,
     assert last[0] == last[1] < 199
     # a cancelled cell ends as a finished one: trained weights gathered, names assigned so far back
     assert any(not torch.equal(p.detach(), before[n]) for n, p in tiny_model.named_parameters())
-    assert shell.user_ns["step"] == last[0]
+    assert shell.user_ns["step"] == last[0] + 1  # cancelled as that step's forward began
 
 
 def test_async_returns_at_once_and_wait_brings_every_step(shell, tiny_model):
@@ -246,4 +246,51 @@ def test_set_changes_an_async_run_mid_run(shell, tiny_model, capsys):
     shell.run_line_magic("fsdp", "wait")
     run = nbfsdp.last_run()
     switched = _change_step(run)
-    assert run.metric("checkpointing", 0) == [s > switched for s in range(STEPS)]
+    assert run.metric("checkpointing", 0) == [s >= switched for s in range(STEPS)]
+
+
+ONE_RANK_LOGS = """%%fsdp --world-size 2 --wrap-cls Block --mixed-precision FULL --async
+import time
+import torch.distributed as dist
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+dtypes = []
+for step in range({steps}):
+    x, y = batch_for(rank, step)
+    out = model(x)
+    dtypes.append(str(out.dtype))
+    loss_fn(out.float(), y).backward(); opt.step(); opt.zero_grad()
+    if {logs}:
+        nbfsdp.log(step=step, loss=loss_fn(out.float(), y).item())
+    time.sleep(0.1)
+every_rank = [None] * world_size
+dist.all_gather_object(every_rank, dtypes)
+"""
+
+
+@pytest.mark.parametrize("logs", ["rank == 0", "False"], ids=["rank-0-logs", "no-rank-logs"])
+def test_a_change_applies_on_every_rank_however_the_cell_logs(shell, tiny_model, logs):
+    """The step boundary is each forward, which every rank runs: a cell logging on one rank, or none, switches
+    every rank at the same step (at a log call only rank 0 would switch, and the ranks' collectives would part)."""
+    run_ok(shell, ONE_RANK_LOGS.format(steps=20, logs=logs))
+    time.sleep(1.5)  # the ranks are some steps in
+    shell.run_line_magic("fsdp", "set mixed_precision=PURE")
+    shell.run_line_magic("fsdp", "wait")
+    run = nbfsdp.last_run()
+    assert run.ok
+    first, second = shell.user_ns["every_rank"]
+    assert first == second, (first, second)  # both ranks computed in bf16 from the same step
+    switched = first.index("torch.bfloat16")
+    assert switched > 0 and set(first[switched:]) == {"torch.bfloat16"}, first
+    if logs == "rank == 0":
+        assert [step for step, _ in run.changes] == [switched]
+
+
+def test_a_cell_that_never_logs_is_cancelled_on_every_rank(shell, tiny_model):
+    run_ok(shell, ONE_RANK_LOGS.format(steps=300, logs="False"))
+    time.sleep(1.0)
+    started = time.monotonic()
+    shell.run_line_magic("fsdp", "cancel")
+    shell.run_line_magic("fsdp", "wait")
+    assert time.monotonic() - started < 20  # 300 steps would take 30 s and more
+    run = nbfsdp.last_run()
+    assert run.ok and run.cancelled
