@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from IPython.core.error import UsageError
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
-from torch.utils.data.dataloader import _InfiniteConstantSampler
+
+from nbfsdp.torch_private import infinite_sampler, is_iterable_loader
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,7 +79,7 @@ def _global_batch_size(loader: DataLoader) -> int | None:
 
 def _dataset_length(loader: DataLoader) -> int | None:
     try:
-        return len(loader.dataset) if loader._dataset_kind else len(loader.sampler)
+        return len(loader.dataset) if is_iterable_loader(loader) else len(loader.sampler)
     except TypeError:
         return None
 
@@ -177,7 +178,9 @@ class NotebookLoaders:
 def draws_without_generator(loader: DataLoader) -> bool:
     """The loader shuffles from the global RNG (a ``RandomSampler`` with no generator): the notebook gives
     it one of its own for the ranks, or each rank would shuffle from its own global RNG."""
-    return not loader._dataset_kind and loader.generator is None and getattr(loader.sampler, "generator", 0) is None
+    return (
+        not is_iterable_loader(loader) and loader.generator is None and getattr(loader.sampler, "generator", 0) is None
+    )
 
 
 # ----------------------------------------------------------------- engine side
@@ -299,12 +302,12 @@ def split(
     rank, new each epoch, continuing across cells.
     """
     epochs = _Epochs()
-    if loader._dataset_kind:  # an IterableDataset: no sampler to wrap
+    if is_iterable_loader(loader):  # an IterableDataset: no sampler to wrap
         batch_size = _global_batch_size(loader)
         wrapped = SplitIterable(loader.dataset, batch_size, rank, world_size, per_rank)
         size = batch_size if per_rank else batch_size // world_size
         _set(loader, "dataset", wrapped)
-        _set(loader, "batch_sampler", BatchSampler(_InfiniteConstantSampler(), size, drop_last=False))
+        _set(loader, "batch_sampler", BatchSampler(infinite_sampler(), size, drop_last=False))
         _set(loader, "batch_size", size)
         _set(loader, "drop_last", False)
         return SplitLoader(loader, epochs, [])

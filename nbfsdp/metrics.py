@@ -38,6 +38,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from nbfsdp.control import RankControl
+from nbfsdp.torch_private import (
+    local_tensor,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    top_saved_tensors_hooks,
+)
 
 #: Steps at the start of a cell whose activations are all counted.
 COUNTED_FIRST_STEPS = 3
@@ -53,8 +59,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         if tensor is None:
             continue
         if isinstance(tensor, DTensor):
-            # its local shard; to_local() is an autograd op, measurably slow at every optimizer step
-            tensor = tensor._local_tensor
+            tensor = local_tensor(tensor)
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
@@ -100,7 +105,7 @@ class MemoryMeter:
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        push_saved_tensors_hooks(self._pack, self._unpack)
         self._counting, self._counted_step_began = True, time.perf_counter()
         self._steps_to_count = COUNTED_FIRST_STEPS
         if self._device.type == "cuda":
@@ -109,7 +114,7 @@ class MemoryMeter:
 
     def __exit__(self, *exc_info: Any) -> None:
         if self._counting:  # the cell's own hooks, if it pushed any, were popped as its blocks ended
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            pop_saved_tensors_hooks()
         for handle in self._handles:
             handle.remove()
 
@@ -121,20 +126,20 @@ class MemoryMeter:
         """Between steps, push or pop the saved-tensor hooks. Hooks are a stack and a cell's own
         ``with saved_tensors_hooks(...)`` must pop its own, so this happens only while none of the cell's
         are pushed. torch before 2.8 cannot tell: there every step is counted."""
-        if _top_saved_tensors_hooks is None:
+        if top_saved_tensors_hooks() is False:
             return
         if on:
             self._steps_to_count = max(self._steps_to_count, 1)
-            if not self._counting and _top_saved_tensors_hooks(False) is None:
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            if not self._counting and top_saved_tensors_hooks() is None:
+                push_saved_tensors_hooks(self._pack, self._unpack)
                 self._counting, self._activations_peak = True, self._activations
         elif self._counting and self._hooks_on_top():
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            pop_saved_tensors_hooks()
             self._counting = False
 
     def _hooks_on_top(self) -> bool:
         """The meter's hooks are the top of the stack: no hooks of the cell's own were pushed after them."""
-        return _top_saved_tensors_hooks is not None and _top_saved_tensors_hooks(False) == (self._pack, self._unpack)
+        return top_saved_tensors_hooks() == (self._pack, self._unpack)
 
     # -- autograd's saved tensors: activations
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -239,10 +244,6 @@ class MemoryMeter:
         if count:
             self._counted_step_began = now
         return figures
-
-
-#: The saved-tensor hooks in force on this thread, if any: torch has no public way to ask (2.8 on).
-_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 #: How often a rank sends its new records to the notebook while a cell runs. The dashboard draws at most once

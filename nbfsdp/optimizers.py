@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from nbfsdp.torch_private import is_step_tracked, local_tensor, mark_optimizer_stepped, mark_step_tracked
+
 #: What the notebook brings back in place: optimizers and LR schedulers (ReduceLROnPlateau is no LRScheduler).
 STATEFUL = (Optimizer, LRScheduler, ReduceLROnPlateau)
 
@@ -42,7 +44,7 @@ def shard_state(optimizer: Optimizer) -> None:
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
-                local = value.to(param._local_tensor.device)
+                local = value.to(local_tensor(param).device)
                 state[key] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
 
@@ -54,16 +56,16 @@ def track_steps(scheduler: Any) -> None:
     first ``step()`` warns that ``optimizer.step()`` "has been overridden" although nothing was.
     """
     optimizer = getattr(scheduler, "optimizer", None)
-    if not isinstance(scheduler, LRScheduler) or hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+    if not isinstance(scheduler, LRScheduler) or is_step_tracked(optimizer.step):
         return
     step = type(optimizer).step
 
     @functools.wraps(step)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
+        mark_optimizer_stepped(optimizer)
         return step(optimizer, *args, **kwargs)
 
-    tracked._wrapped_by_lr_sched = True
+    mark_step_tracked(tracked)
     optimizer.step = tracked
 
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from nbfsdp.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
+from nbfsdp.torch_private import checkpoint, set_checkpointing, set_mixed_precision
 from nbfsdp.transfer import shard_slice
 from nbfsdp.units import root_method, wrap_units
 
@@ -146,29 +146,18 @@ def _set_prefetch(sharded: ShardedModel, config: FSDPConfig) -> None:
 
 def _set_checkpointing(sharded: ShardedModel, config: FSDPConfig) -> None:
     for module in sharded.checkpointable:
-        checkpoint.state(module).enable_hook = config.activation_checkpointing
+        set_checkpointing(module, config.activation_checkpointing)
 
 
 def _set_mixed_precision(sharded: ShardedModel, config: FSDPConfig) -> None:
     """Switch the units to ``config``'s dtypes between steps.
 
-    FSDP2 has no run-time setter for its ``MixedPrecisionPolicy`` (pytorch 2.13). Between steps
-    every parameter is sharded, so this sets what ``fully_shard`` and its lazy init derive from
-    the policy, and drops the all-gather buffers, which the next all-gather makes in the new dtype.
+    FSDP2 has no run-time setter for its ``MixedPrecisionPolicy`` (pytorch 2.13): see
+    ``torch_private.set_mixed_precision``.
     """
     policy = _mp_policy(config)
     for unit in sharded.units:
-        state = unit._get_fsdp_state()
-        state._mp_policy = policy
-        group = state._fsdp_param_group
-        if group is None:
-            continue
-        group.mp_policy = policy
-        group._init_mp_dtypes()
-        for param in group.fsdp_params:
-            param.all_gather_outputs = []
-            if hasattr(param, "_unsharded_param"):
-                del param._unsharded_param
+        set_mixed_precision(unit, policy)
     cast_buffers(sharded.module, config.dtypes()[2])
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import nbfsdp
-from nbfsdp import metrics
+from nbfsdp import metrics, torch_private
 from tests.conftest import gpu, run_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,7 +96,9 @@ def _train(model: nn.Module, steps: int, recorder: metrics.Recorder, pause: floa
 
 
 #: The hook stack can only be read (by nbfsdp and by these tests) from torch 2.8; before, every step is counted.
-needs_hook_stack = pytest.mark.skipif(metrics._top_saved_tensors_hooks is None, reason="torch < 2.8 counts every step")
+needs_hook_stack = pytest.mark.skipif(
+    torch_private.top_saved_tensors_hooks() is False, reason="torch < 2.8 counts every step"
+)
 
 
 @needs_hook_stack

@@ -1,0 +1,100 @@
+"""Each private PyTorch API nbfsdp relies on (``nbfsdp.torch_private``), called directly.
+
+A PyTorch release that moves one fails here, by name. The FSDP2 ones run on real units, on the ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from nbfsdp import torch_private
+from tests.conftest import run_ok
+
+pytestmark = pytest.mark.timeout(240)
+
+ON_THE_RANKS = """%%fsdp --world-size 2 --wrap-cls Block --mixed-precision FULL --activation-checkpointing --no-gather
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from nbfsdp import torch_private
+
+weight = model.blocks[0].mlp[0].weight
+shard_is_local = torch_private.local_tensor(weight).data_ptr() == weight.to_local().data_ptr()
+
+x, y = batch_for(rank, 0)
+out = model(x)
+dtypes = [out.dtype]
+loss_fn(out, y).backward()  # a whole step: every parameter sharded again, as between steps
+bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+for module in model.modules():
+    if hasattr(module, "_get_fsdp_state"):
+        torch_private.set_mixed_precision(module, bf16)
+dtypes.append(model(x).dtype)
+del out
+
+block = model.blocks[0]
+checkpointing = [torch_private.checkpointing_enabled(block)]
+torch_private.set_checkpointing(block, False)
+checkpointing.append(torch_private.checkpointing_enabled(block))
+"""
+
+
+def test_fsdp2_internals_on_real_units(shell, tiny_model):
+    run_ok(shell, ON_THE_RANKS)
+    ns = shell.user_ns
+    assert ns["shard_is_local"]
+    assert ns["dtypes"] == [torch.float32, torch.bfloat16]  # the policy switched between two forwards
+    assert ns["checkpointing"] == [True, False]
+
+
+def test_saved_tensors_hooks_push_top_pop():
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    before = torch_private.top_saved_tensors_hooks()
+    assert before is None or before is False
+    torch_private.push_saved_tensors_hooks(pack, unpack)
+    try:
+        if before is not False:  # torch 2.8 on can tell
+            assert torch_private.top_saved_tensors_hooks() == (pack, unpack)
+    finally:
+        torch_private.pop_saved_tensors_hooks()
+    assert torch_private.top_saved_tensors_hooks() == before
+
+
+def test_lr_scheduler_marks():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert torch_private.is_step_tracked(optimizer.step)  # LRScheduler wrapped it, with the mark nbfsdp reads
+
+    def step():
+        return None
+
+    assert not torch_private.is_step_tracked(step)
+    torch_private.mark_step_tracked(step)
+    assert torch_private.is_step_tracked(step)
+    optimizer.step = step
+    torch_private.mark_optimizer_stepped(optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()
+    # neither "optimizer.step() has been overridden" nor "lr_scheduler.step() before optimizer.step()"
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
+class _Numbers(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_loader_kind_and_infinite_sampler():
+    assert torch_private.is_iterable_loader(DataLoader(_Numbers(), batch_size=2))
+    assert not torch_private.is_iterable_loader(DataLoader(list(range(4)), batch_size=2))
+    sampler = iter(torch_private.infinite_sampler())
+    assert [next(sampler) for _ in range(3)] == [None, None, None]
