@@ -10,12 +10,13 @@ pending events from inside the cell between looks at the ranks.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import ipywidgets as widgets
+
+from nbfsdp.ipykernel_private import create_subshell, has_subshells, route_comm_to_subshell
 
 _subshell_ids: dict[int, str] = {}  # id(kernel) -> nbfsdp's subshell in that kernel
 
@@ -26,29 +27,10 @@ def _kernel() -> Any:
     return getattr(get_ipython(), "kernel", None)
 
 
-def _subshells(kernel: Any) -> bool:
-    return bool(getattr(kernel, "_supports_kernel_subshells", False)) and kernel.control_thread is not None
-
-
 def _subshell(kernel: Any) -> str:
-    """nbfsdp's subshell, created once per kernel as a ``create_subshell_request`` creates it.
-
-    That request's socket belongs to the control thread (a zmq socket is used by one thread
-    only), so the creation runs there, between the control requests the frontend sends.
-    """
+    """nbfsdp's subshell, created once per kernel."""
     if id(kernel) not in _subshell_ids:
-        created: concurrent.futures.Future[str] = concurrent.futures.Future()
-
-        def create() -> None:
-            try:
-                socket = kernel.shell_channel_thread.manager.control_to_shell_channel.from_socket
-                socket.send_json({"type": "create"})
-                created.set_result(socket.recv_json()["subshell_id"])
-            except Exception as error:  # handed to the waiting thread
-                created.set_exception(error)
-
-        kernel.control_thread.io_loop.add_callback(create)
-        _subshell_ids[id(kernel)] = created.result(timeout=10)
+        _subshell_ids[id(kernel)] = create_subshell(kernel)
     return _subshell_ids[id(kernel)]
 
 
@@ -59,18 +41,18 @@ def answer_while_cells_run(controls: Iterable[widgets.Widget]) -> None:
     echo too), so the route is pinned on each comm rather than set once.
     """
     kernel = _kernel()
-    if not _subshells(kernel):
+    if not has_subshells(kernel):
         return
     subshell_id = _subshell(kernel)
     for control in controls:
-        control.comm._reply_subshell_for = lambda data, default, subshell_id=subshell_id: subshell_id
+        route_comm_to_subshell(control.comm, subshell_id)
 
 
 @contextlib.contextmanager
 def pending_events() -> Iterator[Callable[[], None] | None]:
     """Without subshells, a function that handles queued widget events from inside a cell; else None."""
     kernel = _kernel()
-    if kernel is None or _subshells(kernel):
+    if kernel is None or has_subshells(kernel):
         yield None
         return
     from jupyter_ui_poll import ui_events

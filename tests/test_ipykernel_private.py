@@ -1,0 +1,39 @@
+"""Each private ipykernel API nbfsdp relies on (``nbfsdp.ipykernel_private``), called in a real kernel.
+
+An ipykernel release that moves one fails here, by name; tests/test_dashboard.py shows what they are
+for (a toggle clicked while a cell runs acts on the ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_kernel import Kernel
+
+pytestmark = pytest.mark.timeout(120)
+
+IN_THE_KERNEL = """
+import ipywidgets
+from IPython import get_ipython
+from nbfsdp import ipykernel_private
+
+kernel = get_ipython().kernel
+subshell = ipykernel_private.create_subshell(kernel)
+button = ipywidgets.Button()
+before = ipykernel_private.comm_subshell(button.comm)
+ipykernel_private.route_comm_to_subshell(button.comm, subshell)
+print(repr((ipykernel_private.has_subshells(kernel), subshell, before, ipykernel_private.comm_subshell(button.comm))))
+"""
+
+
+def test_subshell_created_and_a_comm_routed_to_it():
+    kernel = Kernel()
+    try:
+        reply, messages = kernel.execute(IN_THE_KERNEL)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        has_subshells, subshell, before, after = eval(kernel.stdout(messages))
+    finally:
+        kernel.shutdown()
+    assert has_subshells is True  # ipykernel 7
+    assert isinstance(subshell, str) and subshell
+    assert before != subshell and after == subshell
