@@ -10,13 +10,13 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test browser lint clean bench
+.PHONY: lab test check browser lint clean bench docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs]"
 	touch $(STAMP)
 
 ## Create .venv, install nbfsdp with its extras, open JupyterLab on notebooks/
@@ -33,16 +33,27 @@ browser:
 	    echo "chromium is missing and installing it needs root: tests/test_browser.py will skip"; \
 	  fi; }
 
-## Same set-up, then the whole suite: lint, tests on real processes and in a browser, notebooks under nbval
+## Same set-up, then the whole suite: lint, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
 test: $(STAMP) browser
 	$(BIN)/ruff check nbfsdp tests benchmarks
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
+
+## The fast loop before a commit (under 5 min on 2 cores): lint, then the tests not marked slow, no notebooks
+check: $(STAMP)
+	$(BIN)/ruff check nbfsdp tests benchmarks
+	$(BIN)/ruff format --check nbfsdp tests benchmarks
+	NBFSDP_PREWARM=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests
 
 ## Same set-up, then nbfsdp against torchrun and raw ipyparallel (about 10 min on 2 cores): the table is
 ## printed, JSON, markdown and a plot land in benchmarks/results/ (e.g. BENCH_ARGS="--quick" or "--only gpu")
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+## Build the documentation site from docs/ into site/ (MkDocs + Material; notebooks rendered, not run)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site

@@ -27,6 +27,7 @@ runs).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import os
 import sys
@@ -163,13 +164,15 @@ class _Loading:
         self.world_size = world_size
         self.started = time.monotonic()
         self.error: BaseException | None = None
-        """Why loading in the background failed, if it did (the foreground load then raises it again)."""
+        """Why loading in the background failed, if it did: the foreground load raises it again if it is still
+        there, and ``%fsdp status`` shows it."""
         self.imported = threading.Event()
         """The thread's imports (torch, FSDP2, ipyparallel, the magics) are done, or failed."""
         self.thread = threading.Thread(target=self._load, name="nbfsdp-load", daemon=True)
 
     def _load(self) -> None:
         global _magics
+        cluster = None
         try:
             from nbfsdp.cluster import FSDPCluster
 
@@ -189,6 +192,9 @@ class _Loading:
             _magics = magics
         except BaseException as error:  # the magics then load in the foreground, where the error shows
             self.error = error
+            if cluster is not None:  # the fork server and the reaper it started must not outlive the failure
+                with contextlib.suppress(Exception):
+                    cluster.stop()
         finally:
             self.imported.set()
 
@@ -220,7 +226,9 @@ class _Loading:
         """The loaded magics, once the thread is done (loading them here if it failed)."""
         self.join()
         if _magics is None or _magics.shell is not self.shell:
-            return _register(self.shell)
+            magics = _register(self.shell)
+            magics.session.cluster.background_error = self.error  # for ``%fsdp status``, as a failed start's
+            return magics
         return _magics
 
     def magic(self, line: str, cell: str | None = None) -> Any:

@@ -22,12 +22,15 @@ store file, since a reused store can hang a second ``init_process_group``.
 (``%load_ext`` uses it so the first cell finds the engines ready). The
 ipyparallel client serves one thread at a time, so every other use of the
 cluster first waits for that thread, in short slices that Ctrl-C can
-interrupt; a background start that failed is kept, not printed, and the next
-``ensure_world`` starts again from scratch (and raises, if it fails again).
+interrupt; a background start that failed stops everything it had started, and
+its error is kept for ``%fsdp status``, not printed; the next ``ensure_world``
+starts again from scratch (and raises, if it fails again).
 Every process the cluster launches names the private directory on its command
 line, which is how the reaper (``nbfsdp.reaper``) finds them once the kernel is
 gone, so a kernel killed mid-start leaves nothing behind (the fork server also
-ends its engines when the kernel's end of its pipe closes).
+ends its engines when the kernel's end of its pipe closes). The engines are
+signalled by pid and start time (``reaper.ProcessRef``), never by a pid that
+may have passed to another process since.
 
 Importing this module loads neither torch nor ipyparallel.
 """
@@ -36,8 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from nbfsdp import reaper
+from nbfsdp.reaper import ProcessRef
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
@@ -77,6 +81,8 @@ class World:
     engine_ids: list[int]  # by rank
     engines: list[dict[str, Any]] = field(default_factory=list)  # engine.describe() by rank
     broken: bool = False
+    processes: list[ProcessRef] = field(default_factory=list)
+    """The engine processes by rank, as they were started: what signals reach."""
 
     @property
     def pids(self) -> list[int]:
@@ -109,6 +115,13 @@ def loopback_interface() -> str | None:
     return None
 
 
+def _end_watcher(watcher: psutil.Popen) -> None:
+    """End the reaper of a cluster that is stopped (it would see the directory gone within a second) and reap
+    it, so no process of the cluster outlives ``stop``, not even as a zombie."""
+    watcher.terminate()  # the kernel's own child, not yet waited for: its pid is still its own
+    watcher.wait()
+
+
 def join_interruptibly(thread: threading.Thread) -> None:
     """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
     while thread.is_alive():
@@ -133,6 +146,7 @@ class FSDPCluster:
         self._engine_layout: tuple[int, bool] | None = None  # (engines, one GPU each)
         self._generation = 0
         self._background: _BackgroundStart | None = None
+        self._reaper: psutil.Popen | None = None
         self.background_error: BaseException | None = None
         """Why the last background start failed (the next ``ensure_world`` starts again)."""
         self.world: World | None = None
@@ -189,13 +203,9 @@ class FSDPCluster:
         """Ranks whose engine process has ended, with how it ended."""
         self._wait_for_background()
         dead: dict[int, str] = {}
-        for rank, pid in enumerate(self.world.pids if self.world else []):
-            try:
-                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
-                dead[rank] = self._how_it_ended(pid)
+        for rank, process in enumerate(self.world.processes if self.world else []):
+            if not process.alive():
+                dead[rank] = self._how_it_ended(process.pid)
         return dead
 
     def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
@@ -207,10 +217,10 @@ class FSDPCluster:
         return how
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        """Signal the ranks' engines that still run (an engine that ended is skipped, and so is its pid)."""
         self._wait_for_background()
         for rank in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.world.pids[rank], signum)
+            self.world.processes[rank].signal(signum)
 
     def kill_engines(self) -> None:
         """End every engine now (even one stuck in a collective); the next world restarts them."""
@@ -222,14 +232,21 @@ class FSDPCluster:
 
     def stop(self) -> None:
         """Stop engines, controller and fork server, and remove the private directory (after a background
-        start ends)."""
+        start ends).
+
+        Every step runs even when one before it fails, and whatever still runs for the directory then is
+        killed: a start that failed half-way (a controller without engines) leaves nothing behind."""
         self._wait_for_background()
-        self._stop_engines_and_controller()
-        if self._fork_server is not None:
-            self._fork_server.stop()
-        if self._private_dir:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
-        self._private_dir = self._fork_server = None
+        private_dir, fork_server, watcher = self._private_dir, self._fork_server, self._reaper
+        self._private_dir = self._fork_server = self._reaper = None
+        with contextlib.ExitStack() as then:  # run last first
+            if watcher is not None:
+                then.callback(_end_watcher, watcher)
+            if private_dir:
+                then.callback(reaper.end_cluster, private_dir)  # what the steps below missed; the directory
+            if fork_server is not None:
+                then.callback(fork_server.stop)
+            self._stop_engines_and_controller()
 
     @property
     def private_dir(self) -> str:
@@ -278,7 +295,7 @@ class FSDPCluster:
         reaper.clean_stale()
         self._private_dir = tempfile.mkdtemp(prefix=reaper.PRIVATE_DIR_PREFIX)  # mode 0700
         reaper.note_kernel(self._private_dir, os.getpid())
-        reaper.start(os.getpid(), self._private_dir)
+        self._reaper = reaper.start(os.getpid(), self._private_dir)
         from nbfsdp.forkserver import ForkServer
 
         # the engines' own variables (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) are set in each engine after
@@ -286,15 +303,17 @@ class FSDPCluster:
         self._fork_server = ForkServer(dict(os.environ), self._private_dir)
 
     def _stop_engines_and_controller(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        if self._cluster is not None:
-            if self.world:
-                self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
-            self._cluster.stop_cluster_sync()
+        client, cluster, world = self._client, self._cluster, self.world
         self._cluster = self._client = None
         self._engine_layout = None
         self.world = None
+        with contextlib.ExitStack() as then:  # run last first, each even when one before it fails
+            if cluster is not None:
+                then.callback(cluster.stop_cluster_sync)
+                for process in world.processes if world else []:
+                    then.callback(process.signal, signal.SIGKILL)
+            if client is not None:
+                client.close()
 
     def _start_engines(self, world_size: int, use_gpus: bool) -> None:
         if self._cluster is not None:
@@ -380,5 +399,11 @@ class FSDPCluster:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT
         with ThreadPoolExecutor(len(results)) as pool:
             engines = list(pool.map(lambda r: r.get(timeout=max(1.0, deadline - time.monotonic())), results))
-        self.world = World(world_size, backend, timeout, self._generation, engine_ids, engines)
+        processes = [self._engine_process(engine["pid"]) for engine in engines]
+        self.world = World(world_size, backend, timeout, self._generation, engine_ids, engines, processes=processes)
         return self.world
+
+    def _engine_process(self, pid: int) -> ProcessRef:
+        """Engine ``pid`` as the fork server started it; one it did not start (an engine of an older kind) is
+        taken as it runs now, and one already gone is never signalled (its start time is unknown)."""
+        return (self._fork_server and self._fork_server.engine(pid)) or ProcessRef.of(pid) or ProcessRef(pid, math.nan)

@@ -12,6 +12,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from nbfsdp.cluster import MAX_WORLD_SIZE
 from nbfsdp.config import BACKWARD_PREFETCHES, MIXED_PRECISIONS, SHARDING_STRATEGIES
 
 #: A mixed_precision dict (param/reduce/buffer dtypes) is shown as this choice.
@@ -45,7 +46,11 @@ class SettingsControls:
             "activation_checkpointing": _checkbox("activation checkpointing"),
             "cpu_offload": _checkbox("CPU offload"),
             "world_size": widgets.BoundedIntText(
-                min=1, max=64, description="world size", layout={"width": "11em", "margin": _GAP}, style=_STYLE
+                min=1,
+                max=MAX_WORLD_SIZE,
+                description="world size",
+                layout={"width": "11em", "margin": _GAP},
+                style=_STYLE,
             ),
         }
         shown = {**values, "mixed_precision": CUSTOM_PRECISION if custom else precision}

@@ -19,10 +19,15 @@ their own argv, environment, session and output file.
 
 The protocol is one JSON object per line: a request on the server's stdin,
 ``{"argv", "env", "cwd", "output"}``, answered on its stdout by
-``{"pid": N}``; whenever a child ends the server reaps it and writes
+``{"pid": N, "started": T}`` (the engine's start time, read while it cannot
+yet have been reaped); whenever a child ends the server reaps it and writes
 ``{"exited": N, "code": C}`` (``C`` negative for a signal, as psutil has it).
-When its stdin closes (the kernel stopped it, or died) the server kills the
-engines it forked and exits, so a kernel killed mid-start leaves none behind.
+
+The server ends the engines it forked when it ends: when its stdin closes
+(the kernel stopped it, or died), on SIGTERM or SIGINT, or on an error of its
+own, it kills those still running (by pid and start time) and exits; killed
+itself (SIGKILL), the kernel's parent-death signal kills them on Linux. So a
+kernel killed mid-start leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import traceback
 from typing import Any
 
 import psutil
+
+from nbfsdp.reaper import ProcessRef
 
 SPAWN_TIMEOUT = 120.0
 #: What every engine imports, found by listing the modules an engine imported after the fork
@@ -79,6 +86,7 @@ class ForkServer:
         self._lock = threading.Lock()  # one request at a time
         self._changed = threading.Condition()
         self._spawned: list[dict[str, Any]] = []  # replies not yet taken by ``spawn``
+        self._engines: dict[int, ProcessRef] = {}  # every engine forked, by pid
         self._exit_codes: dict[int, int | None] = {}
         self._gone = False
         threading.Thread(target=self._read_replies, name="nbfsdp-forkserver-replies", daemon=True).start()
@@ -109,7 +117,12 @@ class ForkServer:
                 reply = self._spawned.pop(0)
         if "error" in reply:
             raise ForkServerError(f"the engine fork server could not fork an engine: {reply['error']}")
+        self._engines[reply["pid"]] = ProcessRef(reply["pid"], reply["started"])
         return reply["pid"]
+
+    def engine(self, pid: int) -> ProcessRef | None:
+        """Engine ``pid`` as this server forked it (with its start time); None if it forked no such engine."""
+        return self._engines.get(pid)
 
     def wait(self, pid: int, timeout: float | None = None) -> int | None:
         """Engine ``pid``'s exit code (negative: the signal) once it ends; None if it has not ended within
@@ -125,7 +138,7 @@ class ForkServer:
         with contextlib.suppress(psutil.TimeoutExpired):
             self._process.wait(timeout=5)
             return
-        self._process.kill()
+        self._process.kill()  # its own child, not yet waited for: the pid cannot be another process's
         self._process.wait()
 
     def _read_replies(self) -> None:
@@ -148,8 +161,10 @@ def _become_engine(request: dict[str, Any], selector: selectors.BaseSelector, wa
     code = 1
     try:
         os.setsid()
+        _die_with_parent(request["server"])
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for signum in (signal.SIGCHLD, signal.SIGTERM):  # as a fresh ipengine has them
+            signal.signal(signum, signal.SIG_DFL)
         selector.close()
         for fd in wake_fds:
             os.close(fd)
@@ -177,11 +192,41 @@ def _become_engine(request: dict[str, Any], selector: selectors.BaseSelector, wa
         os._exit(code)
 
 
+def _die_with_parent(server: int) -> None:
+    """Have Linux kill this engine when the server ends, even killed by SIGKILL, which runs no clean-up."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server:  # the server ended before the signal was asked for
+        os._exit(1)
+
+
+def _stop_server(signum: int, frame: Any) -> None:
+    """SIGTERM: unwind through ``serve``, which ends the engines (by default the server would just vanish)."""
+    raise SystemExit(128 + signum)
+
+
 def serve() -> None:
-    """Import what every engine needs, then fork engines on request until stdin closes."""
+    """Import what every engine needs, then fork engines on request until stdin closes; end them on the way
+    out, however the server is stopped."""
+    # a stop asked for while importing ends the server at once: it has forked nothing yet
+    signal.signal(signal.SIGTERM, _stop_server)
     for module in ENGINE_IMPORTS:
         importlib.import_module(module)
+    children: dict[int, ProcessRef] = {}
+    try:
+        _serve(children)
+    finally:
+        for child in children.values():
+            child.signal(signal.SIGKILL)  # an engine may be stuck in a collective, deaf to anything milder
 
+
+def _serve(children: dict[int, ProcessRef]) -> None:
+    """Fork an engine for each request until stdin closes; ``children`` holds those still running."""
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):
         os.set_blocking(fd, False)
@@ -190,8 +235,8 @@ def serve() -> None:
     selector = selectors.DefaultSelector()
     selector.register(0, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
-    children: set[int] = set()
     pending = b""
+    server = os.getpid()
 
     def reply(message: dict[str, Any]) -> None:
         os.write(1, json.dumps(message).encode() + b"\n")
@@ -201,7 +246,7 @@ def serve() -> None:
             with contextlib.suppress(ChildProcessError):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
-                    children.discard(pid)
+                    del children[pid]
                     reply({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
     while True:
@@ -212,15 +257,12 @@ def serve() -> None:
                 reap()
                 continue
             chunk = os.read(0, 65536)
-            if not chunk:  # the kernel stopped the cluster, or died
-                for pid in children:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            if not chunk:  # the kernel stopped the cluster, or died: ``serve`` ends the engines
                 return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+                request = json.loads(line) | {"server": server}
                 # the imported objects out of the collector's reach: an engine's collections neither walk
                 # them nor write their headers (which would copy the shared pages), as Python's gc docs advise
                 gc.freeze()
@@ -231,8 +273,9 @@ def serve() -> None:
                     continue
                 if pid == 0:
                     _become_engine(request, selector, (wake_read, wake_write))
-                children.add(pid)
-                reply({"pid": pid})
+                # not reaped until ``reap`` runs, so the pid is still the child's here
+                children[pid] = ProcessRef(pid, psutil.Process(pid).create_time())
+                reply({"pid": pid, "started": children[pid].started})
 
 
 if __name__ == "__main__":

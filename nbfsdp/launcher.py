@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 
-import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
 
-from nbfsdp.forkserver import ForkServer
+from nbfsdp.forkserver import ForkServer, ForkServerError
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):
@@ -26,7 +25,12 @@ class ForkedEngineLauncher(LocalEngineLauncher):
         env.update(self.get_env())
         argv = ["ipengine", *self.args[len(self.engine_cmd) :]]
         self.pid = self.parent.fork_server.spawn(argv, env, cwd=os.path.abspath(self.work_dir), output=self.output_file)
-        self.process = psutil.Process(self.pid)
+        # the engine as the server forked it: ipyparallel signals and stops it through this psutil.Process,
+        # which then checks that the pid is still the engine's
+        engine = self.parent.fork_server.engine(self.pid)
+        self.process = engine.process() if engine else None
+        if self.process is None:
+            raise ForkServerError(f"engine {self.pid} ended as soon as it was forked (log: {self.output_file})")
         self.notify_start(self.pid)
         self._start_waiting()
 

@@ -20,13 +20,6 @@ from nbfsdp.session import Session
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "set", "wait", "cancel")
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
-#: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b).
-CONFIG_FLAGS = (
-    "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
-    "activation_checkpointing", "activation_cpu_offload", "cpu_offload", "min_params", "wrap_cls", "replicas",
-    "sync_module_states",
-)  # fmt: skip
-
 
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
 SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in ("ignored", "why")), "world_size")
@@ -74,6 +67,13 @@ _CONFIG_ARGUMENTS = [
         "(without it every rank initializes its own shards under the same seeds).",
     ),
 ]
+
+
+#: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b), read off the arguments so that a new flag
+#: is one line above.
+CONFIG_FLAGS = tuple(
+    a.args[0].removeprefix("--").replace("-", "_") for a in _CONFIG_ARGUMENTS if a.args[0] != "--config"
+)
 
 
 def config_arguments(func):

@@ -17,6 +17,9 @@ left the controller and its schedulers running, 15 times in 40. When the
 cluster is stopped normally the directory disappears and the watcher exits.
 The same clean-up runs for stale directories of dead kernels when the next
 cluster starts (``clean_stale``), in case a watcher itself was killed.
+
+``ProcessRef`` is how every part of nbfsdp signals a process: by pid and start
+time, so that a pid the system has since given to another process is skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -39,6 +43,72 @@ POLL_SECONDS = 1.0
 #: ``end_cluster`` looks again this long after its kills, and gives up on processes that outlast this limit
 SWEEP_PAUSE_SECONDS = 0.2
 SWEEP_LIMIT_SECONDS = 10.0
+#: psutil's start time is the boot time plus the start in clock ticks since boot, and it reads the boot time
+#: as whole seconds each time, which a clock adjustment can move by one: one process's start times may differ
+#: by that second, and a pid reused within it (the pid space wrapped in a second) is not told apart
+START_TIME_SLACK_SECONDS = 1.0 + 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRef:
+    """A process as its pid and start time: once it ends, the system may give its pid to another process,
+    which a signal by pid alone would hit."""
+
+    pid: int
+    started: float
+    """psutil's ``create_time()``, taken when the process was first known (NaN: unknown, never signalled)."""
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef | None:
+        """The process that has ``pid`` now; None if none has."""
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except psutil.Error:
+            return None
+
+    def process(self) -> psutil.Process | None:
+        """This process, while ``pid`` is still its own (a zombie not yet reaped included)."""
+        try:
+            process = psutil.Process(self.pid)
+            same = abs(process.create_time() - self.started) <= START_TIME_SLACK_SECONDS
+        except psutil.Error:
+            return None
+        return process if same else None
+
+    def alive(self) -> bool:
+        """It runs (it has not exited, and ``pid`` is not another process's now)."""
+        process = self.process()
+        try:
+            return process is not None and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def signal(self, signum: int) -> bool:
+        """Send ``signum`` if ``pid`` is still this process's; False if it is gone or another's now.
+
+        On Linux a pidfd pins the process before its start time is checked, so nothing can take the pid
+        between the check and the signal."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return False
+        except (AttributeError, OSError):  # no pidfds here: psutil's own check of the pid, then the signal
+            if (process := self.process()) is None:
+                return False
+            try:
+                process.send_signal(signum)
+            except psutil.Error:
+                return False
+            return True
+        try:
+            if self.process() is None:
+                return False
+            signal.pidfd_send_signal(pidfd, signum)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            os.close(pidfd)
 
 
 def alive(pid: int) -> bool:
@@ -52,7 +122,8 @@ def note_kernel(private_dir: str, kernel_pid: int) -> None:
     """Write whose cluster the directory is, for ``clean_stale`` (atomically: another kernel may be reading)."""
     target = Path(private_dir, KERNEL_FILE)
     partial = target.with_suffix(".tmp")
-    partial.write_text(json.dumps({"kernel": kernel_pid}))
+    kernel = ProcessRef.of(kernel_pid)
+    partial.write_text(json.dumps({"kernel": kernel_pid, "started": kernel.started if kernel else None}))
     partial.chmod(0o600)
     partial.replace(target)
 
@@ -83,7 +154,7 @@ def cluster_processes(private_dir: str) -> list[psutil.Process]:
     return [process for process in found.values() if alive(process.pid)]
 
 
-def end_cluster(private_dir: Path) -> None:
+def end_cluster(private_dir: str | Path) -> None:
     """Kill the cluster's processes (see ``cluster_processes``), then remove the directory.
 
     It looks again after each round of kills until it finds none: a process can fork between the look and
@@ -93,7 +164,7 @@ def end_cluster(private_dir: Path) -> None:
     while (processes := cluster_processes(str(private_dir))) and time.monotonic() < deadline:
         for process in processes:
             with contextlib.suppress(psutil.Error):
-                process.send_signal(signal.SIGKILL)
+                ProcessRef(process.pid, process.create_time()).signal(signal.SIGKILL)
         time.sleep(SWEEP_PAUSE_SECONDS)
     shutil.rmtree(private_dir, ignore_errors=True)
 
@@ -104,16 +175,18 @@ def clean_stale() -> None:
         try:
             if candidate.stat().st_uid != os.getuid():
                 continue
-            kernel = json.loads((candidate / KERNEL_FILE).read_text())["kernel"]
+            noted = json.loads((candidate / KERNEL_FILE).read_text())
+            kernel, started = noted["kernel"], noted.get("started")
         except (OSError, ValueError, KeyError):
             continue
-        if not alive(kernel):
+        # without a start time (the kernel had gone when it was noted), the pid alone
+        if not (ProcessRef(kernel, started).alive() if started is not None else alive(kernel)):
             end_cluster(candidate)
 
 
-def start(kernel_pid: int, private_dir: str) -> None:
-    """Start the watcher for this cluster, detached from the kernel's session."""
-    psutil.Popen(
+def start(kernel_pid: int, private_dir: str) -> psutil.Popen:
+    """Start the watcher for this cluster, detached from the kernel's session (the caller reaps it)."""
+    return psutil.Popen(
         [sys.executable, "-m", "nbfsdp.reaper", str(kernel_pid), private_dir],
         start_new_session=True,
         stdin=psutil.subprocess.DEVNULL,
@@ -124,8 +197,9 @@ def start(kernel_pid: int, private_dir: str) -> None:
 
 def main(kernel_pid: int, private_dir: str) -> None:
     directory = Path(private_dir)
+    kernel = ProcessRef.of(kernel_pid)  # the kernel that started this watcher, not a later owner of its pid
     while directory.exists():
-        if not alive(kernel_pid):
+        if kernel is None or not kernel.alive():
             end_cluster(directory)
             return
         time.sleep(POLL_SECONDS)

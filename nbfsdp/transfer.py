@@ -21,7 +21,6 @@ import io
 import pickle
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -247,15 +246,6 @@ def tied_as(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch
         if len(fqns) > 1 and fqns[0] in state:
             tied.update(dict.fromkeys(fqns, nn.Parameter(state[fqns[0]])))
     return tied
-
-
-@dataclass
-class CellInputs:
-    """What the notebook sends for one cell: shared by all ranks but the shards."""
-
-    values: bytes
-    skeletons: dict[str, bytes] = field(default_factory=dict)
-    models: list[str] = field(default_factory=list)
 
 
 class UnpicklableName(Exception):

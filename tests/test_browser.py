@@ -56,6 +56,7 @@ WIDTHS = (1400, 1024)
 # `make test` as root, a missing browser or JupyterLab is a failure, never a silent skip.
 MAY_SKIP = not os.environ.get("CI")
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(420),
     pytest.mark.skipif(
         MAY_SKIP and CHROMIUM is None, reason="Debian's chromium is not installed (`make test` installs it as root)"

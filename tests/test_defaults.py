@@ -147,6 +147,7 @@ def _streams(messages: list) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # a kernel of its own
 def test_in_a_kernel_a_default_cell_prints_nothing_and_an_explicit_backward_post_one_line():
     kernel = Kernel()
     try:

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 class Kernel:
@@ -122,7 +122,7 @@ def test_interrupt_ends_the_cell_and_the_next_cell_works(kernel):
     reply, _ = kernel.execute("%%fsdp --world-size 2\nimport time\ntime.sleep(60)\n", interrupt_after=2.0)
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
-    assert time.monotonic() - started < 2.0 + 5.0
+    assert time.monotonic() - started < 2.0 + 20.0  # a hang guard: the cell would sleep 60 s
     reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('alive', rank)")
     assert reply["content"]["status"] == "ok"
     assert "[rank 1] alive 1" in kernel.stdout(messages)

@@ -136,3 +136,20 @@ def test_set_between_cells_sets_the_next_cells_defaults(shell, capsys):
     finally:
         session.panel.clear()
         session.panel_world_size = None
+
+
+def test_config_flags_and_the_controls_take_their_lists_from_one_place(shell):
+    """Every fsdp_config flag of %%fsdp is a config field, and the world-size control stops where the flag does."""
+    import dataclasses
+
+    from nbfsdp import config, magics
+    from nbfsdp.cluster import MAX_WORLD_SIZE
+    from nbfsdp.controls import SettingsControls
+
+    fields = {f.name for f in dataclasses.fields(config.FSDPConfig)}
+    assert magics.CONFIG_FLAGS and set(magics.CONFIG_FLAGS) <= fields
+    cell_help = shell.find_cell_magic("fsdp").__doc__
+    assert all(f"--{flag.replace('_', '-')}" in cell_help for flag in magics.CONFIG_FLAGS)
+    values = {**dataclasses.asdict(config.FSDPConfig()), "world_size": 2}
+    controls = SettingsControls(values, lambda change: None)
+    assert controls.widgets["world_size"].max == MAX_WORLD_SIZE

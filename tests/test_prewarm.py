@@ -22,7 +22,7 @@ from nbfsdp.cluster import FSDPCluster
 from tests.conftest import gone, left_behind, removed
 from tests.test_kernel import Kernel
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 READY_TIMEOUT = 150.0
 #: The cell of these tests: one collective, so the answer needs every rank of a working world.
@@ -125,7 +125,9 @@ def test_load_ext_returns_at_once_and_the_engines_come_up_without_a_cell(kernels
     _, load_seconds = _timed(kernel, "%load_ext nbfsdp")
     answers = kernel.wait_until_ready(2)
     warm_up = time.monotonic() - started
-    assert load_seconds < 1.5, f"%load_ext took {load_seconds:.2f}s"  # importing torch alone takes longer
+    # torch and the engines load behind it: a small part of the warm-up, however busy the machine (relative: an
+    # absolute bound holds only on an idle one; the seconds a user waits are benchmarks/cold_start.py's figure)
+    assert load_seconds < warm_up / 4, f"%load_ext took {load_seconds:.2f}s of a {warm_up:.2f}s warm-up"
     assert "nbfsdp: starting 2 engines in the background (since " in answers[0]
     status = answers[-1]
     pids = [int(line.split()[2]) for line in status.splitlines()[2:]]

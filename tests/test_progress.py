@@ -16,7 +16,7 @@ from nbclient import NotebookClient
 from tests.conftest import run_ok
 from tests.test_kernel import warm_kernel
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 20
 
