@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -40,3 +42,29 @@ def test_printed_fsdp2_code_on_gpus_trains_like_the_cell(shell, tiny_model, caps
     printed = printed_code_against_the_cell(shell, capsys, "--wrap-cls Block", torch.cuda.device_count())
     assert 'init_device_mesh("cuda"' in printed
     assert "MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)" in printed
+
+
+def test_a_live_change_applies_on_gpus(shell, tiny_model):
+    """On GPUs too the ranks switch at the start of a forward (every parameter sharded then), here to PURE bf16."""
+    world_size = torch.cuda.device_count()
+    run_ok(
+        shell,
+        f"""%%fsdp --world-size {world_size} --wrap-cls Block --async
+import time
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+dtypes = []
+for step in range(40):
+    x, y = batch_for(rank, step)
+    out = model(x.to(device))
+    dtypes.append(str(out.dtype))
+    loss_fn(out.float(), y.to(device)).backward(); opt.step(); opt.zero_grad()
+    time.sleep(0.05)
+""",
+    )
+    time.sleep(1.0)
+    shell.run_line_magic("fsdp", "set mixed_precision=PURE")
+    shell.run_line_magic("fsdp", "wait")
+    dtypes = shell.user_ns["dtypes"]
+    switched = dtypes.index("torch.bfloat16")
+    assert switched > 0 and set(dtypes[switched:]) == {"torch.bfloat16"}, dtypes
+    assert nbfsdp.last_run().ok
