@@ -43,9 +43,3 @@ def route_comm_to_subshell(comm: Any, subshell_id: str) -> None:
     it consults for each message and re-points at the subshell of each message it publishes, so it is
     replaced by a function rather than set once."""
     comm._reply_subshell_for = lambda data, default, subshell_id=subshell_id: subshell_id
-
-
-def comm_subshell(comm: Any, data: Any = None) -> str | None:
-    """The subshell ``comm``'s next message goes to (None: the main shell)."""
-    route = getattr(comm, "_reply_subshell_for", None)
-    return None if route is None else route(data, None)

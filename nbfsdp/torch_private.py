@@ -20,7 +20,6 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 __all__ = [
     "checkpoint",
-    "checkpointing_enabled",
     "is_iterable_loader",
     "infinite_sampler",
     "is_step_tracked",
@@ -64,10 +63,6 @@ def set_mixed_precision(unit: FSDPModule, policy: MixedPrecisionPolicy) -> None:
 def set_checkpointing(module: nn.Module, enabled: bool) -> None:
     """Switch composable ``checkpoint(module)``'s recomputation on or off: its state's ``enable_hook``."""
     checkpoint.state(module).enable_hook = enabled
-
-
-def checkpointing_enabled(module: nn.Module) -> bool:
-    return bool(checkpoint.state(module).enable_hook)
 
 
 def push_saved_tensors_hooks(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:

@@ -20,9 +20,10 @@ from nbfsdp import ipykernel_private
 kernel = get_ipython().kernel
 subshell = ipykernel_private.create_subshell(kernel)
 button = ipywidgets.Button()
-before = ipykernel_private.comm_subshell(button.comm)
+before = button.comm._reply_subshell_for(None, None)  # the route ipykernel consults for each message
 ipykernel_private.route_comm_to_subshell(button.comm, subshell)
-print(repr((ipykernel_private.has_subshells(kernel), subshell, before, ipykernel_private.comm_subshell(button.comm))))
+after = button.comm._reply_subshell_for(None, None)
+print(repr((ipykernel_private.has_subshells(kernel), subshell, before, after)))
 """
 
 

@@ -35,9 +35,9 @@ dtypes.append(model(x).dtype)
 del out
 
 block = model.blocks[0]
-checkpointing = [torch_private.checkpointing_enabled(block)]
+checkpointing = [torch_private.checkpoint.state(block).enable_hook]
 torch_private.set_checkpointing(block, False)
-checkpointing.append(torch_private.checkpointing_enabled(block))
+checkpointing.append(torch_private.checkpoint.state(block).enable_hook)
 """
 
 
