@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks import loops
-from nbfsdp.cluster import loopback_interface
+from nbfsdp.shared.network import loopback_interface
 
 REPO = Path(__file__).resolve().parent.parent
 

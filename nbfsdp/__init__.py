@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbfsdp.comparison import compare
-    from nbfsdp.history import RunRecord, last_run, runs
-    from nbfsdp.magics import FSDPMagics
-    from nbfsdp.metrics import log
-    from nbfsdp.planning import Plan, explain
+    from nbfsdp.engines.metrics import log
+    from nbfsdp.kernel.comparison import compare
+    from nbfsdp.kernel.history import RunRecord, last_run, runs
+    from nbfsdp.kernel.magics import FSDPMagics
+    from nbfsdp.kernel.planning import Plan, explain
 
 __all__ = [
     "Plan",
@@ -58,13 +58,13 @@ __all__ = [
 
 #: The public names, and the module each comes from on first use.
 _LAZY = {
-    "Plan": "nbfsdp.planning",
-    "explain": "nbfsdp.planning",
-    "compare": "nbfsdp.comparison",
-    "RunRecord": "nbfsdp.history",
-    "last_run": "nbfsdp.history",
-    "runs": "nbfsdp.history",
-    "log": "nbfsdp.metrics",
+    "Plan": "nbfsdp.kernel.planning",
+    "explain": "nbfsdp.kernel.planning",
+    "compare": "nbfsdp.kernel.comparison",
+    "RunRecord": "nbfsdp.kernel.history",
+    "last_run": "nbfsdp.kernel.history",
+    "runs": "nbfsdp.kernel.history",
+    "log": "nbfsdp.engines.metrics",
 }
 
 PREWARM_ENV = "NBFSDP_PREWARM"
@@ -93,7 +93,7 @@ def prewarm_world_size() -> int | None:
 
     A value that is none of these is reported, and nothing starts in the background.
     """
-    from nbfsdp.cluster import MAX_WORLD_SIZE
+    from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
 
     value = os.environ.get(PREWARM_ENV, "").strip()
     if not value:
@@ -142,7 +142,7 @@ def unload_ipython_extension(shell: InteractiveShell) -> None:
 
 def _register(shell: InteractiveShell) -> FSDPMagics:
     global _magics
-    from nbfsdp.magics import FSDPMagics
+    from nbfsdp.kernel.magics import FSDPMagics
 
     magics = FSDPMagics(shell)
     shell.register_magics(magics)
@@ -174,14 +174,14 @@ class _Loading:
         global _magics
         cluster = None
         try:
-            from nbfsdp.cluster import FSDPCluster
+            from nbfsdp.kernel.cluster import FSDPCluster
 
             cluster = FSDPCluster()
             cluster.start_fork_server()  # the engines' imports run alongside this thread's
             import ipyparallel  # noqa: F401  (what the cluster's start imports, imported before cells run again)
 
-            import nbfsdp.engine  # noqa: F401  (torch, torch.distributed, FSDP2)
-            from nbfsdp.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
+            import nbfsdp.engines.engine  # noqa: F401  (torch, torch.distributed, FSDP2)
+            from nbfsdp.kernel.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
 
             self.imported.set()
 
@@ -218,7 +218,7 @@ class _Loading:
 
     def join(self) -> None:
         """Wait for the thread; Ctrl-C still interrupts the wait."""
-        from nbfsdp.cluster import join_interruptibly
+        from nbfsdp.kernel.cluster import join_interruptibly
 
         join_interruptibly(self.thread)
 

@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.comparison import loss_figure
+from nbfsdp.kernel.comparison import loss_figure
 from tests.conftest import run_ok
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,10 +13,10 @@ import pytest
 import torch.nn as nn
 
 import nbfsdp
-from nbfsdp import dashboard as dashboard_module
-from nbfsdp import renderer
-from nbfsdp.config import FSDPConfig, for_device
-from nbfsdp.dashboard import LiveDashboard
+from nbfsdp.kernel import renderer
+from nbfsdp.shared.config import FSDPConfig, for_device
+from nbfsdp.ui import dashboard as dashboard_module
+from nbfsdp.ui.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -229,7 +229,7 @@ def _read_if_exists(path: str) -> str:
 def test_the_drawing_process_ends_with_its_kernel():
     k = Kernel()
     try:
-        _, messages = k.execute("from nbfsdp import renderer\nprint(renderer.worker_pid())")
+        _, messages = k.execute("from nbfsdp.kernel import renderer\nprint(renderer.worker_pid())")
         worker = psutil.Process(int(k.stdout(messages).split()[-1]))
         assert worker.is_running() and worker.ppid() == k.manager.provisioner.pid
     finally:
@@ -279,7 +279,9 @@ def test_live_drawings_add_new_records_to_the_workers_figure_and_start_afresh_wh
 
 def _worker_keeps_figure(key: str) -> bool:
     # evaluated in the worker (a function of this module would make it import the test suite)
-    return renderer._submit(eval, f"{key!r} in __import__('nbfsdp.renderer').renderer._figures").result()
+    return renderer._submit(
+        eval, f"{key!r} in __import__('nbfsdp.helpers.drawing', fromlist=['_figures'])._figures"
+    ).result()
 
 
 def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nbfsdp
-from nbfsdp.config import FSDPConfig, for_device
+from nbfsdp.shared.config import FSDPConfig, for_device
 from tests.conftest import TINY_MODEL, run_ok
 from tests.test_config import DTYPES_SEEN
 from tests.test_kernel import Kernel

@@ -14,7 +14,7 @@ import re
 import pytest
 
 import nbfsdp
-from nbfsdp.magics import FSDPMagics
+from nbfsdp.kernel.magics import FSDPMagics
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nbfsdp
-from nbfsdp.cluster import loopback_interface
+from nbfsdp.shared.network import loopback_interface
 from tests.conftest import gone, gpu, left_behind, removed, run_ok
 from tests.test_kernel import Kernel
 
@@ -61,7 +61,9 @@ def test_no_engine_or_controller_outlives_a_kernel_shut_down_or_restarted(shell,
 def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster):
     kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
     watchers = [
-        p for p in psutil.process_iter(["cmdline"]) if {"nbfsdp.reaper", private_dir} <= set(p.info["cmdline"] or [])
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if {"nbfsdp.helpers.reaper", private_dir} <= set(p.info["cmdline"] or [])
     ]
     assert len(watchers) == 1
     watchers[0].kill()  # without its watcher, the dead kernel's cluster would live on

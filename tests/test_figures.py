@@ -9,8 +9,9 @@ import pytest
 from matplotlib.text import Text
 from PIL import Image
 
-from nbfsdp import figures, renderer
-from nbfsdp.figures import DashboardFigure
+from nbfsdp.kernel import renderer
+from nbfsdp.shared import figures
+from nbfsdp.shared.figures import DashboardFigure
 
 pytestmark = pytest.mark.timeout(120)
 

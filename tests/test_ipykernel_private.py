@@ -1,4 +1,4 @@
-"""Each private ipykernel API nbfsdp relies on (``nbfsdp.ipykernel_private``), called in a real kernel.
+"""Each private ipykernel API nbfsdp relies on (``nbfsdp.ui.ipykernel_private``), called in a real kernel.
 
 An ipykernel release that moves one fails here, by name; tests/test_dashboard.py shows what they are
 for (a toggle clicked while a cell runs acts on the ranks).
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 IN_THE_KERNEL = """
 import ipywidgets
 from IPython import get_ipython
-from nbfsdp import ipykernel_private
+from nbfsdp.ui import ipykernel_private
 
 kernel = get_ipython().kernel
 subshell = ipykernel_private.create_subshell(kernel)

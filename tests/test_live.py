@@ -16,7 +16,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.panel import SettingsPanel
+from nbfsdp.ui.panel import SettingsPanel
 from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(240)
@@ -130,7 +130,7 @@ def test_toggles_apply_on_every_rank_at_one_step_and_training_stays_exact(shell,
     )
     assert shell.user_ns["adam_steps"] == {float(STEPS)}  # one optimizer, never restarted
     assert nbfsdp.compare(1)[0]["changes"] == [f"step {switched}: {run.changes[0][1]}"]
-    assert "changed mid-run" in nbfsdp.comparison.table(nbfsdp.compare(1)).splitlines()[0]
+    assert "changed mid-run" in nbfsdp.kernel.comparison.table(nbfsdp.compare(1)).splitlines()[0]
     # the same math as one process, the setting changed or not (fp32)
     torch.testing.assert_close(torch.tensor(_mean_losses(run)), torch.tensor(_reference(shell, reference)))
     for (name, trained), (_, expected) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):

@@ -142,9 +142,10 @@ def test_config_flags_and_the_controls_take_their_lists_from_one_place(shell):
     """Every fsdp_config flag of %%fsdp is a config field, and the world-size control stops where the flag does."""
     import dataclasses
 
-    from nbfsdp import config, magics
-    from nbfsdp.cluster import MAX_WORLD_SIZE
-    from nbfsdp.controls import SettingsControls
+    from nbfsdp.kernel import magics
+    from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
+    from nbfsdp.shared import config
+    from nbfsdp.ui.controls import SettingsControls
 
     fields = {f.name for f in dataclasses.fields(config.FSDPConfig)}
     assert magics.CONFIG_FLAGS and set(magics.CONFIG_FLAGS) <= fields

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import nbfsdp
-from nbfsdp import metrics, torch_private
+from nbfsdp.engines import metrics
+from nbfsdp.shared import torch_private
 from tests.conftest import gpu, run_ok
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 import nbfsdp
-from nbfsdp import reaper
-from nbfsdp.cluster import FSDPCluster
+from nbfsdp.kernel.cluster import FSDPCluster
+from nbfsdp.shared import processes
 from tests.conftest import gone, left_behind, removed
 from tests.test_kernel import Kernel
 
@@ -63,7 +63,7 @@ class PrewarmKernel(Kernel):
         found = []
         for child in children:
             try:
-                if reaper.is_cluster_process(child) and not gone(child.pid):
+                if processes.is_cluster_process(child) and not gone(child.pid):
                     found.append(child)
             except psutil.Error:
                 continue
@@ -144,7 +144,7 @@ def test_a_cell_right_after_load_ext_runs_once_the_background_imports_are_done(k
     """A cell importing torch while the background start imported it could find torch half-initialized."""
     kernel = kernels("2")
     kernel.output("%load_ext nbfsdp")
-    assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
+    assert kernel.value("'nbfsdp.engines.engine' in __import__('sys').modules") is True
     kernel.output("import torch.distributed.fsdp")  # what failed: a circular-import error from inside torch
 
 
@@ -209,7 +209,7 @@ def test_a_bad_value_warns_with_the_valid_ones_and_starts_nothing(kernels, value
 def is_engine(process: psutil.Process) -> bool:
     """A process the cluster's fork server forked."""
     with contextlib.suppress(psutil.Error, AttributeError):  # AttributeError: no parent any more
-        return "nbfsdp.forkserver" in " ".join(process.parent().cmdline())
+        return "nbfsdp.helpers.forkserver" in " ".join(process.parent().cmdline())
     return False
 
 
@@ -299,7 +299,7 @@ def test_interrupting_a_plain_cell_that_waits_for_the_background_imports_stops_t
     assert "this cell did not run" in reply["content"]["evalue"]
     assert "Error in callback" not in kernel.stdout(messages)
     assert kernel.value("'ran' in globals()") is False  # this cell waits for the imports again, then runs
-    assert kernel.value("'nbfsdp.engine' in __import__('sys').modules") is True
+    assert kernel.value("'nbfsdp.engines.engine' in __import__('sys').modules") is True
     kernel.output("ran = True")  # rejected once only
     assert kernel.value("ran") is True
 

@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 
-from nbfsdp import reaper
-from nbfsdp.forkserver import ForkServer
-from nbfsdp.reaper import ProcessRef
+from nbfsdp.kernel.forkserver import ForkServer
+from nbfsdp.shared import processes
+from nbfsdp.shared.processes import ProcessRef
 from tests.conftest import gone, left_behind, removed
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,8 +84,8 @@ def test_a_failed_background_start_stops_all_it_started_and_keeps_its_error(tmp_
         """
         import json, threading, time
         import psutil
-        from nbfsdp import reaper
-        from nbfsdp.cluster import FSDPCluster
+        from nbfsdp.shared import processes
+        from nbfsdp.kernel.cluster import FSDPCluster
 
         me, seen, done = psutil.Process(), set(), threading.Event()
 
@@ -105,7 +105,7 @@ def test_a_failed_background_start_stops_all_it_started_and_keeps_its_error(tmp_
             "world": cluster.world is not None,
             "error": repr(cluster.background_error),
             "seen": sorted(seen),
-            "left": [p.pid for p in me.children(recursive=True) if reaper.alive(p.pid)],
+            "left": [p.pid for p in me.children(recursive=True) if processes.alive(p.pid)],
         }))
         """
     )
@@ -125,8 +125,8 @@ def test_a_failed_background_start_stops_all_it_started_and_keeps_its_error(tmp_
 
 def test_status_shows_why_the_background_start_failed(shell, capsys):
     """What ``%fsdp status`` prints once a background start has failed: the error it kept."""
-    from nbfsdp.cluster import FSDPCluster
-    from nbfsdp.magics import FSDPMagics
+    from nbfsdp.kernel.cluster import FSDPCluster
+    from nbfsdp.kernel.magics import FSDPMagics
 
     cluster = FSDPCluster()  # never started: the state a failed start leaves
     cluster.background_error = RuntimeError("no engines today")
@@ -135,7 +135,7 @@ def test_status_shows_why_the_background_start_failed(shell, capsys):
 
 
 def test_stop_kills_what_still_runs_for_the_cluster_and_reaps_the_reaper():
-    from nbfsdp.cluster import FSDPCluster
+    from nbfsdp.kernel.cluster import FSDPCluster
 
     cluster = FSDPCluster()
     cluster.start_fork_server()
@@ -149,4 +149,4 @@ def test_stop_kills_what_still_runs_for_the_cluster_and_reaps_the_reaper():
     assert time.monotonic() - started < 8
     assert stray.wait(5) == -signal.SIGKILL
     assert gone(server) and not psutil.pid_exists(watcher)  # the reaper is reaped, not left a zombie
-    assert removed(directory, 1) and reaper.cluster_processes(directory) == []
+    assert removed(directory, 1) and processes.cluster_processes(directory) == []

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import nbfsdp
 from benchmarks import procmem
-from nbfsdp import transfer
+from nbfsdp.shared import transfer
 from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""Each private PyTorch API nbfsdp relies on (``nbfsdp.torch_private``), called directly.
+"""Each private PyTorch API nbfsdp relies on (``nbfsdp.shared.torch_private``), called directly.
 
 A PyTorch release that moves one fails here, by name. The FSDP2 ones run on real units, on the ranks.
 """
@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from nbfsdp import torch_private
+from nbfsdp.shared import torch_private
 from tests.conftest import run_ok
 
 pytestmark = pytest.mark.timeout(240)
 
 ON_THE_RANKS = """%%fsdp --world-size 2 --wrap-cls Block --mixed-precision FULL --activation-checkpointing --no-gather
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from nbfsdp import torch_private
+from nbfsdp.shared import torch_private
 
 weight = model.blocks[0].mlp[0].weight
 shard_is_local = torch_private.local_tensor(weight).data_ptr() == weight.to_local().data_ptr()

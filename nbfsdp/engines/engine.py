@@ -1,0 +1,311 @@
+"""Code that runs on the engines: the process group, the cell's namespace, sharding, gather.
+
+The client calls ``setup`` once per world and ``run_cell`` once per cell, on
+every rank at once, after ``receive_shards`` for each piece of any model the
+cell needs anew. State lives in this module between cells: the namespace
+the cells run in and the sharded models, so optimizer state and anything else
+a cell leaves on the engines survive until the world is restarted.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import datetime
+import linecache
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from ipyparallel.datapub import publish_data
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
+from nbfsdp.engines import loaders, metrics
+from nbfsdp.engines.control import CellCancelled, RankControl, StepBoundaries
+from nbfsdp.engines.progress import route_bars
+from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
+from nbfsdp.shared import optimizers, transfer
+from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.shared.network import loopback_interface
+
+_PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
+#: Errors a rank raises only because a peer tore the world down first.
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+
+
+@dataclass
+class _World:
+    rank: int
+    world_size: int
+    device: torch.device
+    generation: int
+    namespace: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
+    meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
+    incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
+
+
+_world: _World | None = None
+
+
+def setup(
+    *, rank: int, world_size: int, backend: str, store_path: str, timeout: float, threads: int, generation: int
+) -> dict[str, Any]:
+    """Join a new world: a fresh process group on a fresh store, a fresh namespace.
+
+    Collectives talk over the loopback interface only, and the store is a file
+    in the client's private directory, so nothing listens on the network.
+    """
+    global _world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+    loopback = loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    if backend == "nccl":
+        device = torch.device("cuda", 0)  # each engine sees exactly one GPU
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(store_path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if backend == "nccl" else None,
+    )
+    _world = _World(rank=rank, world_size=world_size, device=device, generation=generation)
+    return describe()
+
+
+def describe() -> dict[str, Any]:
+    """This engine as ``%fsdp status`` shows it."""
+    gpu = torch.cuda.get_device_name(0) if _world and _world.device.type == "cuda" else ""
+    return {
+        "rank": _world.rank if _world else None,
+        "pid": os.getpid(),
+        "device": f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
+        "backend": dist.get_backend() if dist.is_initialized() else "",
+        "threads": torch.get_num_threads(),
+    }
+
+
+_CELL_SOURCES_KEPT = 20
+
+
+def _remember_source(filename: str, code: str) -> None:
+    """Let tracebacks show the cell's lines; keep only recent cells (linecache never forgets)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    cells = [name for name in linecache.cache if name.startswith("<fsdp-cell-")]
+    for name in cells[:-_CELL_SOURCES_KEPT]:
+        del linecache.cache[name]
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback without nbfsdp's own frames: the user's code and what it called."""
+    summary = traceback.TracebackException.from_exception(error)
+    summary.stack = traceback.StackSummary.from_list(
+        [frame for frame in summary.stack if not frame.filename.startswith(_PACKAGE_DIR)]
+    )
+    return "".join(summary.format())
+
+
+def receive_shards(
+    generation: int, allocate: dict[str, tuple[int, transfer.TensorLayout, bool]], keys: list, *data: np.ndarray
+) -> int:
+    """One piece of this rank's shards (``nbfsdp.kernel.delivery``); the bytes received.
+
+    ``allocate`` (with the first piece) names each model's token and tensors:
+    their storage is allocated here, once, and later becomes FSDP2's own.
+    """
+    world = _world
+    if world is None or world.generation != generation:
+        raise RuntimeError("world not set up")
+    for name, (token, tensors, on_cpu) in allocate.items():
+        world.incoming.pop(name, None)  # a re-sent model: free the old storage first
+        world.incoming[name] = (token, transfer.allocate(tensors, torch.device("cpu") if on_cpu else world.device))
+    for (name, fqn, start), piece in zip(keys, data, strict=True):
+        transfer.write_piece(world.incoming[name][1][fqn], start, piece)
+    return sum(piece.nbytes for piece in data)
+
+
+def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes]) -> None:
+    """Shard the models the notebook sent, on their delivered shards; check the engine still holds the others."""
+    config = FSDPConfig(**spec["fsdp"])
+    shape = config.mesh_shape(world.world_size)
+    if skeletons and shape not in world.meshes:
+        world.meshes[shape] = device_mesh(config, world.world_size, world.device)
+    for name in spec["models"]:
+        token = spec["model_tokens"][name]
+        if name in skeletons:
+            skeleton = transfer.load_skeleton(skeletons[name])
+            if name in spec["materialize"]:
+                sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
+                _materialize(world, sharded.module, config, shape[1], spec["seed"])
+            else:
+                delivered_token, shards = world.incoming.pop(name, (None, {}))
+                if delivered_token != token:
+                    raise RuntimeError(f"engine did not receive its shards of {name!r}; run the cell again")
+                sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
+            cast_buffers(sharded.module, config.dtypes()[2])
+            world.models[name] = (token, sharded)
+        elif world.models.get(name, (None,))[0] != token:
+            raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
+
+
+def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degree: int, seed: int) -> None:
+    """A model built on the meta device: every rank initializes its shards under the same seeds;
+    with sync_module_states rank 0 initializes the whole model and broadcasts each rank its shards."""
+    shard = (world.rank % shard_degree, shard_degree)
+    if not config.sync_module_states:
+        materialize(model, world.device, shard, seed, full=False)
+        return
+    state = materialize(model, world.device, shard, seed, full=True) if world.rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+
+
+def _names_back(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 sends back besides the models: the names the cell assigned, pickled, and the trained
+    state of the notebook's own optimizers and schedulers (to load in place), with why any name stays.
+
+    What the notebook has its own copy of travels as a reference to it (``transfer.model_references``):
+    a parameter of a cell's model comes back as the notebook model's own. Another sharded tensor comes
+    back whole; an optimizer's sharded state too, gathered like the weights. Both are collectives:
+    every rank walks the same names in the same order.
+    """
+    gather = spec["gather"] != []
+    cell_models = {name: world.models[name][1].module for name in spec["models"]}
+    references = transfer.model_references(cell_models) if gather else {}
+    sharded = {id(model.module) for _, model in world.models.values()}
+    assigned = {name: world.namespace[name] for name in spec["assigned"] if name in world.namespace}
+    # optimizers first: the notebook loads them before a scheduler that refers to one
+    assigned = {
+        name: value
+        for name, value in sorted(assigned.items(), key=lambda item: not isinstance(item[1], Optimizer))
+        if id(value) not in sharded
+    }
+    stateful = {n: v for n, v in read.items() if gather and isinstance(v, optimizers.STATEFUL) and n not in assigned}
+    made = {name: v for name, v in assigned.items() if isinstance(v, optimizers.STATEFUL)} if gather else {}
+    whole: dict[int, torch.Tensor] = {}
+    for value in [*stateful.values(), *made.values()]:
+        if isinstance(value, Optimizer):
+            whole.update(optimizers.gather_state(value))
+    for name, value in assigned.items():
+        if isinstance(value, DTensor) and id(value) not in references:
+            assigned[name] = value.full_tensor()
+    if world.rank != 0:
+        return {"names": {}, "skipped": {}, "in_place": {}}
+    references.update((key, ("whole", tensor)) for key, tensor in whole.items())
+    references.update((id(value), ("object", name)) for name, value in stateful.items())
+    made_ids = {id(value): ("object", name) for name, value in made.items()}  # a scheduler finds its optimizer
+    values: dict[str, bytes] = {}
+    skipped: dict[str, str] = {}
+    for name, value in assigned.items():
+        others = {key: ref for key, ref in made_ids.items() if key != id(value)}
+        try:
+            values[name] = transfer.pickle_result(value, {**references, **others})
+        except transfer.HoldsDTensor:
+            skipped[name] = "holds sharded tensors (DTensor)"
+        except Exception as error:
+            skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
+    in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
+    return {"names": values, "skipped": skipped, "in_place": in_place}
+
+
+def _split_loaders(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
+    """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.engines.loaders``)."""
+    return {
+        name: loaders.split(read[name], world.rank, world.world_size, how["per_rank"], how["seed_state"])
+        for name, how in spec["loaders"].items()
+    }
+
+
+def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[str]:
+    """One settings change on every model of the cell; the changes as ``key=value``, once each."""
+    changed = [change for sharded in models for change in apply_live(sharded, settings)]
+    return list(dict.fromkeys(changed))
+
+
+def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -> dict[str, Any]:
+    """Run one cell on this rank; return its outcome, never raise.
+
+    On any error the process group is torn down at once: peers blocked in a
+    collective then fail within a second instead of waiting for the timeout.
+    """
+    global _world
+    world = _world
+    if world is None or world.generation != spec["generation"]:
+        return {"ok": False, "error": "world not set up", "traceback": "", "secondary": False}
+    recorder = None
+    try:
+        _load_models(world, spec, skeletons)
+        cell_models = [world.models[name][1] for name in spec["models"]]
+        models = {name: sharded.module for name, (_, sharded) in world.models.items()}
+        namespace = world.namespace
+        namespace.update(__name__="__main__", __builtins__=builtins)
+        read = transfer.unpack_values(values, models)
+        split_loaders = _split_loaders(world, spec, read)
+        for value in read.values():
+            if isinstance(value, Optimizer):
+                optimizers.shard_state(value)
+            optimizers.track_steps(value)
+        namespace.update(read)
+        namespace.update((name, models[name]) for name in spec["models"])
+        namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
+        _remember_source(spec["filename"], spec["code"])
+        code = compile(spec["code"], spec["filename"], "exec")
+        params = [p for sharded in cell_models for p in sharded.module.parameters()]
+        control = RankControl(spec["control"], lambda settings: _apply_live(cell_models, settings))
+        cancelled = False
+        route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
+        with metrics.MemoryMeter(world.device, params) as meter:
+            recorder = metrics.active_recorder = metrics.Recorder(
+                world.rank, meter, publish_data, None if cell_models else control
+            )
+            boundaries = StepBoundaries([s.module for s in cell_models], control, recorder.changed)
+            try:
+                exec(code, namespace)
+            except CellCancelled:
+                cancelled = True  # every rank stops at the same step; the cell ends as a finished one
+            finally:
+                metrics.active_recorder = None
+                boundaries.remove()
+        back = _names_back(world, spec, read)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}
+        return {
+            "ok": True,
+            "cancelled": cancelled,
+            **back,
+            "loaders": {name: split.state() for name, split in split_loaders.items()} if world.rank == 0 else {},
+            "states": states if world.rank == 0 else {},
+            "metrics": recorder.records,
+            "settings": {name: dataclasses.asdict(world.models[name][1].config) for name in spec["models"]},
+        }
+    except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
+        message = f"{type(error).__name__}: {error}"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _world = None
+        return {
+            "ok": False,
+            "error": message,
+            "traceback": _user_traceback(error),
+            # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
+            "secondary": isinstance(error, KeyboardInterrupt) or any(m in message for m in _PEER_FAILURE_MARKERS),
+            "metrics": recorder.records if recorder else [],
+        }

@@ -1,0 +1,277 @@
+"""Apply an ``FSDPConfig`` with FSDP2, on the engines: checkpoint, shard, prefetch.
+
+The units and where activations are recomputed are chosen by the rules in
+``nbfsdp.shared.units``, which the notebook's kernel plans with too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
+from nbfsdp.shared.torch_private import checkpoint, set_checkpointing, set_mixed_precision
+from nbfsdp.shared.transfer import shard_slice
+from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, root_method, wrap_units
+
+
+def _offload_saved_activations(module: nn.Module, pin_memory: bool) -> None:
+    """Keep what ``module`` saves for backward on the CPU (autograd's ``save_on_cpu``)."""
+
+    def enter(mod: nn.Module, args: object) -> None:
+        context = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+        context.__enter__()
+        mod._nbfsdp_offload_contexts.append(context)
+
+    def leave(mod: nn.Module, args: object, output: object) -> None:
+        mod._nbfsdp_offload_contexts.pop().__exit__(None, None, None)
+
+    module._nbfsdp_offload_contexts = []
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def device_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> DeviceMesh:
+    replicate, shard = config.mesh_shape(world_size)
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,))
+    # NO_SHARD and HYBRID_SHARD: FSDP2 replicates across the first dim, shards across the second
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+@dataclass(eq=False)
+class ShardedModel:
+    """A model sharded on this rank, with what run-time changes need: its units and checkpointable modules."""
+
+    module: nn.Module
+    units: list[nn.Module]
+    """FSDP units in forward order, the root first."""
+    checkpointable: list[nn.Module]
+    """Where activation checkpointing applies when it is on (Composer's rules)."""
+    config: FSDPConfig
+    """The settings in force now, live changes included."""
+
+
+def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: torch.device) -> ShardedModel:
+    """Shard ``model`` in place as ``config`` says.
+
+    Checkpointing hooks go on every module where the rules would put them and
+    are switched on or off, so a running cell can toggle them (``apply_live``).
+    """
+    units = wrap_units(model, config)
+    checkpointable = activation_modules(model, units, dataclasses.replace(config, activation_checkpointing=True))
+    for module in checkpointable:
+        if config.activation_cpu_offload:
+            _offload_saved_activations(module, pin_memory=device.type == "cuda")
+        checkpoint(module)
+    options = {"mesh": mesh, "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP"}
+    options["mp_policy"] = _mp_policy(config)
+    if config.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for unit in units:  # bottom-up: a unit takes the parameters no unit below it took
+        fully_shard(unit, **options)
+    if config.sharding_strategy != "SHARD_GRAD_OP" and ROOT_RESHARD_LEFT_TO_FSDP:
+        # FSDP2 keeps the root gathered from forward into backward, which needs it at once, only
+        # when the root's reshard_after_forward is left to it; True would gather it twice a step
+        options["reshard_after_forward"] = None
+    fully_shard(model, **options)
+    sharded = ShardedModel(model, forward_order(model, units), checkpointable, config)
+    _set_prefetch(sharded, config)
+    _set_checkpointing(sharded, config)
+    return sharded
+
+
+def _mp_policy(config: FSDPConfig) -> MixedPrecisionPolicy:
+    param_dtype, reduce_dtype, _ = config.dtypes()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _set_prefetch(sharded: ShardedModel, config: FSDPConfig) -> None:
+    ordered = sharded.units
+    for position, current in enumerate(ordered[1:], start=2):
+        following = ordered[position : position + 1] if config.forward_prefetch else []
+        current.set_modules_to_forward_prefetch(following)
+    for unit in ordered:
+        # FSDP2 treats an empty list as "prefetch implicitly"; a unit's own entry is an explicit
+        # list whose only member is already gathered when it is consulted, so nothing is prefetched
+        unit.set_modules_to_backward_prefetch([unit] if config.effective_backward_prefetch == "NONE" else [])
+
+
+def _set_checkpointing(sharded: ShardedModel, config: FSDPConfig) -> None:
+    for module in sharded.checkpointable:
+        set_checkpointing(module, config.activation_checkpointing)
+
+
+def _set_mixed_precision(sharded: ShardedModel, config: FSDPConfig) -> None:
+    """Switch the units to ``config``'s dtypes between steps.
+
+    FSDP2 has no run-time setter for its ``MixedPrecisionPolicy`` (pytorch 2.13): see
+    ``torch_private.set_mixed_precision``.
+    """
+    policy = _mp_policy(config)
+    for unit in sharded.units:
+        set_mixed_precision(unit, policy)
+    cast_buffers(sharded.module, config.dtypes()[2])
+
+
+def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
+    """Apply settings changed while a cell runs, between two steps; return ``key=value`` for each change.
+
+    Sharding strategy moves between FULL_SHARD and SHARD_GRAD_OP only (same mesh), with FSDP2's
+    ``set_reshard_after_forward``; the root keeps FSDP2's own choice, as ``fully_shard`` sets it.
+    """
+    old = sharded.config
+    new = dataclasses.replace(old, **{k: v for k, v in settings.items() if k in LIVE_SETTINGS})
+    changed = [key for key in LIVE_SETTINGS if getattr(new, key) != getattr(old, key)]
+    if not changed:
+        return []
+    if "sharding_strategy" in changed and {old.sharding_strategy, new.sharding_strategy} - set(LIVE_STRATEGIES):
+        raise ValueError(
+            f"sharding_strategy cannot change from {old.sharding_strategy} to {new.sharding_strategy} "
+            "while a cell runs (another mesh); it applies from the next cell"
+        )
+    for unit in sharded.units[1:]:
+        unit.set_reshard_after_forward(new.sharding_strategy != "SHARD_GRAD_OP", recurse=False)
+    _set_prefetch(sharded, new)
+    _set_checkpointing(sharded, new)
+    if new.dtypes() != old.dtypes():
+        _set_mixed_precision(sharded, new)
+    new.why = {key: why for key, why in old.why.items() if key not in changed}  # now as asked
+    sharded.config = new
+    return [f"{key}={getattr(new, key)}" for key in changed]
+
+
+def _initialized_copy(module: nn.Module, root: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """``module`` alone (no children), its own tensors full-size and initialized under ``seed``."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._modules = {}
+    empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)  # noqa: E731
+    copy._parameters = {  # None stays: reset_parameters reads it (a Linear without bias)
+        key: None if p is None else nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for key, p in module._parameters.items()
+    }
+    copy._buffers = {key: None if b is None else empty(b) for key, b in module._buffers.items()}
+    torch.manual_seed(seed)
+    init_fn = root_method(root, "param_init_fn")
+    if init_fn is not None:
+        init_fn(copy)
+    else:
+        copy.reset_parameters()
+    return copy
+
+
+def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int, full: bool) -> dict:
+    """Fill a sharded model that was built on the meta device, one module at a time.
+
+    Every rank initializes each module's own tensors full-size under the same
+    seed (so all ranks agree), keeps its shard ``shard = (index, count)`` and
+    frees the rest: the peak is one module's tensors, never the model's. With
+    ``full`` the full tensors are also returned (rank 0, for sync_module_states).
+    """
+    index, count = shard
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for position, (name, module) in enumerate(model.named_modules()):
+            if not module._parameters and not module._buffers:
+                continue
+            copy = _initialized_copy(module, model, device, seed + position)
+            prefix = f"{name}." if name else ""
+            for key, param in module._parameters.items():
+                if param is None:
+                    continue
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(shard_slice(copy._parameters[key], index, count))
+                if full:
+                    state[prefix + key] = copy._parameters[key].detach().cpu()
+            for key, buffer in copy._buffers.items():
+                module._buffers[key] = buffer
+                if full and buffer is not None and key not in module._non_persistent_buffers_set:
+                    state[prefix + key] = buffer.cpu()
+    return state
+
+
+def shard_model(
+    skeleton: nn.Module,
+    device: torch.device,
+    config: FSDPConfig,
+    mesh: DeviceMesh,
+    shards: dict[str, torch.Tensor] | None = None,
+) -> ShardedModel:
+    """Shard a meta-device ``skeleton`` with FSDP2 on this rank's ``shards`` (by fqn), or on empty ones.
+
+    ``fully_shard`` on the meta device allocates nothing; the local shards are
+    then the tensors the notebook delivered (``adopt_shards``), or ``to_empty``'s
+    fresh ones for a model initialized on the ranks. A rank never holds the full model.
+    """
+    sharded = apply_fsdp(skeleton, config, mesh, device)
+    storage = "cpu" if config.cpu_offload else device
+    if shards is None:
+        skeleton.to_empty(device=storage)
+    elif torch.device(storage).type != mesh.device_type:
+        # CPU offload on GPUs: DTensor.from_local would move the shard to the GPU, so copy instead
+        skeleton.to_empty(device=storage)
+        _copy_shards(skeleton, shards, device)
+    else:
+        adopt_shards(skeleton, shards)
+    return sharded
+
+
+def _check_shape(fqn: str, data: torch.Tensor, local: torch.Tensor) -> None:
+    if local.shape != data.shape:
+        raise RuntimeError(
+            f"shard of {fqn!r} has shape {tuple(data.shape)} but FSDP2 holds "
+            f"{tuple(local.shape)} on this rank; is a custom shard placement in use?"
+        )
+
+
+def adopt_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Make the delivered tensors this rank's shards and buffers without copying them.
+
+    Where ``to_empty`` would hand each meta tensor a fresh ``empty_like``,
+    ``_apply`` hands it the delivered tensor, and FSDP2's own ``_apply`` then
+    takes it as the sharded storage. FSDP2 copies only a shard it must pad
+    (dim 0 not divisible by the shard count).
+    """
+    names = {id(t): fqn for fqn, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def delivered(tensor: torch.Tensor) -> torch.Tensor:
+        fqn = names[id(tensor)]
+        data = shards[fqn]
+        if not isinstance(tensor, DTensor):
+            _check_shape(fqn, data, tensor)
+            return data
+        _check_shape(fqn, data, tensor.to_local())
+        return DTensor.from_local(
+            data, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+
+    with torch.no_grad():
+        model._apply(delivered)
+
+
+def _copy_shards(model: nn.Module, shards: dict[str, torch.Tensor], device: torch.device) -> None:
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            _check_shape(fqn, shards[fqn], local)
+            local.copy_(shards[fqn])
+        for name, module in model.named_modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = shards[f"{name}.{key}" if name else key].to(device)
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point buffers in ``dtype`` (FSDP2's policy has no buffer dtype; PURE wants one)."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[key] = buffer.to(dtype)

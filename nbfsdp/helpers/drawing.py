@@ -1,0 +1,90 @@
+"""The drawing worker: a process of the lowest CPU priority, in a session of its own, that draws the dashboards.
+
+The kernel submits drawings to it through ``nbfsdp.kernel.renderer``.
+
+The ranks share the machine's cores with the notebook, and a drawing costs
+about 100 ms of CPU. Drawn in the kernel, that time was taken from the ranks
+(measured: steps 50-100% slower whenever a drawing ran, 6% over a run at two
+ranks on two cores). A low nice value for a drawing thread does not help:
+the kernel and every engine each run in a session of their own, and Linux's
+scheduler with autogroup (the default on many distributions) shares the CPU
+equally between sessions, whatever a thread's nice value. So drawings are
+made by one worker process that starts a session of its own and lowers that
+session's priority to the minimum, under the SCHED_IDLE policy: a rank waking
+from a collective preempts it at once (at nice 19 alone it kept the CPU to the
+end of its time slice, and steps were still 7% slower). It draws with the CPU
+time the ranks leave, and keeps each live dashboard's figure, so that a
+drawing only adds the records that arrived since the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+
+def start_worker(kernel: int) -> None:
+    """In the worker: a session of its own (so lowering it leaves the kernel's alone), nice 19, and an
+    end when the kernel ends (a pool's worker would otherwise wait for work forever, orphaned)."""
+    if hasattr(os, "setsid"):
+        os.setsid()  # out of the kernel's process group: a Ctrl-C in the notebook is not for this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+        autogroup.write("19")  # the session's share against other sessions (Linux with autogroup)
+    threading.Thread(target=_end_with, args=(kernel,), name="nbfsdp-end-with-kernel", daemon=True).start()
+
+
+def _end_with(kernel: int) -> None:
+    while os.getppid() == kernel:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+_warm = False  # in the worker: it has drawn once
+
+
+def warm_up() -> None:
+    global _warm
+    if not _warm:
+        from nbfsdp.shared.figures import DashboardFigure
+
+        DashboardFigure(1, None).add([{"rank": 0, "step": 0, "step_time": 0.0, "loss": 0.0}]).png()
+        _warm = True
+
+
+class LostFigure(Exception):
+    """The worker no longer has this dashboard's figure (it was replaced): send every record again."""
+
+
+#: In the worker: the figure of each live dashboard, so a drawing only adds the records since the last one.
+_figures: dict[str, Any] = {}
+#: Dashboards whose final drawing never came (their kernel cell was interrupted) are dropped beyond this many.
+MAX_FIGURES = 8
+
+
+def draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int, final: bool) -> tuple:
+    # imported here, once the worker has left the kernel's session: matplotlib takes a second to load,
+    # and a Ctrl-C sent to the kernel's process group meanwhile would end the worker
+    from nbfsdp.shared.figures import DashboardFigure
+
+    started = time.process_time()
+    if final:
+        _figures.pop(key, None)
+        return DashboardFigure(world_size, predicted).add(records).png(), time.process_time() - started
+    if first == 0:
+        _figures.pop(key, None)
+        while len(_figures) >= MAX_FIGURES:
+            _figures.pop(next(iter(_figures)))
+        _figures[key] = DashboardFigure(world_size, predicted, live=True)
+    drawing = _figures.get(key)
+    if drawing is None or drawing.records != first:
+        raise LostFigure(key)
+    png = drawing.add(records).png()
+    return png, time.process_time() - started

@@ -1,0 +1,402 @@
+"""The ipyparallel cluster behind ``%%fsdp``: one engine per rank, one world at a time.
+
+Engines are ipyparallel engines forked by the cluster's fork server
+(``nbfsdp.helpers.forkserver``), a fresh process that imports torch, FSDP2 and
+ipykernel once; it is never the notebook's process, so CUDA used in the
+notebook is harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls
+that before its own imports, which the server's then overlap. A restart
+(another world size, a rank that died) forks the new engines from the same
+server, so only ``stop`` (``%fsdp stop``) pays its imports again. With at least N
+GPUs visible, each of N engine sets sees exactly one GPU and the world uses
+NCCL; otherwise the world is CPU and gloo, and each engine gets ``cores // N``
+torch threads so N engines share the cores without oversubscription (torchrun
+sets ``OMP_NUM_THREADS`` for the same reason).
+
+Everything stays on this machine and private to its user: the controller
+listens on 127.0.0.1, connection files live in a fresh 0700 directory, and the
+process group's rendezvous is a ``FileStore`` in that directory (torch's
+``TCPStore`` would listen on every interface). Each new world gets a fresh
+store file, since a reused store can hang a second ``init_process_group``.
+
+``start_in_background`` runs what ``ensure_world`` would on a daemon thread
+(``%load_ext`` uses it so the first cell finds the engines ready). The
+ipyparallel client serves one thread at a time, so every other use of the
+cluster first waits for that thread, in short slices that Ctrl-C can
+interrupt; a background start that failed stops everything it had started, and
+its error is kept for ``%fsdp status``, not printed; the next ``ensure_world``
+starts again from scratch (and raises, if it fails again).
+Every process the cluster launches names the private directory on its command
+line, which is how the reaper (``nbfsdp.helpers.reaper``) finds them once the kernel is
+gone, so a kernel killed mid-start leaves nothing behind (the fork server also
+ends its engines when the kernel's end of its pipe closes). The engines are
+signalled by pid and start time (``processes.ProcessRef``), never by a pid that
+may have passed to another process since.
+
+Importing this module loads neither torch nor ipyparallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from nbfsdp.kernel import reaping
+from nbfsdp.shared import processes
+from nbfsdp.shared.processes import ProcessRef
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
+
+    from nbfsdp.kernel.forkserver import ForkServer
+
+ENGINE_START_TIMEOUT = 120.0
+MAX_WORLD_SIZE = 64
+#: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
+#: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
+HEARTBEAT_MS = 500
+HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
+#: How often a wait for the background start lets a KeyboardInterrupt through.
+_JOIN_SLICE_SECONDS = 0.1
+
+
+@dataclass
+class World:
+    """A running world: which engine is which rank, and on what."""
+
+    world_size: int
+    backend: str
+    timeout: float
+    generation: int
+    engine_ids: list[int]  # by rank
+    engines: list[dict[str, Any]] = field(default_factory=list)  # engine.describe() by rank
+    broken: bool = False
+    processes: list[ProcessRef] = field(default_factory=list)
+    """The engine processes by rank, as they were started: what signals reach."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [e["pid"] for e in self.engines]
+
+
+def visible_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_type(world_size: int) -> str:
+    """Where a world of ``world_size`` ranks runs: one GPU a rank when there are enough, else the CPU."""
+    return "cuda" if visible_gpus() >= world_size else "cpu"
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def _end_watcher(watcher: psutil.Popen) -> None:
+    """End the reaper of a cluster that is stopped (it would see the directory gone within a second) and reap
+    it, so no process of the cluster outlives ``stop``, not even as a zombie."""
+    watcher.terminate()  # the kernel's own child, not yet waited for: its pid is still its own
+    watcher.wait()
+
+
+def join_interruptibly(thread: threading.Thread) -> None:
+    """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
+    while thread.is_alive():
+        thread.join(_JOIN_SLICE_SECONDS)
+
+
+@dataclass
+class _BackgroundStart:
+    thread: threading.Thread
+    world_size: int
+    since: float  # time.monotonic()
+
+
+class FSDPCluster:
+    """Starts, reuses, resizes and stops the engines and their process group."""
+
+    def __init__(self) -> None:
+        self._private_dir: str | None = None
+        self._cluster: ipp.Cluster | None = None
+        self._client: ipp.Client | None = None
+        self._fork_server: ForkServer | None = None
+        self._engine_layout: tuple[int, bool] | None = None  # (engines, one GPU each)
+        self._generation = 0
+        self._background: _BackgroundStart | None = None
+        self._reaper: psutil.Popen | None = None
+        self.background_error: BaseException | None = None
+        """Why the last background start failed (the next ``ensure_world`` starts again)."""
+        self.world: World | None = None
+        self.processes_started = 0
+
+    # ------------------------------------------------------------------ public
+    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
+        """Start what ``ensure_world(world_size, timeout)`` would, on a daemon thread; return at once.
+
+        ``since`` (``time.monotonic()``, default now) is when the start was asked for, for ``starting``.
+        """
+        self._wait_for_background()
+        self.background_error = None
+        thread = threading.Thread(
+            target=self._start_quietly, args=(world_size, timeout), name="nbfsdp-prewarm", daemon=True
+        )
+        self._background = _BackgroundStart(thread, world_size, time.monotonic() if since is None else since)
+        thread.start()
+
+    @property
+    def starting(self) -> tuple[int, float] | None:
+        """While a background start runs: its world size and the seconds since it began. Never waits."""
+        background = self._background
+        if background is None or not background.thread.is_alive():
+            return None
+        return background.world_size, time.monotonic() - background.since
+
+    def ensure_world(self, world_size: int, timeout: float) -> World:
+        """A healthy world of ``world_size`` ranks, reusing what already runs."""
+        self._wait_for_background()
+        self.background_error = None  # this start replaces a failed one
+        world = self.world
+        if world and not world.broken and world.world_size == world_size and world.timeout == timeout:
+            return world
+        if self._cluster is None and self._fork_server is None:
+            self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
+        gpus = visible_gpus()
+        use_gpus = gpus >= world_size
+        if 0 < gpus < world_size:
+            print(
+                f"nbfsdp: {world_size} ranks but only {gpus} GPU(s) visible: running on CPU with gloo", file=sys.stderr
+            )
+        if self._engine_layout != (world_size, use_gpus) or (world and self.dead_ranks()):
+            self._start_engines(world_size, use_gpus)
+        return self._setup_world(world_size, "nccl" if use_gpus else "gloo", timeout)
+
+    @property
+    def client(self) -> ipp.Client:
+        self._wait_for_background()
+        assert self._client is not None, "no cluster running"
+        return self._client
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose engine process has ended, with how it ended."""
+        self._wait_for_background()
+        dead: dict[int, str] = {}
+        for rank, process in enumerate(self.world.processes if self.world else []):
+            if not process.alive():
+                dead[rank] = self._how_it_ended(process.pid)
+        return dead
+
+    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
+        """How the rank's engine ended, waiting up to ``within`` seconds to see it end: the controller can
+        report a death while the killed process is still tearing down its memory."""
+        deadline = time.monotonic() + within
+        while (how := self.dead_ranks().get(rank)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return how
+
+    def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        """Signal the ranks' engines that still run (an engine that ended is skipped, and so is its pid)."""
+        self._wait_for_background()
+        for rank in ranks:
+            self.world.processes[rank].signal(signum)
+
+    def kill_engines(self) -> None:
+        """End every engine now (even one stuck in a collective); the next world restarts them."""
+        self._wait_for_background()
+        if self.world:
+            self.signal_ranks(list(range(self.world.world_size)), signal.SIGKILL)
+        self._engine_layout = None
+        self.world = None
+
+    def stop(self) -> None:
+        """Stop engines, controller and fork server, and remove the private directory (after a background
+        start ends).
+
+        Every step runs even when one before it fails, and whatever still runs for the directory then is
+        killed: a start that failed half-way (a controller without engines) leaves nothing behind."""
+        self._wait_for_background()
+        private_dir, fork_server, watcher = self._private_dir, self._fork_server, self._reaper
+        self._private_dir = self._fork_server = self._reaper = None
+        with contextlib.ExitStack() as then:  # run last first
+            if watcher is not None:
+                then.callback(_end_watcher, watcher)
+            if private_dir:
+                then.callback(processes.end_cluster, private_dir)  # what the steps below missed; the directory
+            if fork_server is not None:
+                then.callback(fork_server.stop)
+            self._stop_engines_and_controller()
+
+    @property
+    def private_dir(self) -> str:
+        """The cluster's 0700 directory: connection files, the rendezvous store, run control files."""
+        self._wait_for_background()
+        assert self._private_dir is not None, "no cluster running"
+        return self._private_dir
+
+    @property
+    def running(self) -> bool:
+        self._wait_for_background()
+        return self._cluster is not None
+
+    # ----------------------------------------------------------------- helpers
+    def _start_quietly(self, world_size: int, timeout: float) -> None:
+        """The background thread: its error is kept for the next ``ensure_world``, never printed into a cell."""
+        try:
+            self.ensure_world(world_size, timeout)
+        except BaseException as error:
+            self.background_error = error
+            with contextlib.suppress(Exception):
+                self.stop()  # a clean slate: the next ensure_world starts from scratch
+
+    def _wait_for_background(self) -> None:
+        """Let a background start finish before anything else touches the cluster."""
+        background = self._background
+        if background is None or background.thread is threading.current_thread():
+            return
+        join_interruptibly(background.thread)
+        self._background = None
+
+    def _how_it_ended(self, pid: int) -> str:
+        code = self._fork_server.wait(pid, timeout=1.0)
+        if code is None:
+            return "exited"
+        if code < 0:
+            name = signal.Signals(-code).name
+            return f"killed by {name}{' (out of memory?)' if name == 'SIGKILL' else ''}"
+        return f"exited with code {code}"
+
+    def start_fork_server(self) -> None:
+        """Stop what runs, and start the engines' fork server (``nbfsdp.helpers.forkserver``) in a fresh private
+        directory; return at once. It imports what the engines need while the caller goes on, and the next
+        world that starts engines forks them from it."""
+        self.stop()
+        reaping.clean_stale()
+        self._private_dir = tempfile.mkdtemp(prefix=reaping.PRIVATE_DIR_PREFIX)  # mode 0700
+        reaping.note_kernel(self._private_dir, os.getpid())
+        self._reaper = reaping.start(os.getpid(), self._private_dir)
+        from nbfsdp.kernel.forkserver import ForkServer
+
+        # the engines' own variables (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) are set in each engine after
+        # the fork: torch reads them only when it first uses CUDA or its thread pool, never at import
+        self._fork_server = ForkServer(dict(os.environ), self._private_dir)
+
+    def _stop_engines_and_controller(self) -> None:
+        client, cluster, world = self._client, self._cluster, self.world
+        self._cluster = self._client = None
+        self._engine_layout = None
+        self.world = None
+        with contextlib.ExitStack() as then:  # run last first, each even when one before it fails
+            if cluster is not None:
+                then.callback(cluster.stop_cluster_sync)
+                for process in world.processes if world else []:
+                    then.callback(process.signal, signal.SIGKILL)
+            if client is not None:
+                client.close()
+
+    def _start_engines(self, world_size: int, use_gpus: bool) -> None:
+        if self._cluster is not None:
+            # a restart (another size, a rank died) keeps the fork server: it has imported everything once
+            self._stop_engines_and_controller()
+        if self._fork_server is None or not self._fork_server.running:
+            self.start_fork_server()
+        threads = str(cpu_threads_per_rank(world_size))
+        if use_gpus:  # one engine set per GPU, so each engine sees exactly one
+            engine_sets = [
+                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}) for gpu in range(world_size)
+            ]
+        else:
+            engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
+        import ipyparallel as ipp
+
+        from nbfsdp.kernel.launcher import ForkedEngineSetLauncher
+
+        self._cluster = ipp.Cluster(
+            profile_dir=self._private_dir,
+            controller_ip="127.0.0.1",
+            engine_launcher_class=ForkedEngineSetLauncher,
+            # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
+            # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
+            log_level=logging.ERROR,
+            controller_args=[
+                # ipyparallel passes the profile in the environment; on the command line it names the cluster
+                # for the reaper, in the controller and in the schedulers it forks
+                f"--profile-dir={self._private_dir}",
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                # no task database: ipyparallel's default keeps every request's and result's buffers (each
+                # cell's shards and gathered state, up to 1 GiB) in the controller, and nbfsdp never reads it
+                "--nodb",
+            ],
+        )
+        self._cluster.start_controller_sync()
+        for count, env in engine_sets:
+            # delay: ipyparallel's pause between the engines of a set (0.1 s each)
+            self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
+        self.processes_started += world_size
+        self._client = self._cluster.connect_client_sync()
+        import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
+
+        self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
+        self._engine_layout = (world_size, use_gpus)
+
+    def cluster_pids(self) -> list[int]:
+        """The fork server's, the controller's and every engine's process id."""
+        self._wait_for_background()
+        launchers = [self._cluster.controller] + [
+            launcher for engine_set in self._cluster.engines.values() for launcher in engine_set.launchers.values()
+        ]
+        return [self._fork_server.pid] + [launcher.pid for launcher in launchers]
+
+    def _rank_order(self, use_gpus: bool) -> list[int]:
+        ids = sorted(self.client.ids)
+        if not use_gpus:
+            return ids
+        visible = self.client[ids].apply_sync(lambda: __import__("os").environ["CUDA_VISIBLE_DEVICES"])
+        return [engine_id for _, engine_id in sorted(zip((int(v) for v in visible), ids, strict=True))]
+
+    def _setup_world(self, world_size: int, backend: str, timeout: float) -> World:
+        from nbfsdp.engines import engine  # torch: imported by the first world, not by importing this module
+
+        self._generation += 1
+        store_path = os.path.join(self._private_dir, f"store-{self._generation}")
+        engine_ids = self._rank_order(backend == "nccl")
+        threads = cpu_threads_per_rank(world_size)
+        results = [
+            self.client[engine_id].apply_async(
+                engine.setup,
+                rank=rank,
+                world_size=world_size,
+                backend=backend,
+                store_path=store_path,
+                timeout=timeout,
+                threads=threads,
+                generation=self._generation,
+            )
+            for rank, engine_id in enumerate(engine_ids)
+        ]
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        with ThreadPoolExecutor(len(results)) as pool:
+            engines = list(pool.map(lambda r: r.get(timeout=max(1.0, deadline - time.monotonic())), results))
+        processes = [self._engine_process(engine["pid"]) for engine in engines]
+        self.world = World(world_size, backend, timeout, self._generation, engine_ids, engines, processes=processes)
+        return self.world
+
+    def _engine_process(self, pid: int) -> ProcessRef:
+        """Engine ``pid`` as the fork server started it; one it did not start (an engine of an older kind) is
+        taken as it runs now, and one already gone is never signalled (its start time is unknown)."""
+        return (self._fork_server and self._fork_server.engine(pid)) or ProcessRef.of(pid) or ProcessRef(pid, math.nan)

@@ -1,0 +1,62 @@
+"""Steering a running cell from the notebook (the kernel's side): settings changes and cancel.
+
+The ranks' side, which applies them, is ``nbfsdp.engines.control``.
+
+The notebook writes the wanted live settings (and a cancel flag) to a request
+file in the cluster's private directory; every rank looks at it, one ``stat``,
+at each step boundary: the start of a forward of the cell's models
+(``StepBoundaries``), or, in a cell without a model, each ``nbfsdp.log`` call.
+A forward is the boundary because every rank runs the same forwards (their
+collectives must match) whether it logs on every rank, on one, or never; a
+change applied at a log call would switch only the ranks that log.
+
+All ranks must switch at the same boundary, yet no collective may be added
+there (it would hang or reorder the cell's own). So the ranks agree through
+the file system: the first rank to see request version v at its boundary
+``a`` claims boundary ``a + 1`` for it (``os.link`` is atomic and fails if
+another rank claimed first), and every rank applies v at the claimed one.
+A training step holds collectives, so no rank passes a whole boundary ahead
+of another: a rank that first sees v at boundary ``b`` has ``b <= a + 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(payload))
+    partial.replace(path)
+
+
+class RunControl:
+    """The notebook's side: what the running cell should switch to, versioned."""
+
+    def __init__(self, directory: str, run_id: int) -> None:
+        self.path = Path(directory, f"control-{run_id}.json")
+        self.version = 0
+        self.settings: dict[str, Any] = {}
+        self.cancelled = False
+        self._publish()
+
+    def change(self, settings: dict[str, Any]) -> None:
+        """Ask every rank to switch to ``settings`` (live keys only) at the next step boundary."""
+        self.settings.update(settings)
+        self.version += 1
+        self._publish()
+
+    def cancel(self) -> None:
+        """Ask every rank to end the cell cleanly at the next step boundary."""
+        self.cancelled = True
+        self.version += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        _write_atomically(self.path, {"version": self.version, "settings": self.settings, "cancel": self.cancelled})
+
+    def remove(self) -> None:
+        for leftover in self.path.parent.glob(f"{self.path.stem}*"):
+            leftover.unlink(missing_ok=True)

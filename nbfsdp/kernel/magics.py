@@ -1,0 +1,302 @@
+"""``%%fsdp`` and ``%fsdp``: argument parsing only; the session does the work."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import torch.nn as nn
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import Image, display
+
+from nbfsdp.kernel import comparison
+from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, device_type, visible_gpus
+from nbfsdp.kernel.planning import plan
+from nbfsdp.kernel.session import Session
+from nbfsdp.kernel.usage_errors import as_usage_errors
+from nbfsdp.shared import config
+from nbfsdp.ui.panel import SettingsPanel
+
+DEFAULT_TIMEOUT_SECONDS = 30.0
+LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "set", "wait", "cancel")
+WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
+
+#: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
+SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in ("ignored", "why")), "world_size")
+
+
+def _switch(flag: str, help_text: str):
+    """A flag that turns a setting on; absent means 'not given' so --config and defaults apply."""
+    return argument(flag, action="store_const", const=True, default=None, help=help_text)
+
+
+#: The fsdp_config flags, shared by %%fsdp and %fsdp explain.
+_CONFIG_ARGUMENTS = [
+    argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
+    argument(
+        "--sharding-strategy",
+        choices=config.SHARDING_STRATEGIES,
+        help="FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD.",
+    ),
+    argument("--replicas", type=int, metavar="R", help="HYBRID_SHARD: R replica groups, each sharding the model."),
+    argument(
+        "--mixed-precision",
+        choices=config.MIXED_PRECISIONS,
+        help="FULL: fp32 (default on CPU); DEFAULT: low-precision gradient reduction (default on GPU); "
+        "PURE: low precision throughout.",
+    ),
+    argument(
+        "--precision",
+        choices=config.PRECISIONS,
+        help="The low precision of DEFAULT and PURE (default bf16); given, DEFAULT is the default on CPU too.",
+    ),
+    argument(
+        "--backward-prefetch",
+        choices=config.BACKWARD_PREFETCHES,
+        help="Gather the next unit during backward (default: Composer's BACKWARD_POST, which runs as BACKWARD_PRE).",
+    ),
+    _switch("--forward-prefetch", "Gather the next unit during forward."),
+    _switch("--activation-checkpointing", "Recompute activations in backward (Composer's module rules decide where)."),
+    _switch("--activation-cpu-offload", "Keep saved activations on the CPU until backward."),
+    _switch("--cpu-offload", "Keep sharded parameters, gradients and optimizer state on the CPU."),
+    argument("--min-params", metavar="N", help="Wrap a module as its own unit from N parameters (default 1e8)."),
+    argument("--wrap-cls", metavar="NAME[,NAME]", help="Class names whose instances are FSDP units (TorchAcc)."),
+    _switch(
+        "--sync-module-states",
+        "A model built on the meta device: rank 0 initializes it whole and broadcasts the shards "
+        "(without it every rank initializes its own shards under the same seeds).",
+    ),
+]
+
+
+#: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b), read off the arguments so that a new flag
+#: is one line above.
+CONFIG_FLAGS = tuple(
+    a.args[0].removeprefix("--").replace("-", "_") for a in _CONFIG_ARGUMENTS if a.args[0] != "--config"
+)
+
+
+def config_arguments(func):
+    """Add the fsdp_config flags to a magic's arguments."""
+    for add in reversed(_CONFIG_ARGUMENTS):
+        func = add(func)
+    return func
+
+
+@magics_class
+class FSDPMagics(Magics):
+    """Train the notebook's models sharded with FSDP2 across an ipyparallel cluster."""
+
+    def __init__(self, shell, cluster: FSDPCluster | None = None) -> None:
+        super().__init__(shell)
+        self.session = Session(shell, cluster)
+
+    @magic_arguments()
+    @argument(
+        "--world-size",
+        "-n",
+        type=int,
+        default=None,
+        help=WORLD_SIZE_HELP,
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        help=f"Seconds a collective may wait before it fails (default {DEFAULT_TIMEOUT_SECONDS:g}).",
+    )
+    @argument(
+        "--no-gather",
+        action="store_true",
+        help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
+    )
+    @argument(
+        "--per-rank-batches",
+        action="store_true",
+        help="Each rank takes whole batches of the notebook's DataLoaders (N x batch_size per step, len / N "
+        "steps), as DistributedSampler does; by default each batch is split across the ranks (the same math "
+        "as the plain cell).",
+    )
+    @argument(
+        "--async",
+        dest="background",
+        action="store_true",
+        help="Return at once while the ranks train; `%%fsdp wait` brings the results, `%%fsdp cancel` stops.",
+    )
+    @config_arguments
+    @cell_magic
+    @as_usage_errors
+    def fsdp(self, line: str, cell: str) -> None:
+        """Run this cell on every rank, with the notebook's models sharded by FSDP2.
+
+        Inside the cell ``rank``, ``world_size`` and ``device`` are defined and
+        ``nbfsdp`` is imported; every name the cell reads comes from the
+        notebook. Afterwards the notebook's models hold the trained weights and
+        the names the cell assigned hold rank 0's values.
+        """
+        args = parse_argstring(self.fsdp, line)
+        requested = args.world_size if args.world_size is not None else self.session.panel_world_size
+        world_size = _world_size(requested)
+        if not args.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        self.session.run_cell(
+            cell,
+            world_size=world_size,
+            timeout=args.timeout,
+            gather=not args.no_gather,
+            config=self._settings(args),
+            background=args.background,
+            per_rank_batches=args.per_rank_batches,
+        )
+
+    def _settings(self, args) -> config.FSDPConfig:
+        """Explicit flags > the --config dict > the panel's settings > defaults."""
+        flags = {k: getattr(args, k) for k in CONFIG_FLAGS}
+        return config.resolve(self._composer_dict(args.config), flags, self.session.panel)
+
+    def _composer_dict(self, name: str | None) -> dict | None:
+        if name is None:
+            return None
+        if name not in self.shell.user_ns:
+            raise UsageError(f"--config {name}: no such name in the notebook")
+        value = self.shell.user_ns[name]
+        if not isinstance(value, dict):
+            raise UsageError(f"--config {name}: is a {type(value).__name__}, not a dict like Composer's fsdp_config")
+        return value
+
+    @magic_arguments()
+    @argument(
+        "action",
+        choices=LINE_ACTIONS,
+        help="status: engines, ranks, devices, pids; stop: end the cluster; "
+        "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
+        "code it amounts to, nothing run (see %%fsdp? for settings); "
+        "compare [N]: the last N runs (default 5) side by side; "
+        "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
+        "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
+        "defaults); wait: the results of an --async run; cancel: end the running cell at its next step.",
+    )
+    @line_magic("fsdp")
+    @as_usage_errors
+    def fsdp_line(self, line: str) -> None:
+        """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
+        if line.split()[:1] == ["explain"]:
+            self._explain(line.split(None, 1)[1] if len(line.split()) > 1 else "")
+            return
+        if line.split()[:1] == ["compare"]:
+            self._compare(line.split()[1:])
+            return
+        if line.split()[:1] == ["panel"]:
+            self._panel(line.split()[1:])
+            return
+        if line.split()[:1] == ["set"]:
+            self._set(line.split()[1:])
+            return
+        args = parse_argstring(self.fsdp_line, line)
+        if args.action == "stop":
+            self.session.stop()
+            print("nbfsdp: cluster stopped")
+            return
+        if args.action == "wait":
+            self.session.wait()
+            return
+        if args.action == "cancel":
+            self.session.cancel()
+            return
+        self._status()
+
+    def _status(self) -> None:
+        """The world and its ranks; while engines start in the background, that, without waiting."""
+        cluster = self.session.cluster
+        if (starting := cluster.starting) is not None:
+            world_size, seconds = starting
+            print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
+            return
+        world = cluster.world
+        if world is None:
+            failed = cluster.background_error
+            why = f" (the background start failed: {failed}; the next cell starts again)" if failed else ""
+            print(f"nbfsdp: no cluster running{why}")
+            return
+        print(
+            f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s"
+            f"{' (broken: restarts on the next cell)' if world.broken else ''}"
+        )
+        print(f"{'rank':>4}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
+        for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
+            print(f"{rank:>4}  {engine_id:>6}  {info['pid']:>7}  {info['threads']:>7}  {info['device']}")
+
+    @magic_arguments()
+    @argument("model", help="The name of an nn.Module in the notebook.")
+    @argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
+    @argument("--code", action="store_true", help="Print the plain FSDP2 code these settings amount to.")
+    @config_arguments
+    def _explain_arguments(self, line: str) -> None:
+        """%fsdp explain [--code] [settings] [--world-size N] MODEL"""
+
+    def _explain(self, line: str) -> None:
+        args = parse_argstring(self._explain_arguments, line)
+        model = self.shell.user_ns.get(args.model)
+        if not isinstance(model, nn.Module):
+            found = "no such name" if model is None else f"a {type(model).__name__}"
+            raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
+        world_size = _world_size(args.world_size)
+        settings = self._settings(args)
+        settings = config.validate(settings, world_size, device_type(world_size))
+        planned = plan(model, settings, world_size)
+        print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+    def _compare(self, words: list[str]) -> None:
+        if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):
+            raise UsageError(f"%fsdp compare takes one optional positive number of runs; got {' '.join(words)!r}")
+        last = int(words[0]) if words else 5
+        rows = comparison.compare(last)
+        if not rows:
+            print("nbfsdp: no runs yet")
+            return
+        print(comparison.table(rows))
+        figure = comparison.loss_figure(last)
+        if figure is not None and getattr(self.shell, "kernel", None) is not None:
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format="png")
+            display(Image(data=buffer.getvalue()))
+
+    def _set(self, words: list[str]) -> None:
+        settings = {}
+        for word in words:
+            key, equals, value = word.partition("=")
+            if not equals or not value:
+                raise UsageError(f"%fsdp set takes KEY=VALUE pairs (fsdp_config keys or world_size); got {word!r}")
+            if key not in SETTABLE:
+                raise UsageError(f"%fsdp set {key}: not a setting; valid: {', '.join(SETTABLE)}")
+            settings[key] = {"true": True, "false": False}.get(value.lower(), value)
+        if "world_size" in settings:
+            if not str(settings["world_size"]).isdigit():
+                raise UsageError(f"world_size must be a whole number; got {settings['world_size']!r}")
+            settings["world_size"] = _world_size(int(settings["world_size"]))
+        if not settings:
+            raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
+        print(f"nbfsdp: {self.session.change_settings(settings) or 'defaults of the next cells set'}")
+
+    def _panel(self, words: list[str]) -> None:
+        if len(words) > 1:
+            raise UsageError(f"%fsdp panel takes at most one model name; got {' '.join(words)!r}")
+        model = None
+        if words:
+            model = self.shell.user_ns.get(words[0])
+            if not isinstance(model, nn.Module):
+                raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
+        world_size = _world_size(self.session.panel_world_size)
+        display(SettingsPanel(self.session, model, world_size).box)
+
+    def stop(self) -> None:
+        self.session.stop()
+
+
+def _world_size(requested: int | None) -> int:
+    world_size = requested if requested is not None else (visible_gpus() or 2)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    return world_size

@@ -1,0 +1,245 @@
+"""What FSDP2 will do with a model, before it does it: ``%fsdp explain`` and ``nbfsdp.explain``.
+
+Nothing runs on the engines. The plan uses the same rules as a real run
+(``units.wrap_units`` and friends), and the memory it predicts counts what
+FSDP2 allocates: each rank stores ``ceil(rows / shards)`` rows of every
+parameter (shards are padded to equal size), gradients alike; AdamW keeps two
+fp32 tensors the size of each rank's *unpadded* slice plus a 4-byte step.
+Tests hold these predictions to 5% of ``FSDPMemTracker``'s measurement.
+
+Communication is given twice: the size of the tensors each collective handles (what a
+``TorchDispatchMode`` sees), and the bytes a rank sends and receives on the wire under the ring
+algorithms NCCL uses for large messages (``ring_bytes``). The plan's ``code`` is the plain FSDP2
+code the settings amount to (``fsdp_code``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nbfsdp.kernel.cluster import device_type
+from nbfsdp.kernel.fsdp_code import render
+from nbfsdp.kernel.usage_errors import as_usage_errors
+from nbfsdp.shared.config import FSDPConfig, for_device, resolve
+from nbfsdp.shared.units import activation_modules, forward_order, wrap_rule, wrap_units
+
+
+@dataclass(kw_only=True, slots=True)
+class UnitPlan:
+    """One FSDP unit: the parameters it gathers and frees together."""
+
+    name: str
+    """Qualified name; '' is the root."""
+    cls: str
+    params: int
+    """Parameters this unit owns (not those of units inside it)."""
+    full_bytes: int
+    """Those parameters unsharded, in their own dtype."""
+    sharded_bytes: int
+    """Those parameters as one rank stores them (padded shard)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """The plan of one model at one world size, as data a notebook can plot."""
+
+    world_size: int
+    config: dict[str, Any]
+    units: list[UnitPlan]
+    """In forward order: the root first."""
+    wrap_rule: dict[str, Any]
+    """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words."""
+    checkpointed: list[str]
+    dtypes: dict[str, str]
+    """param_dtype, reduce_dtype, buffer_dtype."""
+    forward_prefetch: list[tuple[str, str]]
+    """(unit, unit it prefetches) pairs in forward."""
+    backward_order: list[str]
+    memory: list[dict[str, int]] = field(default_factory=list)
+    """Per rank: predicted bytes of params, grads and optim (AdamW), and FSDP2's comm_buffers at their peak."""
+    communication: dict[str, int] = field(default_factory=dict)
+    """Tensor bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
+    wire: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per collective: ``tensor`` bytes (as ``communication``), ``group`` size, and the bytes a rank
+    ``sent`` and ``received`` per step under the ring algorithms."""
+    code: str = ""
+    """The plain FSDP2 code these settings amount to, to run on each rank."""
+
+    def __str__(self) -> str:
+        name = lambda n: n or "(root)"  # noqa: E731
+        c = self.config
+        lines = [
+            f"FSDP plan at world size {self.world_size}: {c['sharding_strategy']}, "
+            f"mixed precision {c['mixed_precision']} (params {self.dtypes['param_dtype']}, "
+            f"reduce {self.dtypes['reduce_dtype']}, buffers {self.dtypes['buffer_dtype']})",
+            *(f"{key.replace('_', ' ')} {c[key]}: {why}" for key, why in c["why"].items()),
+            f"{'unit':<24} {'class':<16} {'params':>12} {'sharded/rank':>14}",
+        ]
+        lines += [
+            f"{name(u.name):<24} {u.cls:<16} {u.params:>12,} {size_text(u.sharded_bytes):>14}" for u in self.units
+        ]
+        counts = Counter(u.cls for u in self.units[1:])
+        chosen = ", ".join(f"{cls} x {n}" for cls, n in counts.items()) or "the root alone"
+        lines.append(f"units: {chosen}, {self.wrap_rule['rule']}")
+        lines.append(f"activation checkpointing: {', '.join(map(name, self.checkpointed)) or 'none'}")
+        lines.append(f"forward order: {' -> '.join(name(u.name) for u in self.units)}")
+        prefetch = ", ".join(f"{name(a)} prefetches {name(b)}" for a, b in self.forward_prefetch) or "off"
+        lines.append(f"forward prefetch: {prefetch}")
+        lines.append(
+            f"backward order: {' -> '.join(map(name, self.backward_order))}; backward prefetch {c['backward_prefetch']}"
+        )
+        for rank, m in enumerate(self.memory):
+            lines.append(
+                f"rank {rank} predicted: params {size_text(m['params'])}, grads {size_text(m['grads'])}, "
+                f"optimizer (AdamW) {size_text(m['optim'])}, comm buffers at peak {size_text(m['comm_buffers'])}"
+            )
+        comm = self.communication
+        lines.append(
+            f"per step per rank, tensors the collectives handle: all-gather {size_text(comm['all_gather'])}, "
+            f"reduce-scatter {size_text(comm['reduce_scatter'])}, all-reduce {size_text(comm['all_reduce'])}"
+        )
+        wire = self.wire
+        lines.append(
+            "per step per rank, bytes sent (and as many received) under the ring algorithms, (g-1)/g of the "
+            "tensor per all-gather or reduce-scatter and 2(g-1)/g per all-reduce in a group of g: "
+            + ", ".join(f"{kind.replace('_', '-')} {size_text(w['sent'])}" for kind, w in wire.items())
+            + f"; {size_text(sum(w['sent'] for w in wire.values()))} in all"
+        )
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB, as a person reads it."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def ring_bytes(kind: str, tensor_bytes: int, group_size: int) -> int:
+    """Bytes a rank sends (and receives) in a ring ``kind`` collective over ``tensor_bytes``, group of ``group_size``.
+
+    All-gather and reduce-scatter: N-1 steps of 1/N of the (gathered, or unreduced) tensor; an
+    all-reduce is a reduce-scatter then an all-gather, twice that (Patarasuk & Yuan; NCCL's ring).
+    gloo differs in one place: it runs a reduce-scatter as an all-reduce of the whole input, so
+    on CPU a rank sends twice this per reduce-scatter (measured in notebook 03).
+    """
+    if group_size <= 1:
+        return 0
+    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[kind]
+    return factor * tensor_bytes * (group_size - 1) // group_size
+
+
+def _shard_numel(param: torch.Tensor, shards: int, shard: int) -> tuple[int, int]:
+    """(elements stored, elements owned) of ``param`` on shard ``shard``: stored shards are padded."""
+    rows = param.shape[0] if param.dim() else 1
+    row_numel = param.numel() // rows if rows else 0
+    per_shard = -(-rows // shards)
+    return per_shard * row_numel, max(0, min(per_shard, rows - shard * per_shard)) * row_numel
+
+
+def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
+    units = wrap_units(model, config)
+    ordered = forward_order(model, units)
+    names = {id(m): n for n, m in model.named_modules()}
+    owner: dict[int, nn.Module] = {}
+    for unit in reversed(ordered):  # deepest units first claim their parameters
+        for param in unit.parameters():
+            owner.setdefault(id(param), unit)
+    replicas, shards = config.mesh_shape(world_size)
+    param_dtype, reduce_dtype, buffer_dtype = config.dtypes()
+    unique = list({id(p): p for p in model.parameters()}.values())
+
+    unit_plans = []
+    for unit in ordered:
+        own = [p for p in unique if owner[id(p)] is unit]
+        unit_plans.append(
+            UnitPlan(
+                name=names[id(unit)],
+                cls=type(unit).__name__,
+                params=sum(p.numel() for p in own),
+                full_bytes=sum(p.numel() * p.element_size() for p in own),
+                sharded_bytes=sum(_shard_numel(p, shards, 0)[0] * p.element_size() for p in own),
+            )
+        )
+
+    memory = []
+    for rank in range(world_size):
+        numels = [(_shard_numel(p, shards, rank % shards), p.element_size()) for p in unique]
+        stored = sum(s * size for (s, _), size in numels)
+        owned = sum(o for (_, o), _ in numels)  # AdamW: exp_avg and exp_avg_sq in fp32, one fp32 step each
+        memory.append({"params": stored, "grads": stored, "optim": 2 * 4 * owned + 4 * len(unique)})
+    stored_numel = sum(_shard_numel(p, shards, 0)[0] for p in unique)
+
+    gathered_per_step = {id(u): 1 if u is model or config.sharding_strategy == "SHARD_GRAD_OP" else 2 for u in ordered}
+    low = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    unit_params = sorted((u.params for u in unit_plans), reverse=True)
+    # FSDP2's buffers at their peak: the unit computing and the one prefetched, gathered; one unit's
+    # unsharded gradients waiting for reduce-scatter (none of it without sharding: NO_SHARD all-reduces)
+    comm_buffers = 0 if shards == 1 else sum(unit_params[:2]) * low(param_dtype) + unit_params[0] * low(reduce_dtype)
+    for figures in memory:
+        figures["comm_buffers"] = comm_buffers
+    communication = {
+        "all_gather": 0
+        if shards == 1
+        else sum(
+            u.params * low(param_dtype) * gathered_per_step[id(unit)]
+            for u, unit in zip(unit_plans, ordered, strict=True)
+        ),
+        "reduce_scatter": 0 if shards == 1 else sum(u.params for u in unit_plans) * low(reduce_dtype),
+        "all_reduce": 0 if replicas == 1 else stored_numel * low(reduce_dtype),
+    }
+    groups = {"all_gather": shards, "reduce_scatter": shards, "all_reduce": replicas}
+    wire = {
+        kind: {
+            "tensor": nbytes,
+            "group": groups[kind],
+            "sent": ring_bytes(kind, nbytes, groups[kind]),
+            "received": ring_bytes(kind, nbytes, groups[kind]),
+        }
+        for kind, nbytes in communication.items()
+    }
+    forward_prefetch = (
+        [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
+        if config.forward_prefetch
+        else []
+    )
+    dtype_name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    return Plan(
+        world_size=world_size,
+        config=config.as_dict(),
+        units=unit_plans,
+        wrap_rule=wrap_rule(model, config).as_dict(),
+        checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
+        if config.activation_checkpointing
+        else [],
+        dtypes={
+            "param_dtype": dtype_name(param_dtype),
+            "reduce_dtype": dtype_name(reduce_dtype),
+            "buffer_dtype": dtype_name(buffer_dtype),
+        },
+        forward_prefetch=forward_prefetch,
+        backward_order=[names[id(u)] for u in reversed(ordered)],
+        memory=memory,
+        communication=communication,
+        wire=wire,
+        code=render(model, config, world_size, device_type(world_size)),
+    )
+
+
+@as_usage_errors
+def explain(model: nn.Module, world_size: int = 2, **settings: Any) -> Plan:
+    """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys.
+
+    >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
+    """
+    return plan(model, for_device(resolve(settings, {}), device_type(world_size)), world_size)

@@ -1,0 +1,278 @@
+"""Run one cell on every rank: submit, stream output, watch each rank, end cleanly.
+
+``AsyncResult.get()`` on all engines would wait for the slowest rank, so one
+failing rank would hang the cell while the others wait in a collective
+(ipyparallel's ``%%px`` does). Here each rank's result is watched on its own;
+the first failure ends the cell. Its rank has already torn down its process
+group, which wakes peers blocked in gloo or NCCL within a second; a peer that
+is not in a collective gets SIGINT, and one that still does not return is
+killed, its world restarted by the next cell.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import ipyparallel as ipp
+from IPython import get_ipython
+from IPython.display import DisplayHandle, display
+
+from nbfsdp.engines import engine, progress
+from nbfsdp.kernel.cluster import FSDPCluster
+
+#: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
+POLL_SECONDS = 0.1
+LIVENESS_SECONDS = 0.25
+#: After a failure: how long peers get to fail on their own, then after SIGINT.
+PEER_GRACE_SECONDS = 0.5
+INTERRUPT_GRACE_SECONDS = 1.5
+
+
+class RankError(Exception):
+    """A rank failed; shows that rank's traceback, not the client's."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "", others: str = "") -> None:
+        super().__init__(f"rank {rank}: {message}{f' ({others})' if others else ''}")
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"[rank {self.rank}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
+        return [*lines, f"RankError: {self}"]
+
+
+class OutputSink(Protocol):
+    """Where ranks' output goes: the cell's own streams, or a widget for a background run."""
+
+    def write(self, text: str, stderr: bool) -> None: ...
+
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        """Rank 0's progress bar ``bar`` now reads ``text`` (``nbfsdp.engines.progress``); ``ended``: its last state."""
+
+
+class CellStreams:
+    """The running cell's stdout and stderr; each progress bar in a display of its own, updated in place
+    (a terminal IPython, which cannot update one, prints a bar once, when it ends)."""
+
+    def __init__(self) -> None:
+        self._in_kernel = getattr(get_ipython(), "kernel", None) is not None
+        self._bars: dict[str, DisplayHandle] = {}
+
+    def write(self, text: str, stderr: bool) -> None:
+        stream = sys.stderr if stderr else sys.stdout
+        stream.write(text)
+        stream.flush()
+
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        if not self._in_kernel:
+            if ended and text:
+                self.write(f"{text}\n", stderr=True)
+        elif bar in self._bars:
+            self._bars[bar].update({"text/plain": text}, raw=True)
+        elif text:  # a bar that ends unseen and leaves nothing (leave=False) needs no display
+            self._bars[bar] = display({"text/plain": text}, raw=True, display_id=True)
+
+
+class _OutputStreamer:
+    """Writes each rank's stdout and stderr as they grow, one prefixed line at a time; rank 0's progress
+    bars go to the sink's ``progress``, each bar's latest state once a look (other ranks draw none)."""
+
+    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink) -> None:
+        self._results = results
+        self._sink = sink
+        self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
+        self._bars: dict[str, tuple[str, bool]] = {}  # id -> the text last shown, whether it ended
+
+    def pump(self, final: bool = False) -> None:
+        bars: dict[str, tuple[str, bool]] = {}
+        for rank, result in enumerate(self._results):
+            for name in ("stdout", "stderr"):
+                text = result.metadata[name]
+                start = self._sent[rank, name]
+                end = len(text) if final else text.rfind("\n", start) + 1
+                if end > start:
+                    lines = []
+                    for line in text[start:end].splitlines():
+                        before, marker, drawn = line.partition(progress.MARKER)
+                        if before or not marker:
+                            lines.append(f"[rank {rank}] {before}\n")
+                        if marker and rank == 0 and len(fields := drawn.split(" ", 2)) == 3:
+                            bars[fields[0]] = (fields[2], fields[1] == "end")
+                    if lines:
+                        self._sink.write("".join(lines), name == "stderr")
+                    self._sent[rank, name] = end
+        if final:  # a bar the cell left open (an error, a break) ends in its last state
+            bars = {bar: (text, True) for bar, (text, _) in (self._bars | bars).items()}
+        for bar, state in bars.items():
+            if self._bars.get(bar) != state:
+                self._bars[bar] = state
+                self._sink.progress(bar, *state)
+
+
+def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
+    try:
+        return result.get(0)
+    except ipp.RemoteError as error:  # raised outside run_cell's own handler
+        lost = error.ename == "EngineError"  # the engine went away under the task
+        # otherwise the client's own interrupt reached the rank outside run_cell
+        return {
+            "ok": False,
+            "error": f"{error.ename}: {error.evalue}",
+            "traceback": "",
+            "secondary": not lost,
+            "engine_lost": lost,
+        }
+
+
+class LiveView(Protocol):
+    """What shows a cell while it runs (the dashboard): redrawn as records arrive, told of dead ranks."""
+
+    def refresh(self, final: bool = False) -> None: ...
+    def rank_state(self, rank: int, state: str) -> None: ...
+
+
+class _RecordStream:
+    """New records each rank has published since the last look, handed to ``on_records``."""
+
+    def __init__(
+        self,
+        results: list[ipp.AsyncResult],
+        on_records: Callable[[list[dict[str, Any]]], None] | None,
+        view: LiveView | None,
+    ) -> None:
+        self._results, self._on_records, self._view = results, on_records, view
+        self._seen: list[set[str]] = [set() for _ in results]
+
+    def pump(self) -> None:
+        if self._on_records is not None:
+            for result, seen in zip(self._results, self._seen, strict=True):
+                data = result.data
+                for key in [k for k in data if k not in seen]:
+                    seen.add(key)
+                    self._on_records(data[key])
+        if self._view is not None:
+            self._view.refresh()
+
+
+class RankRun:
+    """One cell submitted to every rank; ``watch`` follows it to its end, here or in a background thread.
+
+    ``skeletons`` are the models sent anew (their shards were delivered already). ``on_records``
+    gets each batch of records the ranks stream while they run.
+    """
+
+    def __init__(
+        self,
+        cluster: FSDPCluster,
+        spec: dict[str, Any],
+        values: bytes,
+        skeletons: dict[str, bytes],
+        view: LiveView | None = None,
+        sink: OutputSink | None = None,
+        on_records: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.world = cluster.world
+        self.results = [
+            cluster.client[engine_id].apply_async(engine.run_cell, spec, values, skeletons)
+            for engine_id in self.world.engine_ids
+        ]
+        self.view = view
+        self._streamer = _OutputStreamer(self.results, sink or CellStreams())
+        self._records = _RecordStream(self.results, on_records, view)
+        self._interrupt = threading.Event()
+
+    def interrupt(self) -> None:
+        """From another thread: end the run as a KeyboardInterrupt in ``watch`` would."""
+        self._interrupt.set()
+
+    def watch(self, on_poll: Callable[[], None] | None = None) -> list[dict]:
+        """Each rank's outcome, or ``RankError``; KeyboardInterrupt interrupts every rank, kills those
+        that do not stop, and propagates. ``on_poll`` runs between looks (the notebook's widget events)."""
+        outcomes: dict[int, dict] = {}
+        try:
+            _watch(self, outcomes, on_poll)
+        except KeyboardInterrupt:
+            self.world.broken = True
+            _stop_ranks(self, outcomes, immediately=True)
+            raise
+        finally:
+            for result in self.results:
+                if result.ready():
+                    result.wait_for_output(1.0)
+            self._streamer.pump(final=True)
+        failed = {rank: o for rank, o in outcomes.items() if not o["ok"]}
+        if failed:
+            self.world.broken = True
+            primary = {rank: o for rank, o in failed.items() if not o["secondary"]} or failed
+            rank = min(primary)
+            message = primary[rank]["error"]
+            same = [str(r) for r in primary if r != rank and primary[r]["error"] == message]
+            others = [f"rank {r}: {o['error']}" for r, o in primary.items() if r != rank and o["error"] != message]
+            if same:
+                others.insert(0, f"also on ranks {', '.join(same)}")
+            raise RankError(rank, message, primary[rank]["traceback"], "; ".join(others))
+        return [outcomes[rank] for rank in range(len(self.results))]
+
+
+def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> None:
+    next_liveness = time.monotonic() + LIVENESS_SECONDS
+    results, cluster = run.results, run.cluster
+    while len(outcomes) < len(results):
+        if run._interrupt.is_set():
+            raise KeyboardInterrupt
+        for rank, result in enumerate(results):
+            if rank not in outcomes and result.ready():
+                outcomes[rank] = _outcome(result)
+                if outcomes[rank].get("engine_lost") and (how := cluster.how_rank_died(rank)):
+                    outcomes[rank]["error"] = f"engine died: {how}"
+        run._streamer.pump()
+        run._records.pump()
+        if time.monotonic() >= next_liveness:
+            for rank, how in cluster.dead_ranks().items():
+                outcomes.setdefault(
+                    rank, {"ok": False, "error": f"engine died: {how}", "traceback": "", "secondary": False}
+                )
+                if run.view is not None:
+                    run.view.rank_state(rank, f"dead: {how}")
+            next_liveness = time.monotonic() + LIVENESS_SECONDS
+        if any(not o["ok"] for o in outcomes.values()) and len(outcomes) < len(results):
+            _stop_ranks(run, outcomes, immediately=False)
+            return
+        if on_poll is not None:
+            on_poll()
+        # woken at once by a rank's result, so the cell ends as soon as the last rank does
+        pending = [result for rank, result in enumerate(results) if rank not in outcomes]
+        concurrent.futures.wait(pending, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def _stop_ranks(run: RankRun, outcomes: dict, immediately: bool) -> None:
+    """Bring every rank still running to an end: grace, then SIGINT, then kill."""
+    results, cluster = run.results, run.cluster
+    steps = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
+    if not immediately:
+        steps.insert(0, (None, PEER_GRACE_SECONDS))
+    for signum, grace in steps:
+        running = [rank for rank in range(len(results)) if rank not in outcomes]
+        if not running:
+            return
+        if signum is not None:
+            cluster.signal_ranks(running, signum)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(not results[r].ready() for r in running):
+            run._streamer.pump()
+            time.sleep(POLL_SECONDS)
+        for rank in running:
+            if results[rank].ready():
+                outcomes[rank] = _outcome(results[rank])
+    stuck = [rank for rank in range(len(results)) if rank not in outcomes]
+    for rank in stuck:
+        outcomes[rank] = {"ok": False, "error": "did not stop; engine killed", "traceback": "", "secondary": True}
+    if stuck:
+        cluster.kill_engines()

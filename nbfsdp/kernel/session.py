@@ -1,0 +1,377 @@
+"""One notebook's FSDP session: turns a ``%%fsdp`` cell into a run and its results.
+
+The order matters for "nothing lost in the notebook": the cell is parsed and
+every input pickled before any engine is touched, so a syntax error or an
+unpicklable name fails at once; the notebook's namespace and models change
+only after every rank has succeeded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import itertools
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from torch.utils.data import DataLoader
+
+from nbfsdp.kernel import history, loaders
+from nbfsdp.kernel.cluster import FSDPCluster, World, device_type
+from nbfsdp.kernel.control import RunControl
+from nbfsdp.kernel.delivery import deliver
+from nbfsdp.kernel.planning import plan
+from nbfsdp.kernel.runner import RankRun
+from nbfsdp.shared import optimizers, transfer
+from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
+from nbfsdp.shared.units import check_initializable, wrap_rule, wrap_units
+from nbfsdp.ui.dashboard import LiveDashboard
+from nbfsdp.ui.widget_events import pending_events
+
+
+def _unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(unit)] for unit in wrap_units(model, config)] + [""]
+
+
+def _check_no_shared_modules(name: str, model: nn.Module) -> None:
+    """Composer's duplicate-module check: FSDP shards each module once, by one path."""
+    seen: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen and any(True for _ in module.parameters()):
+            raise UsageError(
+                f"{name}.{seen[id(module)]} and {name}.{path} are the same module; FSDP can shard a module "
+                "only once: give each place its own module (tie single parameters instead)"
+            )
+        seen.setdefault(id(module), path)
+
+
+#: A cell's pickled inputs above this size get a warning naming the big ones.
+HUGE_INPUT_BYTES = 64 * 2**20
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+@dataclass(eq=False)
+class CellRun:
+    """A cell submitted to the ranks, and what finishing it needs."""
+
+    ranks: RankRun
+    record: history.RunRecord
+    control: RunControl
+    dashboard: LiveDashboard | None
+    models: dict[str, nn.Module]
+    sent: dict[str, Any]
+    """The notebook's own loaders, optimizers and schedulers the cell read: they take rank 0's state after."""
+    skeletons: dict[str, bytes]
+    tokens: dict[str, int]
+    started: float
+    thread: threading.Thread | None = None
+    outcome: list[dict[str, Any]] | BaseException | None = None
+
+    def watch_in_background(self) -> None:
+        try:
+            self.outcome = self.ranks.watch()
+        except BaseException as error:  # handed to %fsdp wait, which raises it in the notebook
+            self.outcome = error
+
+
+class Session:
+    """The cluster plus what the notebook knows the engines hold."""
+
+    def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
+        self.shell = shell
+        self.cluster = cluster or FSDPCluster()
+        self.panel: dict[str, Any] = {}
+        """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
+        self.panel_world_size: int | None = None
+        self.active: CellRun | None = None
+        """The cell running now, in the foreground or the background."""
+        self._cells = itertools.count(1)
+        self._tokens = itertools.count(1)
+        self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
+        self._models_generation: int | None = None
+        self._loaders = loaders.NotebookLoaders()
+
+    def run_cell(
+        self,
+        cell: str,
+        *,
+        world_size: int,
+        timeout: float,
+        gather: bool,
+        config: FSDPConfig,
+        background: bool = False,
+        per_rank_batches: bool = False,
+    ) -> None:
+        if self.active is not None:
+            state = "still going" if self.active.thread.is_alive() else "done"
+            raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
+        started = time.perf_counter()
+        config = validate(config, world_size, device_type(world_size))
+        cell_number = next(self._cells)
+        filename = f"<fsdp-cell-{cell_number}>"
+        reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
+        models, values, sent = self._read_inputs(reads)
+        plans = self._loaders.plan(sent, world_size, per_rank_batches)
+        skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
+        for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
+            wrap_units(model, config)
+        fingerprints = {
+            name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(dataclasses.asdict(config)))
+            for name, model in models.items()
+        }
+
+        world = self.cluster.ensure_world(world_size, timeout)
+        if world.generation != self._models_generation:  # a new world holds no models
+            self._engine_models, self._models_generation = {}, world.generation
+        to_send = [name for name in models if self._engine_models.get(name, (None,))[0] != fingerprints[name]]
+        tokens = {name: next(self._tokens) if name in to_send else self._engine_models[name][1] for name in models}
+        materialize = [name for name in to_send if _on_meta(models[name])]
+        delivering = {name: models[name] for name in to_send if name not in materialize}
+        _, shard_degree = config.mesh_shape(world_size)
+        received = deliver(self.cluster, world, delivering, tokens, shard_degree, config.cpu_offload)
+        sending = {name: skeletons[name] for name in to_send}
+        sent_bytes = [n + len(values) + sum(map(len, sending.values())) for n in received]
+        control = RunControl(self.cluster.private_dir, cell_number)
+        spec = {
+            "code": cell,
+            "filename": filename,
+            "generation": world.generation,
+            "models": list(models),
+            "model_tokens": tokens,
+            "assigned": assigned,
+            "gather": sorted(models) if gather else [],
+            "fsdp": dataclasses.asdict(config),
+            "materialize": materialize,
+            "seed": torch.initial_seed() % 2**63,
+            "control": str(control.path),
+            "loaders": {
+                name: {"per_rank": per_rank_batches, "seed_state": self._loaders.shuffle_state(sent[name])}
+                for name in plans
+            },
+        }
+        record = history.RunRecord(
+            world_size=world_size,
+            config=self._effective_settings(world, timeout, gather, config, models),
+            sent_bytes=sent_bytes,
+        )
+        if plans:
+            record.config["loaders"] = {name: plan.as_dict() for name, plan in plans.items()}
+        history.record(record)
+        for name, loader_plan in plans.items():
+            print(loader_plan.line(name))
+        dashboard = self._dashboard(world, models, config, background)
+        ranks = RankRun(
+            self.cluster,
+            spec,
+            values,
+            sending,
+            view=dashboard,
+            sink=dashboard if background else None,
+            on_records=functools.partial(_stream_into, record, dashboard),
+        )
+        run = CellRun(ranks, record, control, dashboard, models, sent, skeletons, tokens, started)
+        self.active = run
+        if background:
+            run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
+            run.thread.start()
+            print(f"nbfsdp: running in the background on {world_size} ranks; `%fsdp wait` for the results")
+            return
+        try:
+            with pending_events() as poll:
+                run.outcome = run.ranks.watch(on_poll=poll)
+        except BaseException as error:
+            run.outcome = error
+        self._finish(run)
+
+    def wait(self) -> None:
+        """Block until the background run ends, then finish it as a blocking cell would have."""
+        run = self.active
+        if run is None or run.thread is None:
+            print("nbfsdp: no background run")
+            return
+        try:
+            while run.thread.is_alive():
+                run.thread.join(0.1)
+        except KeyboardInterrupt:
+            run.ranks.interrupt()
+            run.thread.join()
+        self._finish(run)
+
+    def cancel(self) -> None:
+        """End the running cell cleanly at its next ``nbfsdp.log`` call on every rank."""
+        if self.active is None:
+            print("nbfsdp: nothing is running")
+            return
+        self.active.control.cancel()
+        if self.active.dashboard is not None:
+            self.active.dashboard.note("stop requested: the ranks end at their next nbfsdp.log call")
+
+    def change_settings(self, settings: dict[str, Any]) -> str:
+        """A control was changed: the new defaults for later cells, and live in the running cell."""
+        given = {key: value for key, value in settings.items() if key != "world_size"}
+        checked = resolve({}, given)
+        given = {key: getattr(checked, key) for key in given}
+        self.panel.update(given)
+        if "world_size" in settings:
+            self.panel_world_size = int(settings["world_size"])
+        run = self.active
+        live = {key: value for key, value in given.items() if key in LIVE_SETTINGS}
+        strategies = {live.get("sharding_strategy"), run.record.config["sharding_strategy"]} if run else set()
+        if "sharding_strategy" in live and strategies - set(LIVE_STRATEGIES):
+            live.pop("sharding_strategy")  # another mesh: only a new cell can shard that way
+        later = sorted(set(settings) - set(live)) if run else []
+        if run is not None and live:
+            run.control.change(live)
+        words = ", ".join(f"{key}={value}" for key, value in live.items())
+        message = f"requested {words} (from the next step)" if run is not None and live else ""
+        if later:
+            message += f"{'; ' if message else ''}{', '.join(later)}: from the next cell"
+        return message
+
+    def _finish(self, run: CellRun) -> None:
+        """The run has ended: bring results into the notebook, or raise its error; either way it is recorded."""
+        self.active = None
+        run.control.remove()
+        record, outcome = run.record, run.outcome
+        record.elapsed = time.perf_counter() - run.started
+        if isinstance(outcome, BaseException):
+            record.ok, record.error = False, str(outcome) or type(outcome).__name__
+            if run.dashboard:
+                run.dashboard.finish(None, "failed")
+            raise outcome
+        self._apply_results(outcome, run)
+        record.metrics = sorted((m for o in outcome for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
+        record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
+        record.cancelled = outcome[0]["cancelled"]
+        if run.dashboard:
+            run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
+        record.elapsed = time.perf_counter() - run.started
+
+    def _dashboard(
+        self, world: World, models: dict[str, nn.Module], config: FSDPConfig, background: bool
+    ) -> LiveDashboard | None:
+        """A live dashboard where a frontend can show one: in a kernel, not a terminal IPython."""
+        if getattr(self.shell, "kernel", None) is None:
+            return None
+        predicted = plan(next(iter(models.values())), config, world.world_size).memory if models else None
+        device = "cuda" if world.backend == "nccl" else "cpu"
+        settings = {**dataclasses.asdict(config), "world_size": world.world_size}
+        return LiveDashboard(
+            world.world_size, device, predicted, settings, self.change_settings, self.cancel, with_output=background
+        )
+
+    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes, dict[str, Any]]:
+        """The notebook's models the cell reads, and every other name it reads, pickled; and the
+        loaders, optimizers and schedulers among those, which take the ranks' state after the cell.
+
+        Everything that can be refused is refused here, before an engine is touched.
+        """
+        namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
+        inputs = {name: namespace[name] for name in reads if name in namespace and name not in hidden}
+        models: dict[str, nn.Module] = {}
+        for name, value in inputs.items():  # a second name for the same model travels as a reference
+            if transfer.is_model(value) and all(value is not m for m in models.values()):
+                models[name] = value
+        for name, model in models.items():
+            if _on_meta(model) and (why := check_initializable(model)):
+                raise UsageError(f"{name!r} is built on the meta device, but {why}")
+            _check_no_shared_modules(name, model)
+        others = {n: v for n, v in inputs.items() if n not in models}
+        try:
+            values = transfer.pack_values(others, models)
+        except transfer.UnpicklableName as error:
+            raise UsageError(str(error)) from None
+        if len(values) > HUGE_INPUT_BYTES:
+            self._warn_huge(others, models)
+        sent = {n: v for n, v in others.items() if isinstance(v, (DataLoader, *optimizers.STATEFUL))}
+        return models, values, sent
+
+    def _warn_huge(self, values: dict[str, Any], models: dict[str, nn.Module]) -> None:
+        """Name the inputs that make a cell's payload big: each rank gets a copy of each."""
+        sizes = {name: transfer.pickled_size(v, models) for name, v in values.items()}
+        big = ", ".join(f"{n} ({s / 2**20:.0f} MiB)" for n, s in sizes.items() if s > HUGE_INPUT_BYTES // 4)
+        world = self.cluster.world
+        ranks = f"each of {world.world_size} ranks" if world else "each rank"
+        print(f"nbfsdp: sending {big} to {ranks}; data this big is better loaded on the ranks", file=sys.stderr)
+
+    @staticmethod
+    def _effective_settings(
+        world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
+    ) -> dict[str, Any]:
+        """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names (``why``: those
+        nbfsdp chose for the device or runs otherwise than asked)."""
+        return {
+            "world_size": world.world_size,
+            "backend": world.backend,
+            "device": "cuda" if world.backend == "nccl" else "cpu",
+            "timeout": timeout,
+            "gather": gather,
+            **config.as_dict(),
+            "fsdp_units": {name: _unit_names(model, config) for name, model in models.items()},
+            "fsdp_wrap": {name: wrap_rule(model, config).as_dict() for name, model in models.items()},
+        }
+
+    def _apply_results(self, outcomes: list[dict[str, Any]], run: CellRun) -> None:
+        """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
+        first = outcomes[0]
+        for name, state in first["states"].items():
+            model = run.models[name]
+            # in place, so other references see it too; a meta-built model takes the tensors as they are
+            model.load_state_dict(transfer.tied_as(model, state), assign=_on_meta(model))
+        for name, model in run.models.items():
+            # what the engines hold now: these weights, under the settings in force at the end (live changes too)
+            settings = _settings_key(first["settings"][name])
+            self._engine_models[name] = (
+                (transfer.model_fingerprint(model, run.skeletons[name]), settings),
+                run.tokens[name],
+            )
+        for name, state in first["in_place"].items():
+            run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
+        for name, state in first["loaders"].items():
+            self._loaders.continue_after(run.sent[name], state)
+        objects = dict(run.sent)
+        for name, data in first["names"].items():  # optimizers first: a scheduler the cell made refers to one
+            objects[name] = self.shell.user_ns[name] = transfer.load_result(data, run.models, objects)
+            optimizers.track_steps(objects[name])
+        if first["skipped"]:
+            reasons = "; ".join(f"{name} ({why})" for name, why in first["skipped"].items())
+            print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
+
+    def stop(self) -> None:
+        """End the cluster; a background run still going ends with it."""
+        if self.active is not None and self.active.thread is not None:
+            self.active.ranks.interrupt()
+            self.active.thread.join()
+            self.active.control.remove()
+            self.active = None
+        self.cluster.stop()
+        self._engine_models = {}
+
+
+def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:
+    """Records as the ranks send them: into ``last_run().metrics`` while the cell runs, and onto the dashboard.
+
+    When the cell ends, ``metrics`` becomes every rank's complete list, in step order.
+    """
+    record.metrics.extend(records)
+    if dashboard is not None:
+        dashboard.add(records)
+
+
+def _settings_key(fields: dict[str, Any]) -> str:
+    """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again.
+
+    ``why`` only explains them: FULL chosen by default and FULL asked for shard alike."""
+    return repr(sorted((key, value) for key, value in fields.items() if key != "why"))

@@ -1,0 +1,237 @@
+"""FSDP settings in Composer's ``fsdp_config`` vocabulary, validated, and what each means in FSDP2.
+
+People learn FSDP from Composer's docs, so the names and defaults are
+Composer's; ``sharding.py`` maps them onto FSDP2. Where FSDP2 has no exact
+equivalent the mapping says so (``effective_backward_prefetch`` and ``why``).
+Runs in the notebook's kernel; the engines get a config every default of which
+``validate`` has filled in for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """Settings that cannot be used; the message names the valid choices. The notebook shows it as IPython's
+    ``UsageError`` (``nbfsdp.kernel.usage_errors``); code shared with the engines does not import IPython."""
+
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
+PRECISIONS = ("bf16", "fp16")
+BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+#: Settings a running cell can switch at a step boundary; the others need another mesh or placement.
+LIVE_SETTINGS = (
+    "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
+    "activation_checkpointing",
+)  # fmt: skip
+#: Strategies a running cell can switch between: the same mesh, only resharding after forward differs.
+LIVE_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+#: Composer keys that FSDP2 makes moot; accepted so a Composer dict works unchanged.
+COMPOSER_KEYS_WITHOUT_EFFECT = {
+    "limit_all_gathers": "FSDP2 always limits in-flight all-gathers",
+    "use_orig_params": "FSDP2 always keeps the original parameters",
+    "verbose": "nbfsdp shows the plan with %fsdp explain",
+    "state_dict_type": "the notebook always gets the full state dict back",
+    "auto_wrap": "wrapping follows _fsdp_wrap, fsdp_wrap_fn, min_params and wrap_cls",
+    "activation_checkpointing_reentrant": "FSDP2 uses non-reentrant checkpointing",
+    "keep_low_precision_grads": "FSDP2 keeps gradients in the parameters' dtype",
+    "load_monolith_rank0_only": "the notebook is the only source of weights",
+    "data_parallel_shard_degree": "the shard degree is world size / data_parallel_replicate_degree",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """The settings of one ``%%fsdp`` cell, with Composer's names and defaults."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD."""
+    mixed_precision: str | dict | None = None
+    """FULL, DEFAULT, PURE, or a dict of param_dtype / reduce_dtype / buffer_dtype; None (not given) is
+    Composer's default for the device: FULL on CPU, where its precision is fp32 unless ``precision``
+    is given, DEFAULT on GPU."""
+    precision: str | None = None
+    """The low precision of DEFAULT and PURE: bf16 or fp16; None (not given) is bf16."""
+    backward_prefetch: str | None = None
+    """BACKWARD_PRE, BACKWARD_POST (FSDP2 has none: BACKWARD_PRE is used) or NONE; None (not given) is
+    Composer's default BACKWARD_POST, which runs as BACKWARD_PRE without a word."""
+    forward_prefetch: bool = False
+    """All-gather the next unit while the current one computes its forward."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them."""
+    activation_cpu_offload: bool = False
+    """Keep saved activations on the CPU until backward needs them."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU."""
+    min_params: int = int(1e8)
+    """Wrap a module as its own unit once it holds this many not-yet-wrapped parameters."""
+    wrap_cls: tuple[str, ...] = ()
+    """Class names whose instances are units (TorchAcc's wrap classes)."""
+    replicas: int | None = None
+    """HYBRID_SHARD: number of replica groups (Composer's data_parallel_replicate_degree)."""
+    sync_module_states: bool = False
+    """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards."""
+    ignored: dict[str, str] = field(default_factory=dict)
+    """Composer keys given that have no effect under FSDP2, with why."""
+    why: dict[str, str] = field(default_factory=dict)
+    """Settings nbfsdp chose (a default for the device) or runs otherwise than asked, with why."""
+
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """(param, reduce, buffer) dtypes of the mixed-precision setting."""
+        if self.mixed_precision is None or self.precision is None:
+            raise ValueError("settings not given: validate(config, world_size, device_type) fills them in")
+        if isinstance(self.mixed_precision, dict):
+            return tuple(_DTYPES[self.mixed_precision.get(k, "fp32")] for k in _MIXED_PRECISION_KEYS)
+        low = _DTYPES[self.precision]
+        fp32 = torch.float32
+        return {"FULL": (fp32, fp32, fp32), "DEFAULT": (fp32, low, fp32), "PURE": (low, low, low)}[self.mixed_precision]
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(replicate, shard) degrees of the device mesh."""
+        match self.sharding_strategy:
+            case "NO_SHARD":
+                return world_size, 1
+            case "HYBRID_SHARD":
+                return self.replicas, world_size // self.replicas
+            case _:
+                return 1, world_size
+
+    @property
+    def effective_backward_prefetch(self) -> str:
+        return "BACKWARD_PRE" if self.backward_prefetch == "BACKWARD_POST" else self.backward_prefetch
+
+    def as_dict(self) -> dict[str, Any]:
+        """The effective settings, with Composer's key names and values."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        settings["backward_prefetch"] = self.effective_backward_prefetch
+        settings["wrap_cls"] = list(self.wrap_cls)
+        settings["ignored"] = dict(self.ignored)
+        settings["why"] = dict(self.why)
+        return settings
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.upper() not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value.upper()
+
+
+def _mixed_precision(value: Any) -> str | dict:
+    if isinstance(value, dict):
+        unknown = set(value) - set(_MIXED_PRECISION_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"mixed_precision dict keys are {', '.join(_MIXED_PRECISION_KEYS)}; got {sorted(unknown)}"
+            )
+        for key, dtype in value.items():
+            if str(dtype).removeprefix("torch.") not in _DTYPES:
+                raise ConfigError(f"mixed_precision {key} must be one of {', '.join(_DTYPES)}; got {dtype!r}")
+        return {key: str(dtype).removeprefix("torch.") for key, dtype in value.items()}
+    return _choice("mixed_precision", value, MIXED_PRECISIONS)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    try:
+        number = int(float(value))
+    except (TypeError, ValueError):
+        number = -1
+    if number < 0 or isinstance(value, bool):
+        raise ConfigError(f"{key} must be a non-negative whole number; got {value!r}")
+    return number
+
+
+_CONVERTERS = {
+    "sharding_strategy": lambda v: _choice("sharding_strategy", v, SHARDING_STRATEGIES),
+    "mixed_precision": _mixed_precision,
+    "precision": lambda v: _choice("precision", str(v).lower(), tuple(p.upper() for p in PRECISIONS)).lower(),
+    "backward_prefetch": lambda v: _choice("backward_prefetch", "NONE" if v is None else v, BACKWARD_PREFETCHES),
+    "forward_prefetch": bool,
+    "activation_checkpointing": bool,
+    "activation_cpu_offload": bool,
+    "cpu_offload": bool,
+    "min_params": lambda v: _positive_int("min_params", v),
+    "wrap_cls": lambda v: tuple(c.strip() for c in (v.split(",") if isinstance(v, str) else v) if c.strip()),
+    "replicas": lambda v: None if v is None else _positive_int("replicas", v),
+    "data_parallel_replicate_degree": lambda v: None if v is None else _positive_int("replicas", v),
+    "sync_module_states": bool,
+}
+_ALIASES = {"data_parallel_replicate_degree": "replicas"}
+
+
+def resolve(
+    composer_dict: dict[str, Any] | None, flags: dict[str, Any], panel: dict[str, Any] | None = None
+) -> FSDPConfig:
+    """Defaults < the panel's settings < a Composer ``fsdp_config`` dict < explicit flags; every value checked."""
+    settings: dict[str, Any] = {}
+    ignored: dict[str, str] = {}
+    for source in (panel or {}, composer_dict or {}, {k: v for k, v in flags.items() if v is not None}):
+        for key, value in source.items():
+            if key in COMPOSER_KEYS_WITHOUT_EFFECT:
+                ignored[key] = COMPOSER_KEYS_WITHOUT_EFFECT[key]
+            elif key in _CONVERTERS:
+                settings[_ALIASES.get(key, key)] = _CONVERTERS[key](value)
+            else:
+                valid = sorted([*_CONVERTERS, *COMPOSER_KEYS_WITHOUT_EFFECT])
+                raise ConfigError(f"unknown fsdp_config key {key!r}; valid keys: {', '.join(valid)}")
+    return FSDPConfig(**settings, ignored=ignored)
+
+
+#: Why a setting not given takes the value it does.
+_FULL_ON_CPU = "not given; Composer's precision on CPU is fp32: one process's math (DEFAULT or PURE for bf16)"
+_DEFAULT_PREFETCH = (
+    "not given; Composer's default BACKWARD_POST, which FSDP2 does not have, runs as FSDP2's own backward prefetch"
+)
+_POST_ASKED = "BACKWARD_POST asked, which FSDP2 does not have (it can prefetch the wrong unit, pytorch#108190)"
+
+
+def for_device(config: FSDPConfig, device_type: str) -> FSDPConfig:
+    """``config`` with the settings not given filled in as Composer would on ``device_type``, saying why."""
+    why = dict(config.why)
+    mixed_precision, backward_prefetch = config.mixed_precision, config.backward_prefetch
+    precision = config.precision or "bf16"
+    if mixed_precision is None and device_type == "cpu" and config.precision is None:
+        mixed_precision, why["mixed_precision"] = "FULL", _FULL_ON_CPU
+    elif mixed_precision is None:  # Composer's DEFAULT wherever its precision is low: on GPU, or asked for
+        where = "on GPU" if device_type == "cuda" else "once a precision is given"
+        mixed_precision = "DEFAULT"
+        why["mixed_precision"] = f"not given; Composer's default {where}: gradients reduced in {precision}"
+    if backward_prefetch is None:
+        backward_prefetch, why["backward_prefetch"] = "BACKWARD_PRE", _DEFAULT_PREFETCH
+    elif backward_prefetch == "BACKWARD_POST":
+        why["backward_prefetch"] = f"{_POST_ASKED}: FSDP2's own backward prefetch runs"
+    chosen = {"mixed_precision": mixed_precision, "precision": precision, "backward_prefetch": backward_prefetch}
+    return dataclasses.replace(config, **chosen, why=why)
+
+
+def validate(config: FSDPConfig, world_size: int, device_type: str, *, quiet: bool = False) -> FSDPConfig:
+    """Checks that need the world (mesh shape, what the device can run); the config the ranks run.
+
+    An explicit BACKWARD_POST is said in one line on stderr unless ``quiet`` (a plan shows it anyway).
+    """
+    config = for_device(config, device_type)
+    if config.sharding_strategy == "HYBRID_SHARD":
+        replicas = config.replicas
+        if not replicas or world_size % replicas or not 1 <= replicas <= world_size:
+            raise ConfigError(f"HYBRID_SHARD needs --replicas R dividing the world size {world_size}; got {replicas}")
+    if device_type == "cpu" and torch.float16 in config.dtypes():
+        raise ConfigError("fp16 needs a GPU; on CPU use --precision bf16 (or mixed_precision FULL)")
+    if config.backward_prefetch == "BACKWARD_POST" and not quiet:
+        print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)
+    return config

@@ -1,0 +1,137 @@
+"""Processes by pid and start time, and a cluster's processes found by its private directory.
+
+Used by the kernel (stopping a cluster), the fork server (its children) and
+the reaper (a dead kernel's cluster): ``ProcessRef`` is how every part of
+nbfsdp signals a process, so that a pid the system has since given to another
+process is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+#: ``end_cluster`` looks again this long after its kills, and gives up on processes that outlast this limit
+SWEEP_PAUSE_SECONDS = 0.2
+SWEEP_LIMIT_SECONDS = 10.0
+#: psutil's start time is the boot time plus the start in clock ticks since boot, and it reads the boot time
+#: as whole seconds each time, which a clock adjustment can move by one: one process's start times may differ
+#: by that second, and a pid reused within it (the pid space wrapped in a second) is not told apart
+START_TIME_SLACK_SECONDS = 1.0 + 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRef:
+    """A process as its pid and start time: once it ends, the system may give its pid to another process,
+    which a signal by pid alone would hit."""
+
+    pid: int
+    started: float
+    """psutil's ``create_time()``, taken when the process was first known (NaN: unknown, never signalled)."""
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef | None:
+        """The process that has ``pid`` now; None if none has."""
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except psutil.Error:
+            return None
+
+    def process(self) -> psutil.Process | None:
+        """This process, while ``pid`` is still its own (a zombie not yet reaped included)."""
+        try:
+            process = psutil.Process(self.pid)
+            same = abs(process.create_time() - self.started) <= START_TIME_SLACK_SECONDS
+        except psutil.Error:
+            return None
+        return process if same else None
+
+    def alive(self) -> bool:
+        """It runs (it has not exited, and ``pid`` is not another process's now)."""
+        process = self.process()
+        try:
+            return process is not None and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def signal(self, signum: int) -> bool:
+        """Send ``signum`` if ``pid`` is still this process's; False if it is gone or another's now.
+
+        On Linux a pidfd pins the process before its start time is checked, so nothing can take the pid
+        between the check and the signal."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return False
+        except (AttributeError, OSError):  # no pidfds here: psutil's own check of the pid, then the signal
+            if (process := self.process()) is None:
+                return False
+            try:
+                process.send_signal(signum)
+            except psutil.Error:
+                return False
+            return True
+        try:
+            if self.process() is None:
+                return False
+            signal.pidfd_send_signal(pidfd, signum)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            os.close(pidfd)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def is_cluster_process(process: psutil.Process) -> bool:
+    """ipyparallel's controller and schedulers, the engine fork server and the engines it forked."""
+    return _is_cluster_command(process.cmdline())
+
+
+def _is_cluster_command(cmdline: list[str]) -> bool:
+    return any("ipyparallel" in part or "nbfsdp.helpers.forkserver" in part for part in cmdline)
+
+
+def _names(cmdline: list[str], private_dir: str) -> bool:
+    """The command line names ``private_dir`` (as a word or as an option's value)."""
+    return any(part == private_dir or part.endswith(f"={private_dir}") for part in cmdline)
+
+
+def cluster_processes(private_dir: str) -> list[psutil.Process]:
+    """The cluster's live processes: those started for ``private_dir``, and everything they started (an
+    engine's nanny names no directory)."""
+    found: dict[int, psutil.Process] = {}
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []  # None: not ours to read, or gone
+        if process.pid not in found and _is_cluster_command(cmdline) and _names(cmdline, private_dir):
+            with contextlib.suppress(psutil.Error):
+                found.update((p.pid, p) for p in [process, *process.children(recursive=True)])
+    return [process for process in found.values() if alive(process.pid)]
+
+
+def end_cluster(private_dir: str | Path) -> None:
+    """Kill the cluster's processes (see ``cluster_processes``), then remove the directory.
+
+    It looks again after each round of kills until it finds none: a process can fork between the look and
+    its kill (the controller forks its schedulers early in its start), and one still starting must not
+    create the directory again after it is removed."""
+    deadline = time.monotonic() + SWEEP_LIMIT_SECONDS
+    while (processes := cluster_processes(str(private_dir))) and time.monotonic() < deadline:
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                ProcessRef(process.pid, process.create_time()).signal(signal.SIGKILL)
+        time.sleep(SWEEP_PAUSE_SECONDS)
+    shutil.rmtree(private_dir, ignore_errors=True)

@@ -1,0 +1,217 @@
+"""Which modules become FSDP units, and which rule chose them.
+
+Runs in the notebook's kernel (``%fsdp explain``, the checks before a cell
+runs) and on the engines (``nbfsdp.engines.sharding.apply_fsdp``), on the
+same model, so both choose the same units, and the same modules to checkpoint
+(``activation_modules``: where a module's ``_activation_checkpointing``
+attribute says, else where the root's ``activation_checkpointing_fn(module)``
+says, else on every non-root unit).
+
+Composer's rules, in its order. A module is its own FSDP unit when its
+``_fsdp_wrap`` attribute says so; otherwise when the root's
+``fsdp_wrap_fn(module)`` is true, its class is in ``wrap_cls`` (TorchAcc), or
+it holds at least ``min_params`` parameters not already in a unit below it.
+When none of the first three is given, the classes the model names in
+``_no_split_modules`` (Hugging Face's attribute, read on the root and on the
+models inside it, as Accelerate does) are the wrap classes. The root is always
+a unit. nbfsdp never imports transformers: the attribute is read as it is.
+
+FSDP2 (torch 2.13) refuses a parameter that two units share, so a rule that
+puts the names of one tied parameter (GPT-2's ``lm_head.weight`` and
+``transformer.wte.weight``) in two units is refused here, before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+from nbfsdp.shared.config import ConfigError, FSDPConfig
+
+#: Containers without a forward of their own: FSDP2 cannot make them units (FSDP1's size policy,
+#: which Composer's min_params used, skipped them too and counted their parameters in the parent).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+#: How ``%fsdp explain`` names each rule that can choose units.
+_SOURCES = {
+    "_fsdp_wrap": "the modules' _fsdp_wrap attributes",
+    "fsdp_wrap_fn": "the root's fsdp_wrap_fn",
+    "wrap_cls": "wrap_cls",
+    "_no_split_modules": "the model's _no_split_modules (Accelerate's convention)",
+}
+
+
+def root_method(model: nn.Module, name: str) -> Callable[[nn.Module], object] | None:
+    method = getattr(model, name, None)
+    return method if callable(method) else None
+
+
+@dataclass(frozen=True, slots=True)
+class WrapRule:
+    """The rules that choose a model's units besides ``min_params``, which always applies."""
+
+    wrap_cls: tuple[str, ...]
+    """The wrap classes in force: the config's ``wrap_cls``, else the model's ``_no_split_modules``."""
+    sources: tuple[str, ...]
+    """Which rules are given: ``_fsdp_wrap``, ``fsdp_wrap_fn``, ``wrap_cls``, or ``_no_split_modules`` alone."""
+
+    def __str__(self) -> str:
+        if not self.sources:
+            return "from min_params alone"
+        return "from " + " and ".join(_SOURCES[source] for source in self.sources)
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``Plan`` and ``last_run().config``: the classes and where they came from."""
+        return {"wrap_cls": list(self.wrap_cls), "source": ", ".join(self.sources) or "min_params", "rule": str(self)}
+
+
+def _no_split_classes(model: nn.Module) -> tuple[str, ...]:
+    """Class names in ``_no_split_modules`` (a list or set) on ``model`` or any module inside it."""
+    names: dict[str, None] = {}
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set, frozenset)):
+            names.update(dict.fromkeys(sorted(str(name) for name in declared)))
+    return tuple(names)
+
+
+def wrap_rule(model: nn.Module, config: FSDPConfig) -> WrapRule:
+    """The rule in force: an explicit one (``_fsdp_wrap``, ``fsdp_wrap_fn``, ``wrap_cls``) wins over the model's."""
+    explicit = (
+        ("_fsdp_wrap", any(hasattr(m, "_fsdp_wrap") for m in model.modules() if m is not model)),
+        ("fsdp_wrap_fn", root_method(model, "fsdp_wrap_fn") is not None),
+        ("wrap_cls", bool(config.wrap_cls)),
+    )
+    sources = tuple(name for name, given in explicit if given)
+    if sources:
+        return WrapRule(config.wrap_cls, sources)
+    declared = _no_split_classes(model)
+    return WrapRule(declared, ("_no_split_modules",) if declared else ())
+
+
+def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
+    """The non-root units in post-order (a unit's descendants come before it).
+
+    Raises ``ConfigError`` when a rule picks a container that FSDP2 cannot shard,
+    or splits a tied parameter between units.
+    """
+    wrap_fn = root_method(model, "fsdp_wrap_fn")
+    rule = wrap_rule(model, config)
+    units: list[nn.Module] = []
+
+    def unwrapped_params(name: str, module: nn.Module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        count += sum(
+            unwrapped_params(f"{name}.{key}" if name else key, child) for key, child in module.named_children()
+        )
+        if module is model or count == 0:
+            return count
+        if hasattr(module, "_fsdp_wrap"):
+            chosen = bool(module._fsdp_wrap)
+        else:
+            chosen = bool(wrap_fn and wrap_fn(module)) or type(module).__name__ in rule.wrap_cls
+        if isinstance(module, _CONTAINERS):
+            if chosen:
+                raise ConfigError(
+                    f"{name} ({type(module).__name__}) has no forward, so FSDP2 cannot make it a unit; "
+                    "choose its elements instead (--wrap-cls, _fsdp_wrap or fsdp_wrap_fn)"
+                )
+            return count
+        if chosen or count >= config.min_params:
+            units.append(module)
+            return 0
+        return count
+
+    unwrapped_params("", model)
+    _check_ties(model, units, rule)
+    return units
+
+
+def _check_ties(model: nn.Module, units: list[nn.Module], rule: WrapRule) -> None:
+    """Refuse units that split a tied parameter: FSDP2 would fail on the ranks with a ValueError."""
+    unit_ids = {id(u) for u in units}
+    unit_names = {name for name, module in model.named_modules() if id(module) in unit_ids} | {""}
+    names_of: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(fqn)
+
+    def owner(path: str) -> str:
+        """The innermost unit holding the module at ``path``: '' is the root."""
+        return max((u for u in unit_names if u in ("", path) or path.startswith(f"{u}.")), key=len)
+
+    for fqns in names_of.values():
+        paths = [fqn.rpartition(".")[0] for fqn in fqns]
+        if len({owner(path) for path in paths}) < 2:
+            continue
+        keeper = owner(".".join(_common_prefix([path.split(".") for path in paths])))
+        apart = sorted({owner(path) for path in paths} - {keeper})
+        classes = sorted({type(model.get_submodule(u)).__name__ for u in apart})
+        raise ConfigError(
+            f"{' and '.join(fqns)} are one tied parameter, but {', '.join(apart)} is a unit of its own ({rule}), "
+            f"and FSDP2 cannot share a parameter between units: change the rule so that {', '.join(apart)} is not "
+            f"a unit (with --wrap-cls, leave out {', '.join(classes)}) and the tie stays in {keeper or 'the root'}"
+        )
+
+
+def _common_prefix(paths: list[list[str]]) -> list[str]:
+    prefix: list[str] = []
+    for parts in zip(*paths, strict=False):
+        if len(set(parts)) > 1:
+            break
+        prefix.append(parts[0])
+    return prefix
+
+
+def forward_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Units in the order forward reaches them: the root, then the others as the model lists them."""
+    unit_ids = {id(u) for u in units}
+    return [model, *(m for m in model.modules() if id(m) in unit_ids)]
+
+
+def activation_modules(model: nn.Module, units: list[nn.Module], config: FSDPConfig) -> list[nn.Module]:
+    """Where activation checkpointing and activation CPU offload apply, by Composer's rules.
+
+    Outermost choices only: a checkpoint nested in another would recompute twice.
+    """
+    if not (config.activation_checkpointing or config.activation_cpu_offload):
+        return []
+    choose = root_method(model, "activation_checkpointing_fn")
+    unit_ids = {id(u) for u in units}
+    chosen: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if module is model or id(module) in inside:
+            continue
+        if hasattr(module, "_activation_checkpointing"):
+            selected = bool(module._activation_checkpointing)
+        elif choose is not None:
+            selected = bool(choose(module))
+        else:
+            selected = id(module) in unit_ids
+        if selected:
+            chosen.append(module)
+            inside.update(id(m) for m in module.modules())
+    return chosen
+
+
+def check_initializable(model: nn.Module) -> str | None:
+    """Why a meta-device model could not be materialized on the ranks (``sharding.materialize`` calls
+    ``param_init_fn`` or each module's ``reset_parameters``), or None."""
+    if root_method(model, "param_init_fn"):
+        return None
+    for name, module in model.named_modules():
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if owns and not callable(getattr(module, "reset_parameters", None)):
+            return (
+                f"{name or 'the root'} ({type(module).__name__}) has no reset_parameters(): give the model a "
+                "param_init_fn(module) method, or build it with real weights"
+            )
+    return None
+
+
+#: FSDP2's default that lets it choose for the root (None since torch 2.8; before, it always chose).
+ROOT_RESHARD_LEFT_TO_FSDP = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None

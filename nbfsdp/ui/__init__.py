@@ -1,0 +1,5 @@
+"""Runs in the notebook's kernel, drawn by the frontend: the dashboard, the settings controls, the panel,
+and how widget events reach the kernel while a cell blocks it.
+
+May import ``nbfsdp.shared`` and ``nbfsdp.kernel``; never ``nbfsdp.engines``.
+"""

@@ -1,0 +1,68 @@
+"""The FSDP settings as widgets, for ``%fsdp panel`` and every cell's dashboard.
+
+Each control reports a person's change through one callback with the
+``fsdp_config`` key and the new value; the session decides what it means (the
+next cell's defaults, and, while a cell runs, a live change on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+
+from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
+from nbfsdp.shared.config import BACKWARD_PREFETCHES, MIXED_PRECISIONS, SHARDING_STRATEGIES
+
+#: A mixed_precision dict (param/reduce/buffer dtypes) is shown as this choice.
+CUSTOM_PRECISION = "custom"
+#: Each control as wide as its description and value, a gap after it (a checkbox's label otherwise runs on into
+#: the next control's), wrapping to the next line where the notebook is narrow.
+_GAP = "2px 1.2em 2px 0"
+_LAYOUT = {"width": "auto", "margin": _GAP}
+_STYLE = {"description_width": "initial"}
+
+
+def _dropdown(description: str, options: tuple[str, ...]) -> widgets.Dropdown:
+    return widgets.Dropdown(options=options, description=description, layout=_LAYOUT, style=_STYLE)
+
+
+def _checkbox(description: str) -> widgets.Checkbox:
+    return widgets.Checkbox(description=description, indent=False, layout=_LAYOUT)
+
+
+class SettingsControls:
+    """Sharding, mixed precision, prefetch, checkpointing, CPU offload and world size, as widgets."""
+
+    def __init__(self, values: dict[str, Any], on_change: Callable[[dict[str, Any]], object]) -> None:
+        precision = values["mixed_precision"]
+        custom = isinstance(precision, dict)
+        self.widgets: dict[str, widgets.ValueWidget] = {
+            "sharding_strategy": _dropdown("sharding", SHARDING_STRATEGIES),
+            "mixed_precision": _dropdown("mixed precision", (*MIXED_PRECISIONS, *([CUSTOM_PRECISION] * custom))),
+            "backward_prefetch": _dropdown("backward prefetch", BACKWARD_PREFETCHES),
+            "forward_prefetch": _checkbox("forward prefetch"),
+            "activation_checkpointing": _checkbox("activation checkpointing"),
+            "cpu_offload": _checkbox("CPU offload"),
+            "world_size": widgets.BoundedIntText(
+                min=1,
+                max=MAX_WORLD_SIZE,
+                description="world size",
+                layout={"width": "11em", "margin": _GAP},
+                style=_STYLE,
+            ),
+        }
+        shown = {**values, "mixed_precision": CUSTOM_PRECISION if custom else precision}
+        for key, control in self.widgets.items():
+            control.value = shown[key]  # before observing: only a person's changes are reported
+            control.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")
+        self._on_change = on_change
+        self.box = widgets.HBox(list(self.widgets.values()), layout={"flex_flow": "row wrap"})
+
+    def _changed(self, key: str, value: Any) -> None:
+        if value != CUSTOM_PRECISION:
+            self._on_change({key: value})
+
+    def values(self) -> dict[str, Any]:
+        return {key: control.value for key, control in self.widgets.items()}

@@ -1,0 +1,227 @@
+"""The live view of a ``%%fsdp`` cell: a status row per rank and figures that redraw as ranks log.
+
+Metrics arrive while the cell runs (each engine publishes its new records
+with ipyparallel's ``datapub``; ``runner`` hands them here). Figures are
+drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` by a worker
+process of the lowest CPU priority (``nbfsdp.kernel.renderer``), so a fast training
+loop never waits for drawing. Even time the ranks leave idle is not free
+(a core's sibling thread, its caches, waking ranks): drawings come at most
+once a second, and use at most a tenth of a core while the machine has a
+core to spare, a hundredth while the ranks keep every core busy (but come at
+least every 3 s). The same display
+carries a PNG of the last drawing, so nbconvert, nbval and a terminal
+IPython, which cannot show widgets, still get the figures as a static image.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import ipywidgets as widgets
+import psutil
+from IPython.display import display
+from matplotlib.figure import Figure
+
+from nbfsdp.kernel import renderer
+from nbfsdp.shared import figures
+from nbfsdp.ui.controls import SettingsControls
+from nbfsdp.ui.widget_events import answer_while_cells_run
+
+#: Live drawings start at least this long apart...
+REDRAW_SECONDS = 1.0
+#: ... and at most this long, however busy the cores: a live plot must stay live.
+MAX_REDRAW_SECONDS = 3.0
+#: Live drawings use at most this share of a core (the next waits 1/share times the last one's CPU time)
+#: while the machine left a core idle since the last drawing...
+DRAWING_CPU_SHARE = 0.1
+#: ... and this much while the ranks kept every core busy. Measured at two ranks on two cores: a worker
+#: drawing with 12% of a core slowed every step by 6%, though the ranks preempt it whenever they wake.
+#: A blitted live drawing (about 28 ms) then comes every 2.8 s, as a whole one (61 ms) did at a fiftieth.
+BUSY_DRAWING_CPU_SHARE = 0.01
+#: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
+FINAL_DRAWING_SECONDS = 10.0
+
+
+class LiveDashboard:
+    """One cell's dashboard; ``add`` records as they stream in, ``refresh`` redraws when due.
+
+    Its controls change the settings of the running cell at the next step (and the
+    defaults of later cells); Stop ends the cell cleanly at the next step.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        device: str,
+        predicted: list[dict[str, int]] | None,
+        settings: dict[str, Any],
+        on_change: Callable[[dict[str, Any]], str],
+        on_stop: Callable[[], None],
+        with_output: bool = False,
+    ) -> None:
+        self.world_size = world_size
+        self.predicted = predicted
+        self.records: list[dict[str, Any]] = []
+        self.redraws = 0
+        self._last_draw = 0.0
+        self._drawing: Future[tuple[bytes, float]] | None = None
+        self._drawing_cpu = 0.0  # the last live drawing's CPU seconds
+        self._key = uuid.uuid4().hex  # the worker keeps this dashboard's figure under it
+        self._drawn_records = self._drawing_records = 0
+        self._idle_mark = time.monotonic(), psutil.cpu_times().idle
+        self._idle_cores = 0.0
+        self._finished = False
+        self._show_lock = threading.Lock()
+        renderer.start()
+        self._states = ["running"] * world_size
+        self._notes: list[str] = []
+        self._device = device
+        self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
+        self._stop = widgets.Button(description="Stop", button_style="danger", tooltip="end at the next step")
+        self._stop.on_click(lambda _: on_stop())
+        self._notes_area = widgets.HTML()
+        self._status = widgets.HTML(self._status_table())
+        self._figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        # a background run's output lines go here: the cell that started it has ended
+        self.output = widgets.Output() if with_output else None
+        self._bars: dict[str, int] = {}  # a progress bar's place among the output's entries
+        rows = [widgets.HBox([self.controls.box, self._stop]), self._notes_area, self._status, self._figure]
+        self._box = widgets.VBox(rows + ([self.output] if self.output else []))
+        self._handle = display(self._bundle(), raw=True, display_id=True)
+        answer_while_cells_run([*self.controls.widgets.values(), self._stop])
+
+    def add(self, records: list[dict[str, Any]]) -> None:
+        self.records.extend(records)
+        for record in records:
+            if "changed" in record and record["rank"] == 0:
+                self.note(f"step {record['step']}: {record['changed']} on every rank from this step")
+
+    def rank_state(self, rank: int, state: str) -> None:
+        self._states[rank] = state
+
+    def note(self, message: str) -> None:
+        """A line under the controls: what was asked for, and when it took effect."""
+        if message:
+            self._notes.append(html.escape(message))
+            self._notes_area.value = "<br>".join(self._notes[-4:])
+
+    def write(self, text: str, stderr: bool) -> None:
+        """Ranks' output of a background run."""
+        if stderr:
+            self.output.append_stderr(text)
+        else:
+            self.output.append_stdout(text)
+
+    def progress(self, bar: str, text: str, ended: bool) -> None:
+        """Rank 0's progress bar in a background run: one entry of the output, replaced as it moves."""
+        entry = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": {}}
+        outputs = list(self.output.outputs)
+        if bar in self._bars:
+            outputs[self._bars[bar]] = entry
+        else:
+            self._bars[bar] = len(outputs)
+            outputs.append(entry)
+        self.output.outputs = tuple(outputs)
+
+    def finish(self, records: list[dict[str, Any]] | None, state: str) -> None:
+        """The cell is over: draw its complete records (as ``last_run`` has them) one last time."""
+        if records is not None:
+            self.records = list(records)
+        self._states = [state if s == "running" else s for s in self._states]
+        self._stop.disabled = True
+        self.refresh(final=True)
+
+    def refresh(self, final: bool = False) -> None:
+        """Redraw once the last drawing has ended and its pause since it began has passed; at once for the
+        first points; at the end waiting for it, so the cell's output holds its complete figure."""
+        now = time.monotonic()
+        self._watch_idle_cores(now)
+        drawing = self._drawing is not None and not self._drawing.done()
+        first_points = self.records and not self.redraws
+        if not final and (drawing or not (first_points or now - self._last_draw >= self._pause())):
+            return
+        self._last_draw = now
+        self._status.value = self._status_table()
+        if final:
+            with self._show_lock:
+                self._finished = True  # a live drawing that ends later must not replace the final one
+            if self.records:
+                self._show(self._final_drawing())
+            if self._handle is not None:
+                self._handle.update(self._bundle(), raw=True)
+        elif self.records:  # only the records since the last drawing travel to the worker's figure
+            first, self._drawing_records = self._drawn_records, len(self.records)
+            self._drawing = renderer.render(self._key, self.world_size, self.predicted, self.records[first:], first)
+            self._drawing.add_done_callback(self._drawn)
+
+    def _drawn(self, drawing: Future[tuple[bytes, float]]) -> None:
+        """A live drawing is done (on the worker's result thread); a failed one leaves the last up, and the
+        next one starts the figure afresh."""
+        with self._show_lock:
+            if drawing.exception() is not None:
+                self._drawn_records = 0
+            elif not self._finished:
+                png, self._drawing_cpu = drawing.result()
+                self._drawn_records = self._drawing_records
+                self._show(png)
+
+    def _pause(self) -> float:
+        """Seconds from one live drawing's start to the next: at least a second, and long enough that
+        drawings keep to their share of a core (a hundredth while no core was left idle), up to 3 s."""
+        share = DRAWING_CPU_SHARE if self._idle_cores >= 1.0 else BUSY_DRAWING_CPU_SHARE
+        return min(MAX_REDRAW_SECONDS, max(REDRAW_SECONDS, self._drawing_cpu / share))
+
+    def _watch_idle_cores(self, now: float) -> None:
+        """Cores the machine left idle, on average over about the last second."""
+        then, idle_then = self._idle_mark
+        if now - then >= 1.0:
+            idle = psutil.cpu_times().idle
+            self._idle_cores = (idle - idle_then) / (now - then)
+            self._idle_mark = now, idle
+
+    def _final_drawing(self) -> bytes:
+        """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
+        try:
+            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
+            return drawing.result(FINAL_DRAWING_SECONDS)[0]
+        except Exception:  # the worker died or is starved: draw here, once
+            return figures.png(self.records, self.world_size, self.predicted)
+
+    def _show(self, png: bytes) -> None:
+        self._figure.value = png
+        self.redraws += 1
+
+    # -- drawing
+    def _bundle(self) -> dict[str, Any]:
+        bundle = self._box._repr_mimebundle_() or {}
+        if self._figure.value:
+            bundle["image/png"] = bytes(self._figure.value)
+        bundle["text/plain"] = f"nbfsdp dashboard: {self.world_size} ranks, {len(self.records)} records"
+        return bundle
+
+    def _status_table(self) -> str:
+        latest: dict[int, dict[str, Any]] = {}
+        for record in self.records:
+            latest[record["rank"]] = record
+        rows = ""
+        for rank in range(self.world_size):
+            record = latest.get(rank)
+            step = record["step"] if record else ""
+            step_time = f"{record['step_time'] * 1000:.0f} ms" if record else ""
+            rows += (
+                f"<tr><td>{rank}</td><td>{step}</td><td>{step_time}</td><td>{self._device}</td>"
+                f"<td>{self._states[rank]}</td></tr>"
+            )
+        return (
+            f"<table><tr><th>rank</th><th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
+        )
+
+    def figure(self) -> Figure:
+        """The loss, memory and step-time figures of the records so far."""
+        return figures.figure(self.records, self.world_size, self.predicted)
