@@ -23,7 +23,7 @@ print(_json.dumps({
     "step_times": step_times, "step_cpu_times": step_cpu_times, "losses": losses,
     "units": _run.config["fsdp_units"]["model"],
     "records": len(_run.metrics), "backend": _world.backend,
-    "engine_threads": [e["threads"] for e in _world.engines], "devices": [e["device"] for e in _world.engines],
+    "engine_threads": [e.threads for e in _world.engines], "devices": [e.device for e in _world.engines],
 }))
 """
 

@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.kernel.planning import ring_bytes
+from nbfsdp.shared.collectives import ring_bytes
 from tests.conftest import run_ok
 from tests.test_metrics import MEASURE
 

@@ -147,7 +147,7 @@ def test_default_world_size_is_two_on_cpu(shell):
 def test_engines_share_the_cores_without_oversubscription(shell, cluster):
     run_ok(shell, "%%fsdp --world-size 2\nthreads = torch.get_num_threads()\n")
     assert shell.user_ns["threads"] == cpu_threads_per_rank(2) == max(1, len(os.sched_getaffinity(0)) // 2)
-    assert all(e["threads"] == shell.user_ns["threads"] for e in cluster.world.engines)
+    assert all(e.threads == shell.user_ns["threads"] for e in cluster.world.engines)
 
 
 def test_status_shows_ranks_pids_devices_and_backend(shell, cluster, capsys):

@@ -3,7 +3,8 @@
 ``models`` (the notebook and the ranks): the tiny GPT and MLP every notebook trains, their batches
 and loss. ``meters`` (the ranks): what a rank measures inside a ``%%fsdp`` cell, the collectives it
 runs and the parameters it holds gathered. ``diagrams`` (the notebook): the pictures drawn from
-numbers. The notebooks import them by name::
+numbers. ``ring_bytes`` is the ring algorithms' bytes on the wire that ``%fsdp explain`` uses.
+The notebooks import them by name::
 
     from nbfsdp.course import TinyGPT, batch_for, loss_fn, CommMeter
 
@@ -13,6 +14,7 @@ Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course
 from nbfsdp.course.diagrams import collective, strategy_timeline
 from nbfsdp.course.meters import CommMeter, peer_connections, tcp_counters, traffic, unsharded_bytes
 from nbfsdp.course.models import MLP, Block, MLPBlock, TinyGPT, batch_for, loss_fn, rotation_batch
+from nbfsdp.shared.collectives import ring_bytes
 
 __all__ = [
     "MLP",
@@ -24,6 +26,7 @@ __all__ = [
     "collective",
     "loss_fn",
     "peer_connections",
+    "ring_bytes",
     "rotation_batch",
     "strategy_timeline",
     "tcp_counters",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from nbfsdp.kernel.planning import ring_bytes, size_text
+from nbfsdp.shared.collectives import ring_bytes, size_text
 
 if TYPE_CHECKING:  # matplotlib is imported when a picture is drawn, so the ranks never load it
     from matplotlib.figure import Figure

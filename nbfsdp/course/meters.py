@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nbfsdp.kernel.planning import ring_bytes
+from nbfsdp.shared.collectives import ring_bytes
 
 #: c10d's ops as FSDP2 and DDP-style replication issue them, by the name the course uses.
 COLLECTIVES = {

@@ -6,13 +6,14 @@ how the ranks agree on the boundary without a collective.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
+
+from nbfsdp.shared.protocol import ControlRequest, claim_file
 
 
 class CellCancelled(BaseException):
@@ -28,7 +29,7 @@ class RankControl:
         self._apply = apply
         self._stamp: tuple[int, int] | None = None
         self._seen = 0
-        self._pending: tuple[int, dict[str, Any]] | None = None  # (claimed call, request)
+        self._pending: tuple[int, ControlRequest] | None = None  # (claimed call, request)
 
     def at_boundary(self, call: int) -> list[str]:
         """Called at boundary number ``call``; returns the settings changed here, or raises CellCancelled."""
@@ -38,22 +39,22 @@ class RankControl:
             return []
         if (stat.st_ino, stat.st_mtime_ns) != self._stamp:
             self._stamp = (stat.st_ino, stat.st_mtime_ns)
-            request = json.loads(self._path.read_text())
-            if request["version"] > self._seen:
-                self._seen = request["version"]
-                self._pending = (self._claim(request["version"], call + 1), request)
+            request = ControlRequest.from_json(self._path.read_text())
+            if request.version > self._seen:
+                self._seen = request.version
+                self._pending = (self._claim(request.version, call + 1), request)
         if self._pending is None or call < self._pending[0]:
             return []
         request = self._pending[1]
         self._pending = None
-        changed = self._apply(request["settings"])
-        if request["cancel"]:
+        changed = self._apply(request.settings)
+        if request.cancel:
             raise CellCancelled
         return changed
 
     def _claim(self, version: int, call: int) -> int:
         """The call at which ``version`` applies: ours, unless another rank claimed first."""
-        claim = self._path.with_name(f"{self._path.stem}-v{version}.claim")
+        claim = claim_file(self._path, version)
         mine = claim.with_name(f"{claim.name}.{os.getpid()}")
         mine.write_text(str(call))
         try:

@@ -10,7 +10,6 @@ a cell leaves on the engines survive until the world is restarted.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import datetime
 import linecache
 import os
@@ -37,6 +36,7 @@ from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, devi
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.network import loopback_interface
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAllocation
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
 #: Errors a rank raises only because a peer tore the world down first.
@@ -60,7 +60,7 @@ _world: _World | None = None
 
 def setup(
     *, rank: int, world_size: int, backend: str, store_path: str, timeout: float, threads: int, generation: int
-) -> dict[str, Any]:
+) -> EngineInfo:
     """Join a new world: a fresh process group on a fresh store, a fresh namespace.
 
     Collectives talk over the loopback interface only, and the store is a file
@@ -91,16 +91,16 @@ def setup(
     return describe()
 
 
-def describe() -> dict[str, Any]:
+def describe() -> EngineInfo:
     """This engine as ``%fsdp status`` shows it."""
     gpu = torch.cuda.get_device_name(0) if _world and _world.device.type == "cuda" else ""
-    return {
-        "rank": _world.rank if _world else None,
-        "pid": os.getpid(),
-        "device": f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
-        "backend": dist.get_backend() if dist.is_initialized() else "",
-        "threads": torch.get_num_threads(),
-    }
+    return EngineInfo(
+        rank=_world.rank if _world else None,
+        pid=os.getpid(),
+        device=f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
+        backend=dist.get_backend() if dist.is_initialized() else "",
+        threads=torch.get_num_threads(),
+    )
 
 
 _CELL_SOURCES_KEPT = 20
@@ -124,7 +124,7 @@ def _user_traceback(error: BaseException) -> str:
 
 
 def receive_shards(
-    generation: int, allocate: dict[str, tuple[int, transfer.TensorLayout, bool]], keys: list, *data: np.ndarray
+    generation: int, allocate: dict[str, ShardAllocation], keys: list[transfer.PieceKey], *data: np.ndarray
 ) -> int:
     """One piece of this rank's shards (``nbfsdp.kernel.delivery``); the bytes received.
 
@@ -134,27 +134,28 @@ def receive_shards(
     world = _world
     if world is None or world.generation != generation:
         raise RuntimeError("world not set up")
-    for name, (token, tensors, on_cpu) in allocate.items():
+    for name, how in allocate.items():
         world.incoming.pop(name, None)  # a re-sent model: free the old storage first
-        world.incoming[name] = (token, transfer.allocate(tensors, torch.device("cpu") if on_cpu else world.device))
+        device = torch.device("cpu") if how.on_cpu else world.device
+        world.incoming[name] = (how.token, transfer.allocate(how.tensors, device))
     for (name, fqn, start), piece in zip(keys, data, strict=True):
         transfer.write_piece(world.incoming[name][1][fqn], start, piece)
     return sum(piece.nbytes for piece in data)
 
 
-def _load_models(world: _World, spec: dict[str, Any], skeletons: dict[str, bytes]) -> None:
+def _load_models(world: _World, spec: CellSpec, skeletons: dict[str, bytes]) -> None:
     """Shard the models the notebook sent, on their delivered shards; check the engine still holds the others."""
-    config = FSDPConfig(**spec["fsdp"])
+    config = spec.fsdp
     shape = config.mesh_shape(world.world_size)
     if skeletons and shape not in world.meshes:
         world.meshes[shape] = device_mesh(config, world.world_size, world.device)
-    for name in spec["models"]:
-        token = spec["model_tokens"][name]
+    for name in spec.models:
+        token = spec.model_tokens[name]
         if name in skeletons:
             skeleton = transfer.load_skeleton(skeletons[name])
-            if name in spec["materialize"]:
+            if name in spec.materialize:
                 sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
-                _materialize(world, sharded.module, config, shape[1], spec["seed"])
+                _materialize(world, sharded.module, config, shape[1], spec.seed)
             else:
                 delivered_token, shards = world.incoming.pop(name, (None, {}))
                 if delivered_token != token:
@@ -178,20 +179,21 @@ def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degr
     set_model_state_dict(model, state, options=options)
 
 
-def _names_back(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
-    """What rank 0 sends back besides the models: the names the cell assigned, pickled, and the trained
-    state of the notebook's own optimizers and schedulers (to load in place), with why any name stays.
+def _names_back(world: _World, spec: CellSpec, read: dict[str, Any], outcome: CellOutcome) -> None:
+    """What rank 0 sends back besides the models, into ``outcome``: the names the cell assigned, pickled,
+    and the trained state of the notebook's own optimizers and schedulers (to load in place), with why any
+    name stays.
 
     What the notebook has its own copy of travels as a reference to it (``transfer.model_references``):
     a parameter of a cell's model comes back as the notebook model's own. Another sharded tensor comes
     back whole; an optimizer's sharded state too, gathered like the weights. Both are collectives:
     every rank walks the same names in the same order.
     """
-    gather = spec["gather"] != []
-    cell_models = {name: world.models[name][1].module for name in spec["models"]}
+    gather = spec.gather != []
+    cell_models = {name: world.models[name][1].module for name in spec.models}
     references = transfer.model_references(cell_models) if gather else {}
     sharded = {id(model.module) for _, model in world.models.values()}
-    assigned = {name: world.namespace[name] for name in spec["assigned"] if name in world.namespace}
+    assigned = {name: world.namespace[name] for name in spec.assigned if name in world.namespace}
     # optimizers first: the notebook loads them before a scheduler that refers to one
     assigned = {
         name: value
@@ -208,29 +210,26 @@ def _names_back(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> di
         if isinstance(value, DTensor) and id(value) not in references:
             assigned[name] = value.full_tensor()
     if world.rank != 0:
-        return {"names": {}, "skipped": {}, "in_place": {}}
+        return
     references.update((key, ("whole", tensor)) for key, tensor in whole.items())
     references.update((id(value), ("object", name)) for name, value in stateful.items())
     made_ids = {id(value): ("object", name) for name, value in made.items()}  # a scheduler finds its optimizer
-    values: dict[str, bytes] = {}
-    skipped: dict[str, str] = {}
     for name, value in assigned.items():
         others = {key: ref for key, ref in made_ids.items() if key != id(value)}
         try:
-            values[name] = transfer.pickle_result(value, {**references, **others})
+            outcome.names[name] = transfer.pickle_result(value, {**references, **others})
         except transfer.HoldsDTensor:
-            skipped[name] = "holds sharded tensors (DTensor)"
+            outcome.skipped[name] = "holds sharded tensors (DTensor)"
         except Exception as error:
-            skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
-    in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
-    return {"names": values, "skipped": skipped, "in_place": in_place}
+            outcome.skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
+    outcome.in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
 
 
-def _split_loaders(world: _World, spec: dict[str, Any], read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
+def _split_loaders(world: _World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
     """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.engines.loaders``)."""
     return {
-        name: loaders.split(read[name], world.rank, world.world_size, how["per_rank"], how["seed_state"])
-        for name, how in spec["loaders"].items()
+        name: loaders.split(read[name], world.rank, world.world_size, how.per_rank, how.seed_state)
+        for name, how in spec.loaders.items()
     }
 
 
@@ -240,7 +239,7 @@ def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[st
     return list(dict.fromkeys(changed))
 
 
-def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -> dict[str, Any]:
+def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> CellOutcome:
     """Run one cell on this rank; return its outcome, never raise.
 
     On any error the process group is torn down at once: peers blocked in a
@@ -248,12 +247,12 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
     """
     global _world
     world = _world
-    if world is None or world.generation != spec["generation"]:
-        return {"ok": False, "error": "world not set up", "traceback": "", "secondary": False}
+    if world is None or world.generation != spec.generation:
+        return CellOutcome.failed("world not set up")
     recorder = None
     try:
         _load_models(world, spec, skeletons)
-        cell_models = [world.models[name][1] for name in spec["models"]]
+        cell_models = [world.models[name][1] for name in spec.models]
         models = {name: sharded.module for name, (_, sharded) in world.models.items()}
         namespace = world.namespace
         namespace.update(__name__="__main__", __builtins__=builtins)
@@ -264,12 +263,12 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
                 optimizers.shard_state(value)
             optimizers.track_steps(value)
         namespace.update(read)
-        namespace.update((name, models[name]) for name in spec["models"])
+        namespace.update((name, models[name]) for name in spec.models)
         namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
-        _remember_source(spec["filename"], spec["code"])
-        code = compile(spec["code"], spec["filename"], "exec")
+        _remember_source(spec.filename, spec.code)
+        code = compile(spec.code, spec.filename, "exec")
         params = [p for sharded in cell_models for p in sharded.module.parameters()]
-        control = RankControl(spec["control"], lambda settings: _apply_live(cell_models, settings))
+        control = RankControl(spec.control, lambda settings: _apply_live(cell_models, settings))
         cancelled = False
         route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
         with metrics.MemoryMeter(world.device, params) as meter:
@@ -284,28 +283,28 @@ def run_cell(spec: dict[str, Any], values: bytes, skeletons: dict[str, bytes]) -
             finally:
                 metrics.active_recorder = None
                 boundaries.remove()
-        back = _names_back(world, spec, read)
+        outcome = CellOutcome(
+            ok=True,
+            cancelled=cancelled,
+            metrics=recorder.records,
+            settings={name: world.models[name][1].config for name in spec.models},
+        )
+        _names_back(world, spec, read, outcome)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        states = {name: get_model_state_dict(models[name], options=options) for name in spec["gather"]}
-        return {
-            "ok": True,
-            "cancelled": cancelled,
-            **back,
-            "loaders": {name: split.state() for name, split in split_loaders.items()} if world.rank == 0 else {},
-            "states": states if world.rank == 0 else {},
-            "metrics": recorder.records,
-            "settings": {name: dataclasses.asdict(world.models[name][1].config) for name in spec["models"]},
-        }
+        states = {name: get_model_state_dict(models[name], options=options) for name in spec.gather}
+        if world.rank == 0:
+            outcome.loaders = {name: split.state() for name, split in split_loaders.items()}
+            outcome.states = states
+        return outcome
     except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
         message = f"{type(error).__name__}: {error}"
         if dist.is_initialized():
             dist.destroy_process_group()
         _world = None
-        return {
-            "ok": False,
-            "error": message,
-            "traceback": _user_traceback(error),
+        return CellOutcome.failed(
+            message,
+            traceback=_user_traceback(error),
             # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
-            "secondary": isinstance(error, KeyboardInterrupt) or any(m in message for m in _PEER_FAILURE_MARKERS),
-            "metrics": recorder.records if recorder else [],
-        }
+            secondary=isinstance(error, KeyboardInterrupt) or any(m in message for m in _PEER_FAILURE_MARKERS),
+            metrics=recorder.records if recorder else [],
+        )

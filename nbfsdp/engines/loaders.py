@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from nbfsdp.shared.protocol import LoaderState
 from nbfsdp.shared.torch_private import infinite_sampler, is_iterable_loader
 
 
@@ -142,8 +143,8 @@ class SplitLoader:
     generators: list[torch.Generator]
     """The generators its shuffle draws from (the loader's, and its sampler's if another)."""
 
-    def state(self) -> dict[str, Any]:
-        return {"epochs": self.epochs.started, "generators": [g.get_state() for g in self.generators]}
+    def state(self) -> LoaderState:
+        return LoaderState(epochs=self.epochs.started, generators=[g.get_state() for g in self.generators])
 
 
 def _set(loader: DataLoader, attribute: str, value: Any) -> None:

@@ -6,10 +6,9 @@ sees. Every rank keeps the user's own tqdm class and calls, so a bar walks its i
 in the plain cell (``tqdm.auto`` calls ``iter()`` in ``__init__``, and each DataLoader iterator
 draws a seed), counts, times and closes as there; only the drawing changes. Rank 0 writes each
 drawing of a bar as one marked line on stderr, at most once per the bar's ``mininterval`` and once
-when it closes; ``nbfsdp.kernel.runner`` turns those lines into one display per bar, updated in place.
-Other ranks draw nothing. A bar the user points at a file of their own draws there, as usual.
-
-A marked line: ``MARKER``, the bar's id, ``live`` or ``end``, and the bar's text, space-separated.
+when it closes (``nbfsdp.shared.protocol.BarDrawing``); ``nbfsdp.kernel.runner`` turns those lines
+into one display per bar, updated in place. Other ranks draw nothing. A bar the user points at a file
+of their own draws there, as usual.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import time
 import types
 from typing import Any
 
-MARKER = "\x1b_nbfsdp-bar "
+from nbfsdp.shared.protocol import BarDrawing
 
 _rank: int | None = None
 _patched = False
@@ -122,7 +121,7 @@ def _draw(bar: Any, msg: str | None) -> bool:
         return True
     state[1] = now
     text = _text(bar) if msg is None else msg
-    sys.stderr.write(f"{MARKER}{state[0]} {'end' if ended else 'live'} {' '.join(text.splitlines())}\n")
+    sys.stderr.write(BarDrawing(bar=state[0], ended=ended, text=text).line())
     sys.stderr.flush()  # the engine's stream otherwise waits for its own flush interval
     return True
 

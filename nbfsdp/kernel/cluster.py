@@ -48,11 +48,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
-from nbfsdp.kernel import reaping
+from nbfsdp.kernel import ipyparallel_private, reaping
 from nbfsdp.shared import processes
 from nbfsdp.shared.processes import ProcessRef
 
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import ipyparallel as ipp
 
     from nbfsdp.kernel.forkserver import ForkServer
+    from nbfsdp.shared.protocol import EngineInfo
 
 ENGINE_START_TIMEOUT = 120.0
 MAX_WORLD_SIZE = 64
@@ -80,14 +81,14 @@ class World:
     timeout: float
     generation: int
     engine_ids: list[int]  # by rank
-    engines: list[dict[str, Any]] = field(default_factory=list)  # engine.describe() by rank
+    engines: list[EngineInfo] = field(default_factory=list)  # by rank
     broken: bool = False
     processes: list[ProcessRef] = field(default_factory=list)
     """The engine processes by rank, as they were started: what signals reach."""
 
     @property
     def pids(self) -> list[int]:
-        return [e["pid"] for e in self.engines]
+        return [e.pid for e in self.engines]
 
 
 def visible_gpus() -> int:
@@ -357,10 +358,7 @@ class FSDPCluster:
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
         self._wait_for_background()
-        launchers = [self._cluster.controller] + [
-            launcher for engine_set in self._cluster.engines.values() for launcher in engine_set.launchers.values()
-        ]
-        return [self._fork_server.pid] + [launcher.pid for launcher in launchers]
+        return [self._fork_server.pid, *ipyparallel_private.launched_pids(self._cluster)]
 
     def _rank_order(self, use_gpus: bool) -> list[int]:
         ids = sorted(self.client.ids)
@@ -392,7 +390,7 @@ class FSDPCluster:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT
         with ThreadPoolExecutor(len(results)) as pool:
             engines = list(pool.map(lambda r: r.get(timeout=max(1.0, deadline - time.monotonic())), results))
-        processes = [self._engine_process(engine["pid"]) for engine in engines]
+        processes = [self._engine_process(engine.pid) for engine in engines]
         self.world = World(world_size, backend, timeout, self._generation, engine_ids, engines, processes=processes)
         return self.world
 

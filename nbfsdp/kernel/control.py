@@ -21,42 +21,38 @@ of another: a rank that first sees v at boundary ``b`` has ``b <= a + 1``.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-
-def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(payload))
-    partial.replace(path)
+from nbfsdp.shared.protocol import ControlRequest, control_file, control_files
 
 
 class RunControl:
     """The notebook's side: what the running cell should switch to, versioned."""
 
     def __init__(self, directory: str, run_id: int) -> None:
-        self.path = Path(directory, f"control-{run_id}.json")
-        self.version = 0
-        self.settings: dict[str, Any] = {}
-        self.cancelled = False
+        self.path = control_file(directory, run_id)
+        self.request = ControlRequest()
         self._publish()
 
     def change(self, settings: dict[str, Any]) -> None:
         """Ask every rank to switch to ``settings`` (live keys only) at the next step boundary."""
-        self.settings.update(settings)
-        self.version += 1
+        self.request.settings.update(settings)
+        self.request.version += 1
         self._publish()
 
     def cancel(self) -> None:
         """Ask every rank to end the cell cleanly at the next step boundary."""
-        self.cancelled = True
-        self.version += 1
+        self.request.cancel = True
+        self.request.version += 1
         self._publish()
 
     def _publish(self) -> None:
-        _write_atomically(self.path, {"version": self.version, "settings": self.settings, "cancel": self.cancelled})
+        """Atomically: a rank never reads half a request."""
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text(self.request.to_json())
+        partial.replace(self.path)
 
     def remove(self) -> None:
-        for leftover in self.path.parent.glob(f"{self.path.stem}*"):
+        """The request file and its claims: the run is over."""
+        for leftover in list(control_files(self.path)):
             leftover.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from nbfsdp.engines import engine
 from nbfsdp.kernel.cluster import FSDPCluster, World
 from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
 from nbfsdp.shared import transfer
+from nbfsdp.shared.protocol import ShardAllocation
 
 
 def deliver(
@@ -41,7 +42,10 @@ def deliver(
         for rank in range(world.world_size)
     ]
     allocations = [
-        {name: (tokens[name], transfer.layout(tensors), on_cpu) for name, tensors in by_model.items()}
+        {
+            name: ShardAllocation(token=tokens[name], tensors=transfer.layout(tensors), on_cpu=on_cpu)
+            for name, tensors in by_model.items()
+        }
         for by_model in shards
     ]
     biggest = max(sum(t.nbytes for tensors in by_model.values() for t in tensors.values()) for by_model in shards)

@@ -14,6 +14,7 @@ import os
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
 
+from nbfsdp.kernel import ipyparallel_private
 from nbfsdp.kernel.forkserver import ForkServer, ForkServerError
 
 
@@ -23,21 +24,18 @@ class ForkedEngineLauncher(LocalEngineLauncher):
     def start(self) -> None:
         env = os.environ.copy()
         env.update(self.get_env())
-        argv = ["ipengine", *self.args[len(self.engine_cmd) :]]
-        self.pid = self.parent.fork_server.spawn(argv, env, cwd=os.path.abspath(self.work_dir), output=self.output_file)
+        argv = ["ipengine", *ipyparallel_private.engine_arguments(self)]
+        fork_server = self.parent.fork_server
+        pid = fork_server.spawn(argv, env, cwd=os.path.abspath(self.work_dir), output=self.output_file)
         # the engine as the server forked it: ipyparallel signals and stops it through this psutil.Process,
         # which then checks that the pid is still the engine's
-        engine = self.parent.fork_server.engine(self.pid)
-        self.process = engine.process() if engine else None
-        if self.process is None:
-            raise ForkServerError(f"engine {self.pid} ended as soon as it was forked (log: {self.output_file})")
-        self.notify_start(self.pid)
-        self._start_waiting()
-
-    def _wait(self) -> None:
-        exit_code = self.parent.fork_server.wait(self.pid)
-        stop_data = {"exit_code": exit_code, "pid": self.pid, "identifier": self.identifier}
-        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+        engine = fork_server.engine(pid)
+        process = engine.process() if engine else None
+        if process is None:
+            raise ForkServerError(f"engine {pid} ended as soon as it was forked (log: {self.output_file})")
+        ipyparallel_private.adopt_process(self, process)
+        # the engine is the server's child, not the kernel's: only the server can wait for its exit code
+        ipyparallel_private.watch_exit(self, lambda: fork_server.wait(pid))
 
 
 class ForkedEngineSetLauncher(LocalEngineSetLauncher):

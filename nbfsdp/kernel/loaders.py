@@ -38,6 +38,7 @@ from IPython.core.error import UsageError
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines.loaders import global_batch_size, shuffle_generators
+from nbfsdp.shared.protocol import LoaderState
 from nbfsdp.shared.torch_private import is_iterable_loader
 
 
@@ -161,11 +162,11 @@ class NotebookLoaders:
             self._generators[loader] = torch.Generator().manual_seed(seed)
         return self._generators[loader].get_state()
 
-    def continue_after(self, loader: DataLoader, state: dict[str, Any]) -> None:
+    def continue_after(self, loader: DataLoader, state: LoaderState) -> None:
         """The loader shuffles on from where rank 0's did: the next epoch, here or in the next cell."""
-        self._epochs[loader] = self._epochs.get(loader, 0) + state["epochs"]
+        self._epochs[loader] = self._epochs.get(loader, 0) + state.epochs
         generators = [self._generators[loader]] if loader in self._generators else shuffle_generators(loader)
-        for generator, saved in zip(generators, state["generators"], strict=False):
+        for generator, saved in zip(generators, state.generators, strict=False):
             generator.set_state(saved)
 
 

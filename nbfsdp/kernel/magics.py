@@ -226,7 +226,7 @@ class FSDPMagics(Magics):
         )
         print(f"{'rank':>4}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
         for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
-            print(f"{rank:>4}  {engine_id:>6}  {info['pid']:>7}  {info['threads']:>7}  {info['device']}")
+            print(f"{rank:>4}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}  {info.device}")
 
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")

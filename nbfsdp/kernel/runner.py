@@ -12,6 +12,7 @@ killed, its world restarted by the next cell.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import signal
 import sys
 import threading
@@ -23,8 +24,9 @@ import ipyparallel as ipp
 from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
-from nbfsdp.engines import engine, progress
+from nbfsdp.engines import engine
 from nbfsdp.kernel.cluster import FSDPCluster
+from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
 
 #: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
 POLL_SECONDS = 0.1
@@ -99,11 +101,11 @@ class _OutputStreamer:
                 if end > start:
                     lines = []
                     for line in text[start:end].splitlines():
-                        before, marker, drawn = line.partition(progress.MARKER)
+                        before, marker, drawn = line.partition(BAR_MARKER)
                         if before or not marker:
                             lines.append(f"[rank {rank}] {before}\n")
-                        if marker and rank == 0 and len(fields := drawn.split(" ", 2)) == 3:
-                            bars[fields[0]] = (fields[2], fields[1] == "end")
+                        if marker and rank == 0 and (drawing := BarDrawing.parse(drawn)):
+                            bars[drawing.bar] = (drawing.text, drawing.ended)
                     if lines:
                         self._sink.write("".join(lines), name == "stderr")
                     self._sent[rank, name] = end
@@ -115,19 +117,13 @@ class _OutputStreamer:
                 self._sink.progress(bar, *state)
 
 
-def _outcome(result: ipp.AsyncResult) -> dict[str, Any]:
+def _outcome(result: ipp.AsyncResult) -> CellOutcome:
     try:
         return result.get(0)
     except ipp.RemoteError as error:  # raised outside run_cell's own handler
         lost = error.ename == "EngineError"  # the engine went away under the task
         # otherwise the client's own interrupt reached the rank outside run_cell
-        return {
-            "ok": False,
-            "error": f"{error.ename}: {error.evalue}",
-            "traceback": "",
-            "secondary": not lost,
-            "engine_lost": lost,
-        }
+        return CellOutcome.failed(f"{error.ename}: {error.evalue}", secondary=not lost, engine_lost=lost)
 
 
 class LiveView(Protocol):
@@ -170,7 +166,7 @@ class RankRun:
     def __init__(
         self,
         cluster: FSDPCluster,
-        spec: dict[str, Any],
+        spec: CellSpec,
         values: bytes,
         skeletons: dict[str, bytes],
         view: LiveView | None = None,
@@ -192,10 +188,10 @@ class RankRun:
         """From another thread: end the run as a KeyboardInterrupt in ``watch`` would."""
         self._interrupt.set()
 
-    def watch(self, on_poll: Callable[[], None] | None = None) -> list[dict]:
+    def watch(self, on_poll: Callable[[], None] | None = None) -> list[CellOutcome]:
         """Each rank's outcome, or ``RankError``; KeyboardInterrupt interrupts every rank, kills those
         that do not stop, and propagates. ``on_poll`` runs between looks (the notebook's widget events)."""
-        outcomes: dict[int, dict] = {}
+        outcomes: dict[int, CellOutcome] = {}
         try:
             _watch(self, outcomes, on_poll)
         except KeyboardInterrupt:
@@ -207,21 +203,21 @@ class RankRun:
                 if result.ready():
                     result.wait_for_output(1.0)
             self._streamer.pump(final=True)
-        failed = {rank: o for rank, o in outcomes.items() if not o["ok"]}
+        failed = {rank: o for rank, o in outcomes.items() if not o.ok}
         if failed:
             self.world.broken = True
-            primary = {rank: o for rank, o in failed.items() if not o["secondary"]} or failed
+            primary = {rank: o for rank, o in failed.items() if not o.secondary} or failed
             rank = min(primary)
-            message = primary[rank]["error"]
-            same = [str(r) for r in primary if r != rank and primary[r]["error"] == message]
-            others = [f"rank {r}: {o['error']}" for r, o in primary.items() if r != rank and o["error"] != message]
+            message = primary[rank].error
+            same = [str(r) for r in primary if r != rank and primary[r].error == message]
+            others = [f"rank {r}: {o.error}" for r, o in primary.items() if r != rank and o.error != message]
             if same:
                 others.insert(0, f"also on ranks {', '.join(same)}")
-            raise RankError(rank, message, primary[rank]["traceback"], "; ".join(others))
+            raise RankError(rank, message, primary[rank].traceback, "; ".join(others))
         return [outcomes[rank] for rank in range(len(self.results))]
 
 
-def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> None:
+def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[], None] | None) -> None:
     next_liveness = time.monotonic() + LIVENESS_SECONDS
     results, cluster = run.results, run.cluster
     while len(outcomes) < len(results):
@@ -230,19 +226,17 @@ def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> 
         for rank, result in enumerate(results):
             if rank not in outcomes and result.ready():
                 outcomes[rank] = _outcome(result)
-                if outcomes[rank].get("engine_lost") and (how := cluster.how_rank_died(rank)):
-                    outcomes[rank]["error"] = f"engine died: {how}"
+                if outcomes[rank].engine_lost and (how := cluster.how_rank_died(rank)):
+                    outcomes[rank] = dataclasses.replace(outcomes[rank], error=f"engine died: {how}")
         run._streamer.pump()
         run._records.pump()
         if time.monotonic() >= next_liveness:
             for rank, how in cluster.dead_ranks().items():
-                outcomes.setdefault(
-                    rank, {"ok": False, "error": f"engine died: {how}", "traceback": "", "secondary": False}
-                )
+                outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}"))
                 if run.view is not None:
                     run.view.rank_state(rank, f"dead: {how}")
             next_liveness = time.monotonic() + LIVENESS_SECONDS
-        if any(not o["ok"] for o in outcomes.values()) and len(outcomes) < len(results):
+        if any(not o.ok for o in outcomes.values()) and len(outcomes) < len(results):
             _stop_ranks(run, outcomes, immediately=False)
             return
         if on_poll is not None:
@@ -252,7 +246,7 @@ def _watch(run: RankRun, outcomes: dict, on_poll: Callable[[], None] | None) -> 
         concurrent.futures.wait(pending, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
 
 
-def _stop_ranks(run: RankRun, outcomes: dict, immediately: bool) -> None:
+def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: bool) -> None:
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
     results, cluster = run.results, run.cluster
     steps = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
@@ -273,6 +267,6 @@ def _stop_ranks(run: RankRun, outcomes: dict, immediately: bool) -> None:
                 outcomes[rank] = _outcome(results[rank])
     stuck = [rank for rank in range(len(results)) if rank not in outcomes]
     for rank in stuck:
-        outcomes[rank] = {"ok": False, "error": "did not stop; engine killed", "traceback": "", "secondary": True}
+        outcomes[rank] = CellOutcome.failed("did not stop; engine killed", secondary=True)
     if stuck:
         cluster.kill_engines()

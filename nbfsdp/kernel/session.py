@@ -32,6 +32,7 @@ from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.runner import RankRun
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, LoaderSplit
 from nbfsdp.shared.units import check_initializable, wrap_rule, wrap_units
 from nbfsdp.ui.dashboard import LiveDashboard
 from nbfsdp.ui.widget_events import pending_events
@@ -77,7 +78,7 @@ class CellRun:
     tokens: dict[str, int]
     started: float
     thread: threading.Thread | None = None
-    outcome: list[dict[str, Any]] | BaseException | None = None
+    outcome: list[CellOutcome] | BaseException | None = None
 
     def watch_in_background(self) -> None:
         try:
@@ -128,7 +129,7 @@ class Session:
         for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
             wrap_units(model, config)
         fingerprints = {
-            name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(dataclasses.asdict(config)))
+            name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(config))
             for name, model in models.items()
         }
 
@@ -144,23 +145,23 @@ class Session:
         sending = {name: skeletons[name] for name in to_send}
         sent_bytes = [n + len(values) + sum(map(len, sending.values())) for n in received]
         control = RunControl(self.cluster.private_dir, cell_number)
-        spec = {
-            "code": cell,
-            "filename": filename,
-            "generation": world.generation,
-            "models": list(models),
-            "model_tokens": tokens,
-            "assigned": assigned,
-            "gather": sorted(models) if gather else [],
-            "fsdp": dataclasses.asdict(config),
-            "materialize": materialize,
-            "seed": torch.initial_seed() % 2**63,
-            "control": str(control.path),
-            "loaders": {
-                name: {"per_rank": per_rank_batches, "seed_state": self._loaders.shuffle_state(sent[name])}
+        spec = CellSpec(
+            code=cell,
+            filename=filename,
+            generation=world.generation,
+            models=list(models),
+            model_tokens=tokens,
+            assigned=assigned,
+            gather=sorted(models) if gather else [],
+            fsdp=config,
+            materialize=materialize,
+            seed=torch.initial_seed() % 2**63,
+            control=str(control.path),
+            loaders={
+                name: LoaderSplit(per_rank=per_rank_batches, seed_state=self._loaders.shuffle_state(sent[name]))
                 for name in plans
             },
-        }
+        )
         record = history.RunRecord(
             world_size=world_size,
             config=self._effective_settings(world, timeout, gather, config, models),
@@ -252,9 +253,9 @@ class Session:
                 run.dashboard.finish(None, "failed")
             raise outcome
         self._apply_results(outcome, run)
-        record.metrics = sorted((m for o in outcome for m in o["metrics"]), key=lambda m: (m["step"], m["rank"]))
+        record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
         record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
-        record.cancelled = outcome[0]["cancelled"]
+        record.cancelled = outcome[0].cancelled
         if run.dashboard:
             run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
         record.elapsed = time.perf_counter() - run.started
@@ -323,30 +324,30 @@ class Session:
             "fsdp_wrap": {name: wrap_rule(model, config).as_dict() for name, model in models.items()},
         }
 
-    def _apply_results(self, outcomes: list[dict[str, Any]], run: CellRun) -> None:
+    def _apply_results(self, outcomes: list[CellOutcome], run: CellRun) -> None:
         """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
         first = outcomes[0]
-        for name, state in first["states"].items():
+        for name, state in first.states.items():
             model = run.models[name]
             # in place, so other references see it too; a meta-built model takes the tensors as they are
             model.load_state_dict(transfer.tied_as(model, state), assign=_on_meta(model))
         for name, model in run.models.items():
             # what the engines hold now: these weights, under the settings in force at the end (live changes too)
-            settings = _settings_key(first["settings"][name])
+            settings = _settings_key(first.settings[name])
             self._engine_models[name] = (
                 (transfer.model_fingerprint(model, run.skeletons[name]), settings),
                 run.tokens[name],
             )
-        for name, state in first["in_place"].items():
+        for name, state in first.in_place.items():
             run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
-        for name, state in first["loaders"].items():
+        for name, state in first.loaders.items():
             self._loaders.continue_after(run.sent[name], state)
         objects = dict(run.sent)
-        for name, data in first["names"].items():  # optimizers first: a scheduler the cell made refers to one
+        for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
             objects[name] = self.shell.user_ns[name] = transfer.load_result(data, run.models, objects)
             optimizers.track_steps(objects[name])
-        if first["skipped"]:
-            reasons = "; ".join(f"{name} ({why})" for name, why in first["skipped"].items())
+        if first.skipped:
+            reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
             print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
 
     def stop(self) -> None:
@@ -370,8 +371,8 @@ def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, rec
         dashboard.add(records)
 
 
-def _settings_key(fields: dict[str, Any]) -> str:
+def _settings_key(config: FSDPConfig) -> str:
     """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again.
 
     ``why`` only explains them: FULL chosen by default and FULL asked for shard alike."""
-    return repr(sorted((key, value) for key, value in fields.items() if key != "why"))
+    return repr(sorted((key, value) for key, value in dataclasses.asdict(config).items() if key != "why"))

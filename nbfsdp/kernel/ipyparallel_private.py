@@ -1,0 +1,78 @@
+"""Every private or internal ipyparallel API nbfsdp relies on, in one place (kernel side).
+
+nbfsdp's engines are forked by its fork server (``nbfsdp.kernel.launcher``), not started by
+ipyparallel, and ipyparallel has no public hook for a launcher whose process it did not start, nor a
+public list of the processes a ``Cluster`` runs. Each function says what it relies on;
+``tests/test_ipyparallel_private.py`` calls each one on real ipyparallel objects, so a release that
+moves one fails there, by name. Read in the source of ipyparallel 7.1.0, 8.0.0, 8.6.1, 9.0.0, 9.0.1,
+9.1.0 and 9.2.0: each is the same in all of them.
+
+What a launcher is built with (``parent``, ``work_dir``, ``output_file``, ``identifier``,
+``get_env()``) and ``notify_start`` / ``notify_stop`` / ``on_stop`` are the launcher's documented
+interface and are used directly. Importing this module loads no ipyparallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
+    import psutil
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalProcessLauncher
+
+__all__ = ["adopt_process", "engine_arguments", "launched_pids", "watch_exit"]
+
+
+def engine_arguments(launcher: LocalEngineLauncher) -> list[str]:
+    """The engine's command line after its program (``python -m ipyparallel.engine``), for another way to run it.
+
+    Relies on ``LocalEngineLauncher.find_args()`` being ``engine_cmd + cluster_args + engine_args``; a
+    release that put anything before ``engine_cmd`` would hand the engine a wrong command line.
+    """
+    return list(launcher.args[len(launcher.engine_cmd) :])
+
+
+def adopt_process(launcher: LocalProcessLauncher, process: psutil.Process) -> None:
+    """Make ``process`` the launcher's, as ``LocalProcessLauncher.start`` does after its ``Popen``; then it
+    is running.
+
+    Relies on ``pid`` (saved in the cluster file) and ``process``, the ``psutil.Process`` that
+    ``signal()`` (and so ``stop()`` and ``Cluster.signal_engines``) sends to: without it, they fail.
+    """
+    launcher.pid = process.pid
+    launcher.process = process
+    launcher.notify_start(process.pid)
+
+
+def watch_exit(launcher: LocalProcessLauncher, wait_for_exit: Callable[[], int | None]) -> None:
+    """Watch the launcher's process on ipyparallel's wait thread, with ``wait_for_exit`` (blocks, returns the
+    exit code) in place of psutil's wait, which only the process's parent can use.
+
+    Relies on ``_start_waiting()`` starting a thread on ``self._wait``, which ``join()`` (so ``stop()``
+    and ``Cluster.stop_engines``) waits for; the thread ends by calling ``notify_stop`` on the
+    launcher's ``loop`` with ``exit_code``, ``pid`` and ``identifier``, which fires the ``on_stop``
+    callbacks (the engine set's count of running engines). If ``_wait`` were no longer the thread's
+    target, the exit code would be psutil's (None for a process that is not ours).
+    """
+
+    def wait() -> None:
+        exit_code = wait_for_exit()
+        stop_data = {"exit_code": exit_code, "pid": launcher.pid, "identifier": launcher.identifier}
+        launcher.loop.add_callback(lambda: launcher.notify_stop(stop_data))
+
+    launcher._wait = wait
+    launcher._start_waiting()
+
+
+def launched_pids(cluster: ipp.Cluster) -> list[int]:
+    """The process ids of the cluster's controller, then of each engine it started (by engine set).
+
+    Relies on ``Cluster.controller`` and ``Cluster.engines`` (engine set id -> launcher; ipyparallel calls
+    both "private state"), on an engine set's ``launchers`` (identifier -> engine launcher) and on each
+    launcher's ``pid``. An engine that ended may still be listed: the set drops it only when its stop
+    notice runs on the loop it was started on, which a ``_sync`` call outside a running loop closes.
+    """
+    engines = [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
+    return [launcher.pid for launcher in [cluster.controller, *engines]]

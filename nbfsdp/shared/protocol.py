@@ -1,0 +1,234 @@
+"""The messages between the notebook's kernel and the engines (the ranks), in one place.
+
+Both sides import this module, so a field added or renamed here is seen by both, and a reader
+finds here everything that crosses the line:
+
+- ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``);
+- ``CellOutcome``: what each rank answers, or what the kernel records for a rank that gave no answer;
+- ``EngineInfo``: an engine once it joined the world;
+- ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.delivery`` sends it;
+- ``ControlRequest`` and its files: live changes and cancel, read by the ranks at step boundaries;
+- ``BarDrawing``: rank 0's progress-bar lines on stderr, turned into displays by the kernel.
+
+The objects travel by cloudpickle through ipyparallel; classes of an importable module go by
+reference, so the engines unpickle them as these very classes. The metric records (``nbfsdp.log``'s)
+stay plain dicts: their keys are public API.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nbfsdp.shared.config import FSDPConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from nbfsdp.shared.transfer import TensorLayout
+
+
+@dataclass(kw_only=True, slots=True)
+class LoaderSplit:
+    """How a rank takes its part of one of the notebook's DataLoaders (``nbfsdp.engines.loaders.split``)."""
+
+    per_rank: bool
+    """``--per-rank-batches``: each rank draws whole batches of its own, instead of a slice of each batch."""
+    seed_state: torch.Tensor | None
+    """The state of the generator the notebook keeps for a loader without one of its own, so every rank
+    shuffles in one order; None when the loader has its own generator."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineInfo:
+    """An engine once it joined the world (``nbfsdp.engines.engine.setup``), as ``%fsdp status`` shows it."""
+
+    rank: int | None
+    """Its rank; None before it joined a world."""
+    pid: int
+    device: str
+    """Its device, with the GPU's name on CUDA (``cuda:0 (NVIDIA H100 ...)``); empty before a world."""
+    backend: str
+    """The process group's backend (``gloo``, ``nccl``); empty before a world."""
+    threads: int
+    """torch's intra-op threads on this rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoaderState:
+    """Where rank 0's part of a loader left off, so the notebook's loader shuffles on from there."""
+
+    epochs: int
+    """Epochs the rank began (an iterator that drew its first batch)."""
+    generators: list[torch.Tensor]
+    """The states of the generators its shuffle draws from, in ``shuffle_generators`` order."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CellSpec:
+    """One ``%%fsdp`` cell as every rank runs it; the same object goes to each rank."""
+
+    code: str
+    """The cell's source."""
+    filename: str
+    """``<fsdp-cell-N>``: the name tracebacks show the cell's lines under."""
+    generation: int
+    """The world the kernel submitted to; a rank of another (restarted) world refuses the cell."""
+    models: list[str]
+    """The notebook's models the cell reads, by name."""
+    model_tokens: dict[str, int]
+    """Each model's token: which delivery or earlier cell the rank's copy must come from."""
+    assigned: list[str]
+    """The names the cell binds at top level: candidates to bring back to the notebook."""
+    gather: list[str]
+    """The models whose trained weights come back whole (rank 0 sends them); empty with ``--no-gather``."""
+    fsdp: FSDPConfig
+    """The cell's settings, validated by the kernel (the object itself, so a rank gets types, not a dict)."""
+    materialize: list[str]
+    """Models built on the meta device: each rank initializes its shards instead of receiving them."""
+    seed: int
+    """The notebook's torch seed: meta-built models initialize under it."""
+    control: str
+    """The path of the cell's live-control request file (``control_file``)."""
+    loaders: dict[str, LoaderSplit] = field(default_factory=dict)
+    """The notebook's DataLoaders the cell reads, and how each rank splits each."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CellOutcome:
+    """A rank's end of a cell: ``ok`` and what comes back, or ``failed`` and why.
+
+    One class for both shapes: the kernel watches every rank's outcome alike (``ok``, ``metrics``),
+    and a rank that died or was killed gets a failed one made by the kernel (``CellOutcome.failed``).
+    Only rank 0 fills ``names``, ``skipped``, ``in_place``, ``loaders`` and ``states``.
+    """
+
+    ok: bool
+    """The cell ran to its end (or to a cancel) on this rank."""
+    cancelled: bool = False
+    """``%fsdp cancel`` ended the cell at an agreed step; it still counts as finished."""
+    names: dict[str, bytes] = field(default_factory=dict)
+    """The names the cell assigned, pickled (``transfer.pickle_result``), to bind in the notebook."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Assigned names that stay on the engines, with why."""
+    in_place: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The trained state dicts of the notebook's own optimizers and schedulers the cell read (loaded in place)."""
+    loaders: dict[str, LoaderState] = field(default_factory=dict)
+    """Rank 0's state of each split DataLoader (``SplitLoader.state``): the notebook's shuffles on from it."""
+    states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """The gathered models' full state dicts, on the CPU."""
+    settings: dict[str, FSDPConfig] = field(default_factory=dict)
+    """Each model's settings at the end, live changes included: what the engine holds it under now."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """This rank's ``nbfsdp.log`` records (public keys), also those of a failed cell up to its error."""
+    error: str = ""
+    """A failed rank: ``ExceptionType: message``."""
+    traceback: str = ""
+    """A failed rank: the user's traceback, nbfsdp's own frames left out; empty when none was taken."""
+    secondary: bool = False
+    """The failure only follows another's (a peer tore the world down, or the kernel interrupted this
+    rank because of it): the cell's error names a primary failure first."""
+    engine_lost: bool = False
+    """The engine process went away under the task: the kernel asks how it died."""
+
+    @classmethod
+    def failed(
+        cls,
+        error: str,
+        *,
+        traceback: str = "",
+        secondary: bool = False,
+        engine_lost: bool = False,
+        metrics: list[dict[str, Any]] | None = None,
+    ) -> CellOutcome:
+        """A failed rank, as the rank reports it or as the kernel records a rank that gave no answer."""
+        return cls(
+            ok=False,
+            error=error,
+            traceback=traceback,
+            secondary=secondary,
+            engine_lost=engine_lost,
+            metrics=metrics or [],
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardAllocation:
+    """Sent with a rank's first piece of a model's shards: the storage to allocate for them, once."""
+
+    token: int
+    """The model's token (``CellSpec.model_tokens``): the cell checks it got this delivery."""
+    tensors: TensorLayout
+    """Each shard's fqn, shape and dtype."""
+    on_cpu: bool
+    """CPU offload: the shards live in host memory even where the rank computes on a GPU."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ControlRequest:
+    """What the notebook wants the running cell to switch to, in the request file every rank reads."""
+
+    version: int = 0
+    """Bumped by each request: a rank acts on a version it has not seen."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Every live setting asked for so far in this cell (``config.LIVE_SETTINGS`` keys)."""
+    cancel: bool = False
+    """End the cell at the agreed step, as a finished one."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ControlRequest:
+        return cls(**json.loads(text))
+
+
+def control_file(directory: str | Path, run_id: int) -> Path:
+    """The request file of cell ``run_id``, in the cluster's private directory."""
+    return Path(directory, f"control-{run_id}.json")
+
+
+def claim_file(control: Path, version: int) -> Path:
+    """The file whose first writer fixes the boundary at which request ``version`` applies on every rank."""
+    return control.with_name(f"{control.stem}-v{version}.claim")
+
+
+def control_files(control: Path) -> Iterator[Path]:
+    """The request file and everything written beside it (partial writes, claims), to remove with the run.
+
+    Matched by the exact stem: ``control-1`` leaves ``control-10``'s files alone.
+    """
+    yield from control.parent.glob(f"{control.stem}.*")
+    yield from control.parent.glob(f"{control.stem}-v*")
+
+
+#: Starts rank 0's lines that draw a progress bar: an escape (APC) no user output starts with.
+BAR_MARKER = "\x1b_nbfsdp-bar "
+
+
+@dataclass(kw_only=True, slots=True)
+class BarDrawing:
+    """One drawing of a progress bar on rank 0, as one stderr line: ``BAR_MARKER``, the bar's id,
+    ``live`` or ``end``, and the bar's text, space-separated."""
+
+    bar: str
+    """The bar's id, unique in the engine process."""
+    ended: bool
+    """The bar closed: this is its last state."""
+    text: str
+    """The bar as ``tqdm`` prints it, on one line."""
+
+    def line(self) -> str:
+        text = " ".join(self.text.splitlines())
+        return f"{BAR_MARKER}{self.bar} {'end' if self.ended else 'live'} {text}\n"
+
+    @classmethod
+    def parse(cls, drawn: str) -> BarDrawing | None:
+        """What follows ``BAR_MARKER`` on a line; None if it is not a drawing."""
+        fields = drawn.split(" ", 2)
+        if len(fields) != 3 or fields[1] not in ("live", "end"):
+            return None
+        return cls(bar=fields[0], ended=fields[1] == "end", text=fields[2])

@@ -1,0 +1,90 @@
+"""Each private ipyparallel API nbfsdp relies on (``nbfsdp.kernel.ipyparallel_private``), called directly.
+
+An ipyparallel release that moves one fails here, by name: on a real launcher watching a short real
+process, and on a real ``ipp.Cluster`` (controller and one engine). tests/test_forkserver.py shows what
+they are for (engines forked by the fork server, stopped and reported by ipyparallel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import ipyparallel as ipp
+import psutil
+import pytest
+from ipyparallel.cluster.launcher import LocalEngineLauncher
+
+from nbfsdp.kernel import ipyparallel_private
+from tests.conftest import left_behind
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_engine_arguments_are_the_command_line_after_the_program(tmp_path):
+    launcher = LocalEngineLauncher(profile_dir=str(tmp_path), cluster_id="c1", engine_args=["--log-level=20"])
+    arguments = ipyparallel_private.engine_arguments(launcher)
+    assert launcher.args == [*launcher.engine_cmd, *arguments]  # what ipyparallel would run
+    assert launcher.engine_cmd[-2:] == ["-m", "ipyparallel.engine"] and "ipyparallel.engine" not in arguments
+    assert arguments == [*launcher.cluster_args, "--log-level=20"]
+
+
+def test_an_adopted_process_is_signalled_stopped_and_reported_with_our_exit_code(tmp_path):
+    """What ipyparallel does with an engine the fork server forked: signal it through the adopted process,
+    wait on our function, and report its exit code to the on_stop callbacks."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ours_returned = threading.Event()
+
+    def wait_for_exit() -> int:
+        child.wait()
+        ours_returned.set()
+        return 42  # not the child's status (-SIGTERM), which ipyparallel's own wait would report
+
+    async def drive() -> tuple[list[dict], bool, str]:
+        # a stop that cannot signal fails in seconds, not at ipyparallel's minute
+        launcher = LocalEngineLauncher(
+            profile_dir=str(tmp_path), identifier="0", stop_seconds_until_kill=1, stop_timeout=1
+        )
+        stopped: list[dict] = []
+        launcher.on_stop(stopped.append)
+        ipyparallel_private.adopt_process(launcher, psutil.Process(child.pid))
+        assert (launcher.state, launcher.pid) == ("running", child.pid)
+        ipyparallel_private.watch_exit(launcher, wait_for_exit)
+        await launcher.stop()  # SIGTERM through the adopted process, then join: our wait has returned
+        joined = ours_returned.is_set()
+        deadline = time.monotonic() + 5
+        while not stopped and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # notify_stop runs on the launcher's loop, this one
+        return stopped, joined, launcher.state
+
+    try:
+        stopped, joined, state = asyncio.run(drive())
+    finally:
+        child.kill()
+        child.wait()
+    assert stopped == [{"exit_code": 42, "pid": child.pid, "identifier": "0"}]
+    assert state == "after"
+    assert joined
+    assert child.returncode == -signal.SIGTERM
+
+
+def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
+    cluster = ipp.Cluster(profile_dir=str(tmp_path), controller_ip="127.0.0.1", log_level=logging.ERROR)
+    pids: list[int] = []
+    try:
+        cluster.start_controller_sync()
+        cluster.start_engines_sync(1)
+        pids = ipyparallel_private.launched_pids(cluster)
+        children = {child.pid: child.cmdline() for child in psutil.Process().children()}
+        assert len(pids) == 2 and set(pids) <= set(children)  # the processes this cluster started
+        controller, engine = pids
+        assert "ipyparallel.controller" in children[controller]
+        assert "ipyparallel.engine" in children[engine]
+    finally:
+        cluster.stop_cluster_sync()
+    assert left_behind(pids, 10) == []

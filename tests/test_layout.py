@@ -1,0 +1,101 @@
+"""The package's layout says which process runs a line: each subpackage imports only what its process may.
+
+Every ``import`` of an nbfsdp module anywhere in a file counts (at the top, inside functions, under
+``TYPE_CHECKING``), read from the source with ``ast``: nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nbfsdp"
+
+#: What each subpackage may import of nbfsdp ("nbfsdp" alone: the package root, whose names load lazily).
+ALLOWED = {
+    "shared": {"shared"},
+    "engines": {"engines", "shared", "nbfsdp"},
+    "helpers": {"helpers", "shared"},
+    "ui": {"ui", "kernel", "shared"},
+    "kernel": {"kernel", "ui", "engines", "helpers", "shared"},
+    "course": {"course", "shared"},
+}
+#: Third-party modules of the kernel's side that code shared with the ranks must not import.
+KERNEL_ONLY = ("IPython", "ipykernel", "ipywidgets", "ipyparallel.client", "ipyparallel.cluster", "jupyter_ui_poll")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, relative imports resolved."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: nbfsdp uses absolute imports only"
+            base = node.module or ""
+            # ``from nbfsdp.kernel import session`` imports nbfsdp.kernel.session
+            found += [(node.lineno, f"{base}.{alias.name}" if base in _packages() else base) for alias in node.names]
+    return sorted(found)
+
+
+def _packages() -> set[str]:
+    return {"nbfsdp", *(f"nbfsdp.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists())}
+
+
+def _subpackage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and f"nbfsdp.{parts[1]}" in _packages() else "nbfsdp"
+
+
+def _violations(subpackage: str) -> list[str]:
+    wrong = []
+    for path in sorted((PACKAGE / subpackage).rglob("*.py")):
+        for line, module in _imports(path):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+            if module == "nbfsdp" or module.startswith("nbfsdp."):
+                if _subpackage(module) not in ALLOWED[subpackage]:
+                    wrong.append(f"{where} imports {module}")
+            elif subpackage in ("shared", "engines", "helpers", "course") and module.startswith(KERNEL_ONLY):
+                wrong.append(f"{where} imports {module}, the kernel's side")
+    return wrong
+
+
+def test_every_module_is_in_a_subpackage_that_says_what_it_may_import():
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py"]
+    for subpackage in ALLOWED:
+        assert (PACKAGE / subpackage / "__init__.py").read_text().strip(), f"{subpackage} has no docstring"
+    assert set(ALLOWED) == {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+
+
+@pytest.mark.parametrize("subpackage", sorted(ALLOWED))
+def test_imports_go_only_where_the_process_allows(subpackage):
+    assert _violations(subpackage) == []
+
+
+def test_the_check_sees_an_import_from_the_wrong_side(tmp_path, monkeypatch):
+    """The check itself: an engine module importing the kernel's cluster, even inside a function, is caught."""
+    fake = tmp_path / "nbfsdp"
+    (fake / "engines").mkdir(parents=True)
+    (fake / "kernel").mkdir()
+    for sub in ("engines", "kernel"):
+        (fake / sub / "__init__.py").write_text('"""x"""\n')
+    (fake / "engines" / "bad.py").write_text(
+        "def f():\n    from nbfsdp.kernel import cluster\n\nfrom IPython.core.error import UsageError\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert _violations("engines") == [
+        "nbfsdp/engines/bad.py:2 imports nbfsdp.kernel.cluster",
+        "nbfsdp/engines/bad.py:4 imports IPython.core.error, the kernel's side",
+    ]
+
+
+def test_importing_the_package_loads_no_torch_ipyparallel_or_widgets():
+    """``import nbfsdp`` stays light: the public names load on first use."""
+    heavy = ("torch", "ipyparallel", "ipywidgets", "IPython")
+    code = f"import sys, nbfsdp; print(sorted(m for m in {heavy} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
