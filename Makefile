@@ -10,7 +10,21 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test check browser lint clean bench docs
+# The oldest versions pyproject.toml allows, in a second environment (`make test-floor`): torch's PyPI build
+# (with its CUDA packages, about 5.5 GB), so the floor is checked on CPU here and on a GPU where there is one
+FLOOR_VENV  ?= .venv-floor
+FLOOR_PINS  ?= torch==2.6.0 ipyparallel==9.0.0 ipykernel==6.29.0
+FLOOR_BIN   := $(FLOOR_VENV)/bin
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
+
+.PHONY: lab test test-floor check browser lint clean bench docs
+
+$(FLOOR_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_BIN)/python -m pip install --quiet --upgrade pip
+	$(FLOOR_BIN)/python -m pip install --quiet $(FLOOR_PINS) -e ".[test]"
+	touch $(FLOOR_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +53,12 @@ test: $(STAMP) browser
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
+	$(MAKE) test-floor
+
+## The tests marked floor (the core: FSDP2 parity, the private APIs, a real kernel, live changes) on the
+## oldest torch, ipyparallel and ipykernel pyproject.toml allows, in .venv-floor (1.5 min on 2 cores; the first build about 1.5 min more)
+test-floor: $(FLOOR_STAMP)
+	NBFSDP_PREWARM=0 $(FLOOR_BIN)/python -m pytest -m floor -p no:cacheprovider $(FLOOR_TESTS)
 
 ## The fast loop before a commit (under 5 min on 2 cores): lint, then the tests not marked slow, no notebooks
 check: $(STAMP)
@@ -56,4 +76,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) *.egg-info site
+	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info site

@@ -117,6 +117,7 @@ class _Clicker:
             self.sent_at = time.monotonic()
 
 
+@pytest.mark.floor
 def test_a_toggle_clicked_while_the_cell_runs_applies_on_every_rank(kernel):
     clicker = _Clicker(kernel, "activation checkpointing", {"method": "update", "state": {"value": True}})
     reply, messages = kernel.execute(
@@ -136,6 +137,7 @@ def test_a_toggle_clicked_while_the_cell_runs_applies_on_every_rank(kernel):
     assert flags == [[s >= step for s in range(50)]] * 2  # both ranks, from the same step on
 
 
+@pytest.mark.floor
 def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
     clicker = _Clicker(kernel, "Stop", {"method": "custom", "content": {"event": "click"}})
     started = time.monotonic()

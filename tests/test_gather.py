@@ -10,7 +10,7 @@ import torch.nn as nn
 from benchmarks import procmem
 from tests.conftest import run_ok
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(120)]
 
 TRAIN = """
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

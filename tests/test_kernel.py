@@ -76,11 +76,13 @@ def kernel():
     k.shutdown()
 
 
+@pytest.mark.floor
 def test_kernel_runs_this_environment(kernel):
     _, messages = kernel.execute("import sys; print(sys.executable)")
     assert kernel.stdout(messages).strip() == sys.executable
 
 
+@pytest.mark.floor
 def test_rank_output_streams_line_by_line_while_the_cell_runs(kernel):
     _, messages = kernel.execute("""%%fsdp --world-size 2
 import time
@@ -100,6 +102,7 @@ for i in range(4):
         assert arrivals[f"[rank {rank}] tick 0"] < end - 1.0
 
 
+@pytest.mark.floor
 def test_help_shows_every_flag(kernel):
     reply, _ = kernel.execute("%%fsdp?")
     page = reply["content"]["payload"][0]["data"]["text/plain"]
@@ -128,6 +131,7 @@ def test_interrupt_ends_the_cell_and_the_next_cell_works(kernel):
     assert "[rank 1] alive 1" in kernel.stdout(messages)
 
 
+@pytest.mark.floor
 def test_unload_stops_the_engines(kernel):
     _, messages = kernel.execute("print(nbfsdp._magics.session.cluster.world.pids)")
     pids = eval(kernel.stdout(messages))

@@ -19,7 +19,7 @@ import nbfsdp
 from nbfsdp.ui.panel import SettingsPanel
 from tests.conftest import run_failing, run_ok
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
 STEPS = 12
 

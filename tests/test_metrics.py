@@ -13,7 +13,7 @@ from nbfsdp.engines import metrics
 from nbfsdp.shared import torch_private
 from tests.conftest import gpu, run_ok
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(180)]
 
 #: Categories nbfsdp does not follow on CPU (no allocator statistics there).
 UNTRACKED_ON_CPU = ("Temp", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Buffer", "Inputs")

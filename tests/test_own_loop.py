@@ -10,6 +10,8 @@ from IPython.core.error import UsageError
 import nbfsdp
 from tests.conftest import run_failing, run_ok
 
+pytestmark = pytest.mark.floor
+
 #: The notebook: data whose first feature is the sample's index (so ranks can say what they saw),
 #: a model, and a reference copy of everything for the plain loop.
 NOTEBOOK = """

@@ -10,6 +10,8 @@ import torch
 import nbfsdp
 from tests.conftest import run_ok
 
+pytestmark = pytest.mark.floor
+
 STEPS = 5
 
 OPTIMIZERS = {

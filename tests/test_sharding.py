@@ -13,7 +13,7 @@ from benchmarks import procmem
 from nbfsdp.shared import transfer
 from tests.conftest import run_failing, run_ok
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(180)]
 
 
 def test_each_rank_holds_only_its_dim0_shard(shell, tiny_model):

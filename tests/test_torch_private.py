@@ -14,10 +14,11 @@ from torch.utils.data import DataLoader, IterableDataset
 from nbfsdp.shared import torch_private
 from tests.conftest import run_ok
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
 ON_THE_RANKS = """%%fsdp --world-size 2 --wrap-cls Block --mixed-precision FULL --activation-checkpointing --no-gather
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from nbfsdp.shared import torch_private
 
 weight = model.blocks[0].mlp[0].weight
@@ -35,6 +36,14 @@ dtypes.append(model(x).dtype)
 del out
 
 block = model.blocks[0]
+gathered_after_forward = []
+for reshard in (False, True):  # FULL_SHARD -> SHARD_GRAD_OP -> FULL_SHARD, as a live change does
+    torch_private.set_reshard_after_forward(block, reshard)
+    out = model(x)
+    gathered_after_forward.append(not isinstance(block.mlp[0].weight, DTensor))
+    loss_fn(out.float(), y).backward()
+del out
+
 checkpointing = [torch_private.checkpoint.state(block).enable_hook]
 torch_private.set_checkpointing(block, False)
 checkpointing.append(torch_private.checkpoint.state(block).enable_hook)
@@ -46,6 +55,7 @@ def test_fsdp2_internals_on_real_units(shell, tiny_model):
     ns = shell.user_ns
     assert ns["shard_is_local"]
     assert ns["dtypes"] == [torch.float32, torch.bfloat16]  # the policy switched between two forwards
+    assert ns["gathered_after_forward"] == [True, False]
     assert ns["checkpointing"] == [True, False]
 
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
-from nbfsdp.shared.torch_private import checkpoint, set_checkpointing, set_mixed_precision
+from nbfsdp.shared.torch_private import checkpoint, set_checkpointing, set_mixed_precision, set_reshard_after_forward
 from nbfsdp.shared.transfer import shard_slice
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, root_method, wrap_units
 
@@ -125,7 +125,7 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
     """Apply settings changed while a cell runs, between two steps; return ``key=value`` for each change.
 
     Sharding strategy moves between FULL_SHARD and SHARD_GRAD_OP only (same mesh), with FSDP2's
-    ``set_reshard_after_forward``; the root keeps FSDP2's own choice, as ``fully_shard`` sets it.
+    ``set_reshard_after_forward`` (via torch_private); the root keeps FSDP2's own choice, as ``fully_shard`` sets it.
     """
     old = sharded.config
     new = dataclasses.replace(old, **{k: v for k, v in settings.items() if k in LIVE_SETTINGS})
@@ -138,7 +138,7 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
             "while a cell runs (another mesh); it applies from the next cell"
         )
     for unit in sharded.units[1:]:
-        unit.set_reshard_after_forward(new.sharding_strategy != "SHARD_GRAD_OP", recurse=False)
+        set_reshard_after_forward(unit, new.sharding_strategy != "SHARD_GRAD_OP")
     _set_prefetch(sharded, new)
     _set_checkpointing(sharded, new)
     if new.dtypes() != old.dtypes():

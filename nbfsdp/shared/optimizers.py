@@ -23,11 +23,17 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from nbfsdp.shared.torch_private import is_step_tracked, local_tensor, mark_optimizer_stepped, mark_step_tracked
+from nbfsdp.shared.torch_private import (
+    is_step_tracked,
+    local_tensor,
+    mark_optimizer_stepped,
+    mark_step_tracked,
+    shard_whole_tensor,
+)
 
 #: What the notebook brings back in place: optimizers and LR schedulers (ReduceLROnPlateau is no LRScheduler).
 STATEFUL = (Optimizer, LRScheduler, ReduceLROnPlateau)
@@ -37,7 +43,7 @@ def shard_state(optimizer: Optimizer) -> None:
     """On a rank: each whole state tensor of a sharded parameter becomes this rank's shard of it.
 
     Every rank received the whole tensor, so each takes its own part without
-    communicating (``src_data_rank=None``), padded as FSDP2 pads its shards.
+    communicating (``torch_private.shard_whole_tensor``), padded as FSDP2 pads its shards.
     """
     for param, state in optimizer.state.items():
         if not isinstance(param, DTensor):
@@ -45,7 +51,7 @@ def shard_state(optimizer: Optimizer) -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
                 local = value.to(local_tensor(param).device)
-                state[key] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+                state[key] = shard_whole_tensor(local, param.device_mesh, param.placements)
 
 
 def track_steps(scheduler: Any) -> None:

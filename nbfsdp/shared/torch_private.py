@@ -7,14 +7,18 @@ a cell. Runs wherever torch runs: the notebook's kernel and the engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
@@ -30,8 +34,70 @@ __all__ = [
     "push_saved_tensors_hooks",
     "set_checkpointing",
     "set_mixed_precision",
+    "set_reshard_after_forward",
+    "shard_whole_tensor",
     "top_saved_tensors_hooks",
 ]
+
+
+def _cpu_streams_for_fsdp2() -> None:
+    """FSDP2 records and waits on events of its streams; on CPU those are ``torch.cpu.Stream``, which gained
+    its no-op ``record_event`` / ``wait_event`` in torch 2.7 (pytorch#145935). On torch 2.6 FSDP2 on CPU
+    fails at its first all-gather without them, so they are added, the same no-ops, where missing."""
+    stream = torch.cpu.Stream
+    if not hasattr(stream, "record_event"):
+        # an Event, not 2.7's None: FSDP2 2.6 asserts it has one after an all-reduce (NO_SHARD, HSDP)
+        stream.record_event = lambda self: torch.cpu.Event()
+    if not hasattr(stream, "wait_event"):
+        stream.wait_event = lambda self, event: None
+
+
+def _cpu_copy_out_for_fsdp2() -> None:
+    """FSDP2 writes each all-gather into the unsharded parameters with ``torch.ops.fsdp.split_with_sizes_copy``.
+    On CPU that write bumps their autograd version counter (CUDA's fast path does not, pytorch#132014), so a
+    parameter gathered again for backward fails autograd's check on the tensors it saved in forward. From
+    torch 2.7 FSDP2 restores the counters around the copy itself; on 2.6 the op is wrapped to do the same."""
+    if torch.__version__ >= "2.7":
+        return
+    importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")  # defines torch.ops.fsdp
+    copy = torch.ops.fsdp.split_with_sizes_copy
+
+    def split_with_sizes_copy(
+        all_gather_output: torch.Tensor, split_sizes: list[int], dim: int = 0, *, out: list[torch.Tensor]
+    ) -> None:
+        versions = [(t, t._version) for t in out if not t.is_inference()]
+        copy(all_gather_output, split_sizes, dim=dim, out=out)
+        for tensor, version in versions:
+            torch._C._autograd._unsafe_set_version_counter(tensor, version)
+
+    split_with_sizes_copy.default = copy.default  # the overload FSDPMemTracker instruments
+    torch.ops.fsdp.split_with_sizes_copy = split_with_sizes_copy  # looked up at each all-gather
+
+
+def _gloo_gradient_mean_for_fsdp2() -> None:
+    """FSDP2 averages fp32/bf16 gradients with ``ReduceOp.AVG``. Gloo on torch 2.6 has no AVG: its
+    ``reduce_scatter_tensor`` silently sums (gradients N times too large) and its ``all_reduce`` (HSDP)
+    raises. From torch 2.7 gloo averages; on 2.6 FSDP2 is given, on gloo groups, the divide-then-sum
+    factors it already uses for fp16 (``_fsdp_collectives._get_gradient_divide_factors``), which it pairs
+    with ``ReduceOp.SUM``."""
+    if torch.__version__ >= "2.7":
+        return
+    collectives = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    factors = collectives._get_gradient_divide_factors
+
+    def gradient_divide_factors(
+        reduce_scatter_group: dist.ProcessGroup, all_reduce_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype
+    ) -> tuple[float, float] | tuple[None, None]:
+        if dist.get_backend(reduce_scatter_group) == "gloo":
+            reduce_dtype = torch.float16  # the dtype FSDP2 divides for itself
+        return factors(reduce_scatter_group, all_reduce_group, reduce_dtype)
+
+    collectives._get_gradient_divide_factors = gradient_divide_factors  # a global foreach_reduce looks up
+
+
+_cpu_streams_for_fsdp2()
+_cpu_copy_out_for_fsdp2()
+_gloo_gradient_mean_for_fsdp2()
 
 
 def local_tensor(dtensor: DTensor) -> torch.Tensor:
@@ -58,6 +124,32 @@ def set_mixed_precision(unit: FSDPModule, policy: MixedPrecisionPolicy) -> None:
         param.all_gather_outputs = []
         if hasattr(param, "_unsharded_param"):
             del param._unsharded_param
+
+
+def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
+    """Have ``unit`` alone free its gathered parameters after forward or keep them for backward, between steps.
+
+    ``FSDPModule.set_reshard_after_forward(reshard, recurse=False)`` from torch 2.7; on 2.6, what it sets: the
+    ``FSDPParamGroup.post_forward_mesh_info`` (the unit's own mesh to reshard to, None to stay gathered).
+    """
+    if hasattr(unit, "set_reshard_after_forward"):
+        unit.set_reshard_after_forward(reshard, recurse=False)
+        return
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is not None:  # a unit that owns no parameters
+        group.post_forward_mesh_info = group.mesh_info if reshard else None
+
+
+def shard_whole_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """This rank's part of a tensor that every rank holds whole, split as FSDP2 splits a parameter.
+
+    ``distribute_tensor(..., src_data_rank=None)`` (torch 2.7 on) takes it without communicating; torch 2.6 has
+    no ``src_data_rank`` and scatters rank 0's copy instead: the same values, through a collective every rank
+    makes in the same order.
+    """
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(tensor, mesh, placements, src_data_rank=None)
+    return distribute_tensor(tensor, mesh, placements)
 
 
 def set_checkpointing(module: nn.Module, enabled: bool) -> None:
