@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
     from nbfsdp.engines.metrics import log
+    from nbfsdp.kernel.checkpoints import checkpoints, load, save
     from nbfsdp.kernel.comparison import compare
     from nbfsdp.kernel.history import RunRecord, last_run, runs
     from nbfsdp.kernel.magics import FSDPMagics
@@ -47,12 +48,16 @@ if TYPE_CHECKING:
 __all__ = [
     "Plan",
     "RunRecord",
+    "checkpoints",
     "compare",
     "explain",
+    "export",
     "last_run",
+    "load",
     "load_ipython_extension",
     "log",
     "runs",
+    "save",
     "unload_ipython_extension",
 ]
 
@@ -65,6 +70,10 @@ _LAZY = {
     "last_run": "nbfsdp.kernel.history",
     "runs": "nbfsdp.kernel.history",
     "log": "nbfsdp.engines.metrics",
+    "save": "nbfsdp.kernel.checkpoints",
+    "load": "nbfsdp.kernel.checkpoints",
+    "checkpoints": "nbfsdp.kernel.checkpoints",
+    "export": "nbfsdp.kernel.exporting",
 }
 
 PREWARM_ENV = "NBFSDP_PREWARM"

@@ -30,6 +30,10 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
         "%%fsdp": FSDPMagics.fsdp.parser,
         "%fsdp": FSDPMagics.fsdp_line.parser,
         "%fsdp explain": FSDPMagics._explain_arguments.parser,
+        "%fsdp save": FSDPMagics._save_arguments.parser,
+        "%fsdp load": FSDPMagics._load_arguments.parser,
+        "%fsdp checkpoints": FSDPMagics._checkpoints_arguments.parser,
+        "%fsdp export": FSDPMagics._export_arguments.parser,
     }
 
 

@@ -17,10 +17,13 @@ from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.session import Session
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
+from nbfsdp.shared.collectives import size_text
 from nbfsdp.ui.panel import SettingsPanel
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
-LINE_ACTIONS = ("status", "stop", "explain", "compare", "panel", "set", "wait", "cancel")
+LINE_ACTIONS = (
+    "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "save", "load", "checkpoints", "export",
+)  # fmt: skip
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
@@ -176,7 +179,11 @@ class FSDPMagics(Magics):
         "compare [N]: the last N runs (default 5) side by side; "
         "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
         "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
-        "defaults); wait: the results of an --async run; cancel: end the running cell at its next step.",
+        "defaults); wait: the results of an --async run; cancel: end the running cell at its next step; "
+        "save PATH [--overwrite]: a sharded checkpoint of what the engines hold; load PATH [--world-size N] "
+        "[--load-ignore-keys K,...]: a checkpoint into the engines and the notebook's objects; "
+        "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
+        "model's full weights into one .pt or .safetensors file, in the kernel.",
     )
     @line_magic("fsdp")
     @as_usage_errors
@@ -193,6 +200,9 @@ class FSDPMagics(Magics):
             return
         if line.split()[:1] == ["set"]:
             self._set(line.split()[1:])
+            return
+        if line.split()[:1] in (["save"], ["load"], ["checkpoints"], ["export"]):
+            self._checkpoint(*line.split(None, 1) if len(line.split()) > 1 else (line.strip(), ""))
             return
         args = parse_argstring(self.fsdp_line, line)
         if args.action == "stop":
@@ -247,6 +257,65 @@ class FSDPMagics(Magics):
         settings = config.validate(settings, world_size, device_type(world_size))
         planned = plan(model, settings, world_size)
         print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+    @magic_arguments()
+    @argument("path", help="The checkpoint's directory.")
+    @argument("--overwrite", action="store_true", help="Replace a complete checkpoint already at PATH.")
+    def _save_arguments(self, line: str) -> None:
+        """%fsdp save PATH [--overwrite]"""
+
+    @magic_arguments()
+    @argument("path", help="The checkpoint's directory.")
+    @argument(
+        "--world-size",
+        "-n",
+        type=int,
+        default=None,
+        help="Ranks to load into (default: the running world's, or with none running the checkpoint's).",
+    )
+    @argument(
+        "--load-ignore-keys",
+        metavar="K[,K]",
+        default="",
+        help="Globs on the checkpoint's keys to skip, e.g. 'optimizers.*' (an optimizer skipped skips its scheduler).",
+    )
+    def _load_arguments(self, line: str) -> None:
+        """%fsdp load PATH [--world-size N] [--load-ignore-keys K,...]"""
+
+    @magic_arguments()
+    @argument("folder", help="A folder holding checkpoints.")
+    def _checkpoints_arguments(self, line: str) -> None:
+        """%fsdp checkpoints FOLDER"""
+
+    @magic_arguments()
+    @argument("checkpoint", help="A complete checkpoint's directory.")
+    @argument("out", help="The file to write: .pt (a plain state dict) or .safetensors.")
+    @argument("--model", default=None, help="Which model, when the checkpoint holds several.")
+    @argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="Cast the floating tensors.")
+    def _export_arguments(self, line: str) -> None:
+        """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}]"""
+
+    def _checkpoint(self, action: str, line: str) -> None:
+        from nbfsdp.kernel import checkpoints
+
+        if action == "export":  # in the kernel: no engines needed
+            from nbfsdp.kernel import exporting
+
+            args = parse_argstring(self._export_arguments, line)
+            written = exporting.export(args.checkpoint, args.out, model=args.model, dtype=args.dtype)
+            print(f"nbfsdp: wrote {written} ({size_text(written.stat().st_size)})")
+            return
+
+        if action == "save":
+            args = parse_argstring(self._save_arguments, line)
+            checkpoints.save_with(self.session, args.path, args.overwrite)
+        elif action == "load":
+            args = parse_argstring(self._load_arguments, line)
+            checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys)
+        else:
+            args = parse_argstring(self._checkpoints_arguments, line)
+            found = checkpoints.checkpoints(args.folder)
+            print(checkpoints.table(found) if found else f"nbfsdp: no checkpoints in {args.folder}")
 
     def _compare(self, words: list[str]) -> None:
         if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):

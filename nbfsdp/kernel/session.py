@@ -32,7 +32,7 @@ from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.runner import RankRun
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, LoaderSplit
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, LoaderSplit, LoaderState
 from nbfsdp.shared.units import check_initializable, wrap_rule, wrap_units
 from nbfsdp.ui.dashboard import LiveDashboard
 from nbfsdp.ui.widget_events import pending_events
@@ -114,7 +114,10 @@ class Session:
         config: FSDPConfig,
         background: bool = False,
         per_rank_batches: bool = False,
+        internal: bool = False,
     ) -> None:
+        """Run ``cell`` on every rank and bring its results back. ``internal``: nbfsdp's own cell (a checkpoint
+        load): no dashboard and no run record, so ``last_run()`` stays the user's last cell."""
         if self.active is not None:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
@@ -169,10 +172,11 @@ class Session:
         )
         if plans:
             record.config["loaders"] = {name: plan.as_dict() for name, plan in plans.items()}
-        history.record(record)
+        if not internal:
+            history.record(record)
         for name, loader_plan in plans.items():
             print(loader_plan.line(name))
-        dashboard = self._dashboard(world, models, config, background)
+        dashboard = None if internal else self._dashboard(world, models, config, background)
         ranks = RankRun(
             self.cluster,
             spec,
@@ -349,6 +353,18 @@ class Session:
         if first.skipped:
             reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
             print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
+
+    def engine_models(self) -> list[str]:
+        """The notebook's models the running world holds (sharded by an earlier cell)."""
+        world = self.cluster.world
+        if world is None or world.broken or world.generation != self._models_generation:
+            return []
+        return list(self._engine_models)
+
+    def restore_loader(self, loader: DataLoader, state: LoaderState) -> None:
+        """A loader shuffles on from a checkpoint's position, as after the cell that left it there (its
+        generators' states; the epoch count the plan line shows is this kernel's own)."""
+        self._loaders.continue_after(loader, LoaderState(epochs=0, generators=state.generators))
 
     def stop(self) -> None:
         """End the cluster; a background run still going ends with it."""

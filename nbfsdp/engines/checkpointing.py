@@ -1,0 +1,214 @@
+"""What each rank runs to save or load a checkpoint (the format: ``nbfsdp.shared.checkpoints``).
+
+``save`` gathers this rank's part of its world (the sharded models, the optimizers and LR schedulers in
+the cells' namespace, its RNG states, its split DataLoaders' positions) into DCP's state dict and writes
+only its own shards; rank 0 completes the checkpoint once every rank has written. ``load_into`` runs
+inside an internal cell over the notebook's objects (``nbfsdp.kernel.checkpoints``): DCP reads into
+the sharded models and optimizers in place, resharding from whatever world size wrote them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from nbfsdp.engines import engine
+from nbfsdp.engines.loaders import SplitBatchSampler, shuffle_generators
+from nbfsdp.shared import checkpoints, optimizers
+from nbfsdp.shared.checkpoints import CheckpointError, Manifest
+from nbfsdp.shared.protocol import LoaderState
+
+
+def _world(generation: int) -> engine._World:
+    world = engine._world
+    if world is None or world.generation != generation:
+        raise CheckpointError("world not set up")
+    return world
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's class, not FSDP2's per-class subclass of it."""
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _owner(optimizer: Optimizer, models: dict[str, nn.Module]) -> str | None:
+    """The model all of the optimizer's parameters belong to (DCP keys optimizer state by its FQNs)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, model in models.items():
+        if params and params <= {id(p) for p in model.parameters()}:
+            return name
+    return None
+
+
+def _find(world: engine._World) -> tuple[dict, dict, dict, dict, dict[str, str]]:
+    """What the engines hold, by the cells' names: models, optimizers (-> model), schedulers (-> optimizer),
+    split loaders; and the names left out, with why. The same on every rank: the same cells ran there."""
+    models = {name: sharded.module for name, (_, sharded) in sorted(world.models.items())}
+    found_optimizers: dict[str, tuple[Optimizer, str]] = {}
+    schedulers: dict[str, tuple[Any, str]] = {}
+    loaders: dict[str, DataLoader] = {}
+    skipped: dict[str, str] = {}
+    seen: dict[int, str] = {id(m): n for n, m in models.items()}
+    items = sorted(world.namespace.items())
+    for name, value in items:
+        if isinstance(value, Optimizer) and id(value) not in seen:
+            seen[id(value)] = name
+            owner = _owner(value, models)
+            if owner is None:
+                skipped[name] = "its parameters are not all in one model the engines hold"
+            elif not value.state:
+                skipped[name] = "it has not stepped yet: no state to save"
+            else:
+                found_optimizers[name] = (value, owner)
+    by_id = {id(opt): name for name, (opt, _) in found_optimizers.items()}
+    for name, value in items:
+        if isinstance(value, optimizers.STATEFUL) and not isinstance(value, Optimizer) and id(value) not in seen:
+            seen[id(value)] = name
+            optimizer = by_id.get(id(getattr(value, "optimizer", None)))
+            if optimizer is None:
+                skipped[name] = "its optimizer is not saved"
+            else:
+                schedulers[name] = (value, optimizer)
+        elif (
+            isinstance(value, DataLoader)
+            and isinstance(value.batch_sampler, SplitBatchSampler)
+            and id(value) not in seen
+        ):
+            seen[id(value)] = name
+            loaders[name] = value
+    return models, found_optimizers, schedulers, loaders, skipped
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's random states: what dropout, shuffles and the user's own draws continue from."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "python" in state:
+        random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _position(loader: DataLoader) -> LoaderState:
+    return LoaderState(
+        epochs=loader.batch_sampler.epochs.started, generators=[g.get_state() for g in shuffle_generators(loader)]
+    )
+
+
+def save(generation: int, partial: str, final: str, step: int | None, overwrite: bool) -> tuple[str, dict] | None:
+    """On every rank at once: write this rank's shards into ``partial``; rank 0 then completes the checkpoint
+    as ``final``. Rank 0 returns the manifest (JSON) and the names left out, with why.
+
+    A write error on any rank reaches every rank through DCP's own collectives, so they fail together and
+    the world stays usable; nothing complete is left.
+    """
+    world = _world(generation)
+    models, found, schedulers, loaders, skipped = _find(world)
+    if not models:
+        raise CheckpointError("the engines hold no model: run a %%fsdp cell that reads one first")
+    rank = f"rank{world.rank}"
+    state = {
+        "models": {name: get_model_state_dict(model) for name, model in models.items()},
+        "optimizers": {name: get_optimizer_state_dict(models[owner], opt) for name, (opt, owner) in found.items()},
+        "schedulers": {name: scheduler.state_dict() for name, (scheduler, _) in schedulers.items()},
+        "rng": {rank: rng_state(world.device)},
+        "loaders": {rank: {name: _position(loader) for name, loader in loaders.items()}} if loaders else {},
+    }
+    dcp.save(state, storage_writer=FileSystemWriter(partial))
+    dist.barrier()  # every rank's files are written and synced: only now may the checkpoint complete
+    if world.rank != 0:
+        return None
+    manifest = Manifest(
+        step=step,
+        world_size=world.world_size,
+        created=checkpoints.now(),
+        torch=torch.__version__,
+        nbfsdp=checkpoints.nbfsdp_version(),
+        models={
+            name: {
+                "class": _class_name(model),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "fsdp": _fields(world.models[name][1].config),
+            }
+            for name, model in models.items()
+        },
+        optimizers={name: owner for name, (_, owner) in found.items()},
+        schedulers={name: optimizer for name, (_, optimizer) in schedulers.items()},
+        loaders=sorted(loaders),
+        bytes_per_rank=checkpoints.bytes_per_rank(partial, world.world_size),
+    )
+    checkpoints.finish(partial, final, manifest, overwrite)
+    return manifest.to_json(), skipped
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    fields = dataclasses.asdict(config)
+    fields["wrap_cls"] = list(fields["wrap_cls"])
+    return fields
+
+
+def load_into(
+    path: str,
+    models: dict[str, nn.Module],
+    optimizers: dict[str, tuple[Optimizer, str]],
+    schedulers: dict[str, Any],
+    ignore: list[str],
+    restore_rng: bool,
+) -> None:
+    """In an internal cell, on every rank: read the checkpoint into these sharded models, optimizers and
+    schedulers in place (DCP reshards to this world), and, at the world size that saved it, this rank's
+    RNG states. The cell's end then brings the weights and state back into the notebook's own objects."""
+    world = engine._world
+    saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    options = StateDictOptions(strict=False)
+    state: dict[str, Any] = {"models": {}, "optimizers": {}, "schedulers": {}, "rng": {}}
+    for name, model in models.items():
+        full = get_model_state_dict(model)
+        state["models"][name] = {
+            fqn: value for fqn, value in full.items() if not checkpoints.ignored(f"models.{name}.{fqn}", ignore)
+        }
+    for name, (optimizer, owner) in optimizers.items():
+        state["optimizers"][name] = get_optimizer_state_dict(models[owner], optimizer)
+    for name, scheduler in schedulers.items():
+        state["schedulers"][name] = scheduler.state_dict()
+    rank = f"rank{world.rank}"
+    if restore_rng and not checkpoints.ignored(f"rng.{rank}", ignore):
+        mine = {key: value for key, value in rng_state(world.device).items() if f"rng.{rank}.{key}" in saved}
+        state["rng"][rank] = mine
+    dcp.load(state, storage_reader=FileSystemReader(path))
+    for name, model in models.items():
+        set_model_state_dict(model, state["models"][name], options=options)
+    for name, (optimizer, owner) in optimizers.items():
+        set_optimizer_state_dict(models[owner], optimizer, state["optimizers"][name])
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(state["schedulers"][name])
+    if state["rng"]:
+        _set_rng_state(state["rng"][rank], world.device)  # last: nothing above may draw from what it restores
