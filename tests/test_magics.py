@@ -67,7 +67,10 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 
 
 def test_bad_line_action_names_the_valid_ones(shell):
-    valid = r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel'\)"
+    valid = (
+        r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel', 'save', 'load', "
+        r"'checkpoints', 'export'\)"
+    )
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")
 

@@ -10,7 +10,9 @@ the sharded models and optimizers in place, resharding from whatever world size 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,10 +33,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines import engine
+from nbfsdp.engines.control import SaveAgreement
 from nbfsdp.engines.loaders import SplitBatchSampler, shuffle_generators
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
-from nbfsdp.shared.protocol import LoaderState
+from nbfsdp.shared.protocol import IntervalSaves, LoaderState
 
 
 def _world(generation: int) -> engine._World:
@@ -118,6 +121,9 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _position(loader: DataLoader) -> LoaderState:
+    batches = loader.batch_sampler
+    if isinstance(batches, PositionedBatches) and batches.part_way():
+        return LoaderState(epochs=batches.epochs.started, generators=batches.began, taken=batches.taken)
     return LoaderState(
         epochs=loader.batch_sampler.epochs.started, generators=[g.get_state() for g in shuffle_generators(loader)]
     )
@@ -167,6 +173,101 @@ def save(generation: int, partial: str, final: str, step: int | None, overwrite:
     )
     checkpoints.finish(partial, final, manifest, overwrite)
     return manifest.to_json(), skipped
+
+
+class PositionedBatches(SplitBatchSampler):
+    """A split loader's batches, counted, so that an interval save knows where in its epoch it is.
+
+    At an epoch's last batch: a sampler may draw from its generator after its last batch
+    (``RandomSampler`` draws one more permutation as it stops); the log call of that step comes before
+    the draw, a cell's end after it. ``finish_epoch`` runs the sampler to its end at the save instead,
+    as the loop would next, so the saved states are those the next epoch starts from.
+    Part-way through an epoch: the save keeps the states the epoch drew its shuffle from and the batches
+    taken (``LoaderState.taken``); the cell resumed from it gives ``resume`` here, and its first epoch
+    shuffles from those states again and skips those batches (their indices only: no data is loaded).
+    """
+
+    def __init__(self, split: SplitBatchSampler, generators: list[torch.Generator], resume: LoaderState | None) -> None:
+        super().__init__(split.batches, split.rank, split.world_size, split.per_rank, split.epochs)
+        self.taken = 0
+        self.began: list[torch.Tensor] = []
+        self._generators, self._resume = generators, resume
+        self._epoch: Any = None
+
+    def __iter__(self) -> Any:
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            for generator, state in zip(self._generators, resume.generators, strict=False):
+                generator.set_state(state)
+        self.began = [g.get_state() for g in self._generators]  # before this epoch's shuffle is drawn
+        self.taken = 0
+        self._epoch = super().__iter__()
+        for _ in range(resume.taken if resume is not None else 0):
+            next(self._epoch, None)  # taken by the run that saved
+            self.taken += 1
+        for batch in self._epoch:
+            self.taken += 1
+            yield batch
+
+    def part_way(self) -> bool:
+        """An epoch begun and not all taken."""
+        return self._epoch is not None and 0 < self.taken < len(self)
+
+    def finish_epoch(self) -> None:
+        """At a save: end an epoch whose batches were all taken (the sampler's draws as it stops)."""
+        if self._epoch is not None and self.taken >= len(self):
+            for _ in self._epoch:  # it has no batch left to give
+                pass
+            self._epoch = None
+
+
+def track_positions(loader: DataLoader, resume: LoaderState | None) -> None:
+    """With ``--save-interval`` or a part-way position to resume: count a split loader's batches."""
+    if isinstance(loader.batch_sampler, SplitBatchSampler):
+        batches = PositionedBatches(loader.batch_sampler, shuffle_generators(loader), resume)
+        object.__setattr__(loader, "batch_sampler", batches)  # as loaders._set: DataLoader forbids setting it
+
+
+class IntervalSaver:
+    """``--save-interval`` on one rank: at each due ``nbfsdp.log`` the ranks agree through files
+    (``SaveAgreement``: no collective, so a rank that skipped the log cannot hang the others), then save
+    together with ``save``, as ``%fsdp save`` does, into ``<folder>/step-<s+1>``; rank 0 then prunes to the
+    newest ``keep``.
+
+    The log call is where every rank has finished step ``s``: optimizer and scheduler stepped, RNG and data
+    consumed through it, so a run resumed from ``step-<s+1>`` at ``resume_step = s + 1`` continues exactly.
+    """
+
+    def __init__(self, saves: IntervalSaves, world: engine._World) -> None:
+        self._saves, self._world = saves, world
+        self.agreement = SaveAgreement(saves.markers, world.rank, world.world_size)
+        # the partial directory's name must be the same on every rank: derived from the cell's markers directory
+        self._tag = hashlib.sha1(saves.markers.encode()).hexdigest()[:8]
+
+    def at_log(self, step: int) -> None:
+        due = (step + 1) % self._saves.interval == 0
+        self.agreement.at_log(step, due)
+        if not due:
+            return
+        loaders = {
+            name: value
+            for name, value in sorted(self._world.namespace.items())
+            if isinstance(value, DataLoader) and isinstance(value.batch_sampler, PositionedBatches)
+        }
+        for loader in loaders.values():
+            loader.batch_sampler.finish_epoch()
+        folder = Path(self._saves.folder)
+        name = f"step-{step + 1}"
+        partial = folder / f".{name}.partial-{self._tag}"
+        # a later run into the same folder replaces its own step's checkpoint: never a half-written one
+        result = save(self._world.generation, str(partial), str(folder / name), step + 1, overwrite=True)
+        if result is not None:
+            removed = checkpoints.keep_latest(folder, self._saves.keep) if self._saves.keep > 0 else []
+            gone = f"; removed {', '.join(Path(p).name for p in removed)}" if removed else ""
+            print(f"nbfsdp: saved {folder / name}{gone}", flush=True)
+
+    def end(self, failed: bool) -> None:
+        self.agreement.end(failed)
 
 
 def _fields(config: Any) -> dict[str, Any]:

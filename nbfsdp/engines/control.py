@@ -7,6 +7,8 @@ how the ranks agree on the boundary without a collective.
 from __future__ import annotations
 
 import os
+import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,115 @@ class RankControl:
         return int(claim.read_text())
 
 
+class PeerEnded(RuntimeError):
+    """A peer failed (its own error) while this rank waited for it at a save: a secondary failure."""
+
+
+class SkippedLog(RuntimeError):
+    """A rank did not log a step its peers save at: the save cannot be collective, so the cell ends."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"--save-interval needs nbfsdp.log(step=...) on every rank: {detail}")
+
+
+#: A rank's progress file: forwards started, last step logged, ended (1) or not: three int64s, written in place.
+_PROGRESS = struct.Struct("<qqq")
+#: How often a rank waiting for its peers at a save looks at their files.
+_POLL_SECONDS = 0.002
+
+
+class SaveAgreement:
+    """Before each interval save, the ranks agree through files that every one of them is at that log call.
+
+    The save is collective: a rank that skipped the log (``if rank == 0: nbfsdp.log(...)``) would
+    leave its peers in DCP's collectives and itself in the next forward's, both waiting until the
+    timeout. No collective can ask either, so each rank keeps a progress file in the cell's markers
+    directory (forwards started, last step logged, ended), rewritten in place at each forward and log,
+    and at a due log writes ``due-<step>.rank<r>`` with its forward count F, then waits until every
+    peer has written its own. A peer that started forward F + 1, logged a later step, or ended the cell
+    first has skipped it: the waiting rank raises ``SkippedLog``, and so does the skipping rank at its
+    next forward or log if it sees the marker first. Either error tears the world down, so the other
+    ranks fail too at once. Ranks run the same forwards (FSDP's collectives demand it), so F is the same
+    on every rank that logs.
+    """
+
+    def __init__(self, directory: str, rank: int, world_size: int) -> None:
+        self._dir = Path(directory)
+        self._rank, self._world_size = rank, world_size
+        self._forwards, self._step, self._ended = 0, -1, 0
+        self._fd = os.open(self._dir / f"progress.rank{rank}", os.O_RDWR | os.O_CREAT, 0o600)
+        self._write()
+        self._agreed: set[int] = set()  # due steps this rank logged too
+
+    def _write(self) -> None:
+        os.pwrite(self._fd, _PROGRESS.pack(self._forwards, self._step, self._ended), 0)
+
+    def _progress(self, rank: int) -> tuple[int, int, int]:
+        try:
+            data = (self._dir / f"progress.rank{rank}").read_bytes()
+        except FileNotFoundError:
+            return 0, -1, 0  # that rank has not begun the cell yet
+        return _PROGRESS.unpack(data) if len(data) == _PROGRESS.size else (0, -1, 0)
+
+    def _marker(self, step: int, rank: int) -> Path:
+        return self._dir / f"due-{step}.rank{rank}"
+
+    def at_forward(self) -> None:
+        """A forward begins (before FSDP's all-gather): published, after checking no peer awaits this rank."""
+        self._forwards += 1
+        self._check_markers()
+        self._write()
+
+    def at_log(self, step: int, due: bool) -> None:
+        """A log call; when ``due``, return only once every rank is at this one (then they save together)."""
+        self._check_markers(step)
+        self._step = step
+        self._write()
+        if not due:
+            return
+        mine = self._marker(step, self._rank)
+        temporary = mine.with_name(f".{mine.name}")
+        temporary.write_text(str(self._forwards))
+        os.rename(temporary, mine)  # whole or absent, for the peers reading it
+        self._agreed.add(step)
+        waiting = set(range(self._world_size)) - {self._rank}
+        while waiting:
+            for rank in sorted(waiting):
+                if self._marker(step, rank).exists():
+                    waiting.discard(rank)
+                    continue
+                forwards, logged, ended = self._progress(rank)
+                if ended == 2:
+                    raise PeerEnded(f"rank {rank} failed before logging step {step}, where this rank saves")
+                if ended or forwards > self._forwards or logged > step:
+                    how = "ended the cell" if ended else "went on"
+                    raise SkippedLog(f"rank {rank} {how} without logging step {step}, where this rank saves")
+            if waiting:
+                time.sleep(_POLL_SECONDS)
+
+    def _check_markers(self, step: int | None = None) -> None:
+        """Has a peer logged a due step this rank went past? (A listing of a few files: ~10 us a forward.)"""
+        for name in os.listdir(self._dir):
+            if not name.startswith("due-"):
+                continue
+            due_step = int(name.removeprefix("due-").split(".")[0])
+            if due_step in self._agreed or due_step == step:
+                continue
+            marker = self._dir / name
+            try:
+                forwards = int(marker.read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if self._forwards > forwards or (step is not None and step > due_step):
+                raise SkippedLog(f"this rank did not log step {due_step}, where {name.split('.')[-1]} saves")
+
+    def end(self, failed: bool) -> None:
+        """The cell ended on this rank (finished or failed): a peer waiting at a save stops waiting."""
+        self._ended = 2 if failed else 1
+        self._write()
+        os.close(self._fd)
+
+
 class StepBoundaries:
     """The start of every forward of the cell's models as the step boundary, on every rank.
 
@@ -74,13 +185,22 @@ class StepBoundaries:
     ``on_change`` hears what changed (the cell's records mark it at the next log call).
     """
 
-    def __init__(self, models: list[nn.Module], control: RankControl, on_change: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        models: list[nn.Module],
+        control: RankControl,
+        on_change: Callable[[list[str]], None],
+        saves: SaveAgreement | None = None,
+    ) -> None:
         self._control = control
         self._on_change = on_change
+        self._saves = saves
         self._forwards = 0
         self._handles = [model.register_forward_pre_hook(self._at_forward, prepend=True) for model in models]
 
     def _at_forward(self, module: nn.Module, args: Any) -> None:
+        if self._saves is not None:
+            self._saves.at_forward()
         changed = self._control.at_boundary(self._forwards)
         self._forwards += 1
         if changed:

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import loaders, metrics
-from nbfsdp.engines.control import CellCancelled, RankControl, StepBoundaries
+from nbfsdp.engines import checkpointing, loaders, metrics
+from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 from nbfsdp.shared import optimizers, transfer
@@ -227,10 +227,14 @@ def _names_back(world: _World, spec: CellSpec, read: dict[str, Any], outcome: Ce
 
 def _split_loaders(world: _World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
     """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.engines.loaders``)."""
-    return {
+    splits = {
         name: loaders.split(read[name], world.rank, world.world_size, how.per_rank, how.seed_state)
         for name, how in spec.loaders.items()
     }
+    for name, split in splits.items():  # interval saves, and a resume part-way, need where in its epoch it is
+        if spec.saves is not None or name in spec.loader_resume:
+            checkpointing.track_positions(split.loader, spec.loader_resume.get(name))
+    return splits
 
 
 def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[str]:
@@ -265,24 +269,32 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
         namespace.update(read)
         namespace.update((name, models[name]) for name in spec.models)
         namespace.update(rank=world.rank, world_size=world.world_size, device=world.device, nbfsdp=nbfsdp)
+        namespace["resume_step"] = spec.resume_step
         _remember_source(spec.filename, spec.code)
         code = compile(spec.code, spec.filename, "exec")
         params = [p for sharded in cell_models for p in sharded.module.parameters()]
         control = RankControl(spec.control, lambda settings: _apply_live(cell_models, settings))
         cancelled = False
         route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
+        saver = checkpointing.IntervalSaver(spec.saves, world) if spec.saves else None
         with metrics.MemoryMeter(world.device, params) as meter:
             recorder = metrics.active_recorder = metrics.Recorder(
-                world.rank, meter, publish_data, None if cell_models else control
+                world.rank, meter, publish_data, None if cell_models else control, saver.at_log if saver else None
             )
-            boundaries = StepBoundaries([s.module for s in cell_models], control, recorder.changed)
+            boundaries = StepBoundaries(
+                [s.module for s in cell_models], control, recorder.changed, saver.agreement if saver else None
+            )
+            failed = True
             try:
                 exec(code, namespace)
+                failed = False
             except CellCancelled:
-                cancelled = True  # every rank stops at the same step; the cell ends as a finished one
+                cancelled, failed = True, False  # every rank stops at the same step; the cell ends as a finished one
             finally:
                 metrics.active_recorder = None
                 boundaries.remove()
+                if saver is not None:
+                    saver.end(failed)
         outcome = CellOutcome(
             ok=True,
             cancelled=cancelled,
@@ -305,6 +317,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             message,
             traceback=_user_traceback(error),
             # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
-            secondary=isinstance(error, KeyboardInterrupt) or any(m in message for m in _PEER_FAILURE_MARKERS),
+            secondary=isinstance(error, (KeyboardInterrupt, PeerEnded))
+            or any(m in message for m in _PEER_FAILURE_MARKERS),
             metrics=recorder.records if recorder else [],
         )

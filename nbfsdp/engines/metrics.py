@@ -261,6 +261,8 @@ class Recorder:
     key, so no batch overwrites another. ``publish`` is None off the engines.
     ``control`` is given for a cell without a model, whose log calls are its
     step boundaries (a cell with models has ``control.StepBoundaries``).
+    ``on_log`` hears each record's step once it is recorded (``--save-interval``
+    saves there, on every rank together).
     """
 
     def __init__(
@@ -269,8 +271,10 @@ class Recorder:
         meter: MemoryMeter,
         publish: Callable[[dict], None] | None = None,
         control: RankControl | None = None,
+        on_log: Callable[[int], None] | None = None,
     ) -> None:
         self.rank = rank
+        self._on_log = on_log
         self.meter = meter
         self.records: list[dict[str, Any]] = []
         self._publish = publish
@@ -299,6 +303,8 @@ class Recorder:
         self.records.append(entry)
         self._unsent.append(entry)
         try:
+            if self._on_log is not None:  # before a cancel: a save due at this step is still taken
+                self._on_log(entry["step"])
             if self._control is not None:
                 self._control.at_boundary(len(self.records) - 1)
         finally:  # a cancel raises here: its last record still goes out

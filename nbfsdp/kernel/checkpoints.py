@@ -36,7 +36,7 @@ from nbfsdp.kernel.session import Session
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
 from nbfsdp.shared.collectives import size_text
-from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.protocol import LoaderState
 
 #: How many differing keys an error names.
@@ -163,8 +163,17 @@ def load(
 
 
 def load_with(
-    session: Session, path: str | os.PathLike, world_size: int | None, ignore: list[str] | str | None
+    session: Session,
+    path: str | os.PathLike,
+    world_size: int | None,
+    ignore: list[str] | str | None,
+    *,
+    config: FSDPConfig | None = None,
+    timeout: float | None = None,
 ) -> Manifest:
+    """``config`` and ``timeout``: the settings of the cell the load runs before (``--load-path``,
+    ``--autoresume``), so that cell finds the world and the sharded models as the load left them; by
+    default the checkpoint's settings and the running world's timeout."""
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
     patterns = [p.strip() for p in ignore.split(",")] if isinstance(ignore, str) else list(ignore or [])
@@ -193,26 +202,60 @@ def load_with(
             f"nbfsdp: saved at world size {manifest.world_size}, loading at {world_size}: RNG states and data "
             "positions do not carry over (models, optimizers and schedulers do)"
         )
-    first = next(iter(manifest.models.values()))
-    config = FSDPConfig(**{**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"])})
+    if config is None:
+        first = next(iter(manifest.models.values()))
+        config = FSDPConfig(**{**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"])})
     cell = (
         '__import__("nbfsdp.engines.checkpointing", fromlist=["load_into"]).load_into('
         f"{str(directory)!r}, {{{', '.join(f'{n!r}: {n}' for n in models)}}}, "
         f"{{{', '.join(f'{n!r}: ({n}, {o!r})' for n, o in optimizers.items())}}}, "
         f"{{{', '.join(f'{n!r}: {n}' for n in schedulers)}}}, {patterns!r}, {same!r})\n"
     )
-    timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
+    if timeout is None:
+        timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
     session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
+    session.loader_resume = {}
     for name, state in _loader_positions(directory, loaders).items():
         if isinstance(namespace.get(name), DataLoader):
             session.restore_loader(namespace[name], state)
+            if getattr(state, "taken", 0):  # saved part-way through an epoch: the next cell goes on there
+                session.loader_resume[name] = state
     step = f"step {manifest.step}" if manifest.step is not None else "no step"
     print(
         f"nbfsdp: loaded {path} ({step}) into {world_size} ranks: models {', '.join(models)}; "
         f"optimizers {', '.join(optimizers) or 'none'}; schedulers {', '.join(schedulers) or 'none'}"
     )
+    session.resume_step = manifest.step or 0  # the next cell's resume_step
     return manifest
+
+
+def load_before_cell(
+    session: Session, settings: CheckpointSettings, world_size: int, timeout: float, config: FSDPConfig
+) -> None:
+    """``--autoresume`` and ``--load-path``, before a ``%%fsdp`` cell: load what they name into its world.
+
+    Autoresume takes the newest complete checkpoint in the save folder (by step) and wins over
+    ``load_path``, as in Composer; with none there it says so in one line and the cell starts at step 0
+    (or from ``load_path``). The load is ``%fsdp load``'s, at the cell's world size and settings.
+    """
+    path: str | os.PathLike | None = None
+    if settings.autoresume:
+        folder = Path(settings.save_folder).expanduser().resolve()
+        try:
+            found = fmt.newest(folder)
+        except CheckpointError as error:
+            raise _usage(error) from None
+        if found is not None:
+            path = found.path
+            print(f"nbfsdp: autoresume: the newest complete checkpoint in {settings.save_folder} is {found.name}")
+        else:
+            then = f"loading {settings.load_path}" if settings.load_path else "starting at step 0"
+            print(f"nbfsdp: autoresume: no complete checkpoint in {settings.save_folder}: {then}")
+    path = path if path is not None else settings.load_path
+    if path is None:
+        return  # resume_step stays what it was: 0, or the step of a %fsdp load since the last cell
+    load_with(session, path, world_size, settings.load_ignore_keys, config=config, timeout=timeout)
 
 
 def _notebook_models(

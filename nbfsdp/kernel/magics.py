@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import io
 
@@ -81,6 +82,39 @@ CONFIG_FLAGS = tuple(
 )
 
 
+#: %%fsdp's checkpoint flags, Composer's names (flag --a-b is the --config key a_b): run settings, not fsdp_config.
+_CHECKPOINT_ARGUMENTS = [
+    argument("--save-folder", metavar="DIR", help="Where --save-interval saves (DIR/step-N) and --autoresume looks."),
+    argument(
+        "--save-interval",
+        metavar="N",
+        help="Save a checkpoint at nbfsdp.log(step=s) when (s + 1) %% N == 0, on every rank (needs --save-folder).",
+    ),
+    argument(
+        "--save-num-checkpoints-to-keep",
+        metavar="K",
+        help="Keep the K newest complete checkpoints in the save folder (default -1: all).",
+    ),
+    _switch(
+        "--autoresume",
+        "Before the cell, load the newest complete checkpoint in --save-folder, if any; resume_step is its step.",
+    ),
+    argument("--load-path", metavar="PATH", help="Before the cell, load this checkpoint; resume_step is its step."),
+    argument(
+        "--load-ignore-keys",
+        metavar="K[,K]",
+        help="With --load-path or --autoresume: globs on the checkpoint's keys to skip, e.g. 'optimizers.*'.",
+    ),
+]
+
+
+def checkpoint_arguments(func):
+    """Add the checkpoint flags to %%fsdp's arguments."""
+    for add in reversed(_CHECKPOINT_ARGUMENTS):
+        func = add(func)
+    return func
+
+
 def config_arguments(func):
     """Add the fsdp_config flags to a magic's arguments."""
     for add in reversed(_CONFIG_ARGUMENTS):
@@ -128,13 +162,15 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Return at once while the ranks train; `%%fsdp wait` brings the results, `%%fsdp cancel` stops.",
     )
+    @checkpoint_arguments
     @config_arguments
     @cell_magic
     @as_usage_errors
     def fsdp(self, line: str, cell: str) -> None:
         """Run this cell on every rank, with the notebook's models sharded by FSDP2.
 
-        Inside the cell ``rank``, ``world_size`` and ``device`` are defined and
+        Inside the cell ``rank``, ``world_size``, ``device`` and ``resume_step``
+        (0, or the step of the checkpoint loaded just before) are defined and
         ``nbfsdp`` is imported; every name the cell reads comes from the
         notebook. Afterwards the notebook's models hold the trained weights and
         the names the cell assigned hold rank 0's values.
@@ -144,15 +180,29 @@ class FSDPMagics(Magics):
         world_size = _world_size(requested)
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        settings = self._settings(args)
+        saving = self._checkpointing(args)
+        if saving.loads:
+            from nbfsdp.kernel import checkpoints
+
+            ast.parse(cell)  # a cell that cannot run fails before the load, not after
+            config.validate(settings, world_size, device_type(world_size), quiet=True)
+            checkpoints.load_before_cell(self.session, saving, world_size, args.timeout, settings)
         self.session.run_cell(
             cell,
             world_size=world_size,
             timeout=args.timeout,
             gather=not args.no_gather,
-            config=self._settings(args),
+            config=settings,
             background=args.background,
             per_rank_batches=args.per_rank_batches,
+            checkpointing=saving,
         )
+
+    def _checkpointing(self, args) -> config.CheckpointSettings:
+        """Explicit flags > the --config dict's Composer checkpoint keys."""
+        flags = {key: getattr(args, key) for key in config.CHECKPOINT_KEYS}
+        return config.checkpoint_settings(self._composer_dict(args.config), flags)
 
     def _settings(self, args) -> config.FSDPConfig:
         """Explicit flags > the --config dict > the panel's settings > defaults."""

@@ -12,10 +12,12 @@ import ast
 import dataclasses
 import functools
 import itertools
+import shutil
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +33,8 @@ from nbfsdp.kernel.delivery import deliver
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.runner import RankRun
 from nbfsdp.shared import optimizers, transfer
-from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig, resolve, validate
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, LoaderSplit, LoaderState
+from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, CheckpointSettings, FSDPConfig, resolve, validate
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, IntervalSaves, LoaderSplit, LoaderState
 from nbfsdp.shared.units import check_initializable, wrap_rule, wrap_units
 from nbfsdp.ui.dashboard import LiveDashboard
 from nbfsdp.ui.widget_events import pending_events
@@ -79,6 +81,8 @@ class CellRun:
     started: float
     thread: threading.Thread | None = None
     outcome: list[CellOutcome] | BaseException | None = None
+    markers: str | None = None
+    """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
 
     def watch_in_background(self) -> None:
         try:
@@ -103,6 +107,10 @@ class Session:
         self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
         self._models_generation: int | None = None
         self._loaders = loaders.NotebookLoaders()
+        self.resume_step = 0
+        """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
+        self.loader_resume: dict[str, LoaderState] = {}
+        """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
 
     def run_cell(
         self,
@@ -115,9 +123,12 @@ class Session:
         background: bool = False,
         per_rank_batches: bool = False,
         internal: bool = False,
+        checkpointing: CheckpointSettings | None = None,
     ) -> None:
         """Run ``cell`` on every rank and bring its results back. ``internal``: nbfsdp's own cell (a checkpoint
-        load): no dashboard and no run record, so ``last_run()`` stays the user's last cell."""
+        load): no dashboard and no run record, so ``last_run()`` stays the user's last cell.
+        ``checkpointing``: with a save interval, the ranks save inside the cell (loads happen before it,
+        in ``nbfsdp.kernel.checkpoints.load_before_cell``)."""
         if self.active is not None:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
@@ -148,6 +159,23 @@ class Session:
         sending = {name: skeletons[name] for name in to_send}
         sent_bytes = [n + len(values) + sum(map(len, sending.values())) for n in received]
         control = RunControl(self.cluster.private_dir, cell_number)
+        saves = None
+        if checkpointing is not None and checkpointing.save_interval is not None:
+            folder = Path(checkpointing.save_folder).expanduser().resolve()  # the engines may run elsewhere
+            folder.mkdir(parents=True, exist_ok=True)
+            markers = Path(self.cluster.private_dir, f"saves-{cell_number}")
+            markers.mkdir()
+            saves = IntervalSaves(
+                folder=str(folder),
+                interval=checkpointing.save_interval,
+                keep=checkpointing.save_num_checkpoints_to_keep,
+                markers=str(markers),
+            )
+        resume_step = 0
+        loader_resume: dict[str, LoaderState] = {}
+        if not internal:  # a load's step and positions are for the one cell after it
+            resume_step, self.resume_step = self.resume_step, 0
+            loader_resume, self.loader_resume = self.loader_resume, {}
         spec = CellSpec(
             code=cell,
             filename=filename,
@@ -164,6 +192,9 @@ class Session:
                 name: LoaderSplit(per_rank=per_rank_batches, seed_state=self._loaders.shuffle_state(sent[name]))
                 for name in plans
             },
+            resume_step=resume_step,
+            saves=saves,
+            loader_resume={name: state for name, state in loader_resume.items() if name in plans},
         )
         record = history.RunRecord(
             world_size=world_size,
@@ -187,6 +218,7 @@ class Session:
             on_records=functools.partial(_stream_into, record, dashboard),
         )
         run = CellRun(ranks, record, control, dashboard, models, sent, skeletons, tokens, started)
+        run.markers = saves.markers if saves else None
         self.active = run
         if background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
@@ -249,6 +281,8 @@ class Session:
         """The run has ended: bring results into the notebook, or raise its error; either way it is recorded."""
         self.active = None
         run.control.remove()
+        if run.markers is not None:
+            shutil.rmtree(run.markers, ignore_errors=True)
         record, outcome = run.record, run.outcome
         record.elapsed = time.perf_counter() - run.started
         if isinstance(outcome, BaseException):
@@ -372,6 +406,8 @@ class Session:
             self.active.ranks.interrupt()
             self.active.thread.join()
             self.active.control.remove()
+            if self.active.markers is not None:
+                shutil.rmtree(self.active.markers, ignore_errors=True)
             self.active = None
         self.cluster.stop()
         self._engine_models = {}

@@ -257,6 +257,15 @@ def keep_latest(folder: str | os.PathLike, keep: int) -> list[str]:
     return removed
 
 
+def newest(folder: str | os.PathLike) -> CheckpointInfo | None:
+    """``autoresume``'s pick: the complete checkpoint under ``folder`` of the highest step (then the latest);
+    None when there is none, or no folder. A partial directory is never a candidate."""
+    if not Path(folder).is_dir():
+        return None
+    complete = [info for info in list_checkpoints(folder) if info.complete]
+    return max(complete, key=lambda info: (info.step if info.step is not None else -1, info.created), default=None)
+
+
 def ignored(key: str, patterns: list[str]) -> bool:
     """``load_ignore_keys``: a glob skips an entry when it matches the entry's DCP key or the key and a dot
     (so ``optimizers.*`` and ``optimizers.opt.*`` both skip ``optimizers.opt``)."""

@@ -10,6 +10,7 @@ Runs in the notebook's kernel; the engines get a config every default of which
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,12 +184,14 @@ def resolve(
     ignored: dict[str, str] = {}
     for source in (panel or {}, composer_dict or {}, {k: v for k, v in flags.items() if v is not None}):
         for key, value in source.items():
+            if key in CHECKPOINT_KEYS:
+                continue  # a run setting of the same dict: ``checkpoint_settings`` reads it
             if key in COMPOSER_KEYS_WITHOUT_EFFECT:
                 ignored[key] = COMPOSER_KEYS_WITHOUT_EFFECT[key]
             elif key in _CONVERTERS:
                 settings[_ALIASES.get(key, key)] = _CONVERTERS[key](value)
             else:
-                valid = sorted([*_CONVERTERS, *COMPOSER_KEYS_WITHOUT_EFFECT])
+                valid = sorted([*_CONVERTERS, *COMPOSER_KEYS_WITHOUT_EFFECT, *CHECKPOINT_KEYS])
                 raise ConfigError(f"unknown fsdp_config key {key!r}; valid keys: {', '.join(valid)}")
     return FSDPConfig(**settings, ignored=ignored)
 
@@ -235,3 +238,103 @@ def validate(config: FSDPConfig, world_size: int, device_type: str, *, quiet: bo
     if config.backward_prefetch == "BACKWARD_POST" and not quiet:
         print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)
     return config
+
+
+#: Composer's checkpoint keys, accepted as %%fsdp flags (``--save-folder``) and in a ``--config`` dict.
+CHECKPOINT_KEYS = (
+    "save_folder", "save_interval", "save_num_checkpoints_to_keep", "autoresume", "load_path", "load_ignore_keys",
+)  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSettings:
+    """A cell's checkpoint settings, in Composer's names.
+
+    Kept out of ``FSDPConfig`` on purpose: they say what the run saves and loads, not how a model is
+    sharded, so they do not belong in a model's fingerprint (another folder must not re-send the model)
+    nor in a checkpoint's manifest or the live controls.
+    """
+
+    save_folder: str | None = None
+    """Interval saves go to ``<save_folder>/step-<N>/``; ``autoresume`` looks there."""
+    save_interval: int | None = None
+    """Save at ``nbfsdp.log(step=s)`` when ``(s + 1) % save_interval == 0``."""
+    save_num_checkpoints_to_keep: int = -1
+    """Keep this many newest complete checkpoints in the folder; -1 keeps all (Composer's default)."""
+    autoresume: bool = False
+    """Load the newest complete checkpoint in ``save_folder`` (by step) before the cell, if any."""
+    load_path: str | None = None
+    """A checkpoint to load before the cell (``autoresume``, when it finds one, wins, as in Composer)."""
+    load_ignore_keys: list[str] = field(default_factory=list)
+    """Globs on the checkpoint's keys to skip when loading."""
+
+    @property
+    def loads(self) -> bool:
+        return self.autoresume or self.load_path is not None
+
+
+def _save_interval(value: Any) -> int:
+    """A positive whole number of steps; Composer's ``"50ba"`` (batches) too."""
+    text = str(value).strip().lower().removesuffix("ba") if isinstance(value, (str, int)) else ""
+    if isinstance(value, bool) or not text.isdigit() or int(text) <= 0:
+        raise ConfigError(
+            f"save_interval must be a positive whole number of steps (e.g. 50, or Composer's '50ba'); got {value!r}"
+        )
+    return int(text)
+
+
+def _keep(value: Any) -> int:
+    try:
+        number = int(value) if not isinstance(value, bool) and float(value) == int(float(value)) else 0
+    except (TypeError, ValueError):
+        number = 0
+    if number == 0 or number < -1:
+        raise ConfigError(f"save_num_checkpoints_to_keep must be -1 (keep all) or a positive count; got {value!r}")
+    return number
+
+
+def _keys(value: Any) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        raise ConfigError(f"load_ignore_keys must be globs, as a list or comma-separated; got {value!r}")
+    return [item.strip() for item in items if item.strip()]
+
+
+def _text(key: str) -> Any:
+    def convert(value: Any) -> str:
+        if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+            raise ConfigError(f"{key} must be a path; got {value!r}")
+        return str(value)
+
+    return convert
+
+
+_CHECKPOINT_CONVERTERS = {
+    "save_folder": _text("save_folder"),
+    "save_interval": _save_interval,
+    "save_num_checkpoints_to_keep": _keep,
+    "autoresume": bool,
+    "load_path": _text("load_path"),
+    "load_ignore_keys": _keys,
+}
+
+
+def checkpoint_settings(composer_dict: dict[str, Any] | None, flags: dict[str, Any]) -> CheckpointSettings:
+    """The ``CHECKPOINT_KEYS`` of a ``--config`` dict < explicit flags (None: not given); checked together."""
+    settings: dict[str, Any] = {}
+    for source in (composer_dict or {}, flags):
+        for key, value in source.items():
+            if key in _CHECKPOINT_CONVERTERS and value is not None:
+                settings[key] = _CHECKPOINT_CONVERTERS[key](value)
+    result = CheckpointSettings(**settings)
+    if result.save_interval is not None and result.save_folder is None:
+        raise ConfigError("save_interval needs save_folder: where the checkpoints go (--save-folder DIR)")
+    if result.save_folder is not None and result.save_interval is None and not result.autoresume:
+        raise ConfigError("save_folder needs save_interval N (save every N steps) or autoresume (resume from it)")
+    if result.autoresume and result.save_folder is None:
+        raise ConfigError("autoresume needs save_folder: the folder whose newest checkpoint it loads")
+    if result.save_num_checkpoints_to_keep != -1 and result.save_interval is None:
+        raise ConfigError("save_num_checkpoints_to_keep needs save_interval: it prunes the interval saves")
+    if result.load_ignore_keys and not result.loads:
+        raise ConfigError("load_ignore_keys needs load_path or autoresume: nothing is loaded otherwise")
+    return result

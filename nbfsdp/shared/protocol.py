@@ -65,6 +65,24 @@ class LoaderState:
     """Epochs the rank began (an iterator that drew its first batch)."""
     generators: list[torch.Tensor]
     """The states of the generators its shuffle draws from, in ``shuffle_generators`` order."""
+    taken: int = 0
+    """Saved part-way through an epoch (an interval save): the batches of that epoch already taken, and
+    ``generators`` are then the states that epoch drew its shuffle from; 0 otherwise."""
+
+
+@dataclass(kw_only=True, slots=True)
+class IntervalSaves:
+    """``--save-folder``/``--save-interval``: where and when every rank saves inside a cell."""
+
+    folder: str
+    """The save folder, absolute (the engines may run in another directory)."""
+    interval: int
+    """At ``nbfsdp.log(step=s)`` with ``(s + 1) % interval == 0`` the ranks save ``step-<s+1>``."""
+    keep: int
+    """``save_num_checkpoints_to_keep``: -1 keeps all."""
+    markers: str
+    """A directory of the cluster's private one, new for the cell: the ranks agree on each save there
+    through files (``nbfsdp.engines.control.SaveAgreement``), with no collective."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +113,13 @@ class CellSpec:
     """The path of the cell's live-control request file (``control_file``)."""
     loaders: dict[str, LoaderSplit] = field(default_factory=dict)
     """The notebook's DataLoaders the cell reads, and how each rank splits each."""
+    resume_step: int = 0
+    """``resume_step`` in the cell: the step after the checkpoint loaded just before it, else 0."""
+    saves: IntervalSaves | None = None
+    """``--save-interval``: checkpoints taken at ``nbfsdp.log`` calls; None without."""
+    loader_resume: dict[str, LoaderState] = field(default_factory=dict)
+    """Loaders a checkpoint loaded just before saved part-way through an epoch: each rank's first epoch
+    of them shuffles from the saved states again and skips the batches taken (``LoaderState.taken``)."""
 
 
 @dataclass(kw_only=True, slots=True)
