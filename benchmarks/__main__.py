@@ -12,6 +12,8 @@ Benchmarks (each module's docstring says what it measures and how):
 5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
+8. ``checkpoint``   ``%fsdp save`` / ``load`` vs ``dcp.save`` / ``load`` direct on the same engines, vs the
+                    disk's write speed, and the engines' peak memory while saving, ws 2
 
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out`` (default ``benchmarks/results``)
 and prints the table. ``--quick`` runs tiny sizes, few rounds and world size 2 where the point allows (the
@@ -29,14 +31,27 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import cold_start, dataloader, gpu, log_overhead, machine, model_transfer, report, step_time, warm_cell
+from benchmarks import (
+    checkpoint,
+    cold_start,
+    dataloader,
+    gpu,
+    log_overhead,
+    machine,
+    model_transfer,
+    report,
+    step_time,
+    warm_cell,
+)
 from benchmarks.context import Context
 
 #: Report order (the issue's numbering).
-BENCHMARKS = {m.NAME: m for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu)}
+BENCHMARKS = {
+    m.NAME: m for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu, checkpoint)
+}
 #: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
 #: world each round anyway), then those with kernels of their own.
-RUN_ORDER = ("log_overhead", "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "gpu")
+RUN_ORDER = ("log_overhead", "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "checkpoint", "gpu")
 SHARE_WARM_KERNEL = {"log_overhead", "step_time", "dataloader", "warm_cell"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

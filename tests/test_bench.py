@@ -24,7 +24,7 @@ from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_i
 from benchmarks.report import markdown
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu")
+BENCHMARKS = ("step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu", "checkpoint")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -174,6 +174,28 @@ def test_transfer_ranks_hold_exactly_the_model(bench):
         assert len(round_["shard_bytes"]) == results["benchmarks"]["transfer"]["world_size"]
         # the peaks are real: the notebook built the model after its baseline was taken
         assert round_["peak_bytes"]["notebook"] - round_["baseline_bytes"]["notebook"] > 0.95 * round_["model_bytes"]
+
+
+def test_checkpoint_rows_compare_the_same_state_on_both_sides(bench):
+    """``%fsdp save`` / ``load`` against DCP direct (at least 0.9x), the disk's speed, the peak while saving
+    (at most 1.1x the shard); both sides wrote the same bytes, about the ranks' shards, and took turns."""
+    _, results, _ = bench
+    result = results["benchmarks"]["checkpoint"]
+    rows = result["measurements"]
+    assert [(m["op"], m["target"], m["unit"]) for m in rows] == [
+        (">=", 0.9, "x"), (">=", 0.9, "x"), (None, None, "x"), (None, None, "x"), ("<=", 1.1, "x"),
+    ]  # fmt: skip
+    words = ["%fsdp save", "%fsdp load", "disk", "bare %%fsdp cell", "peak growth"]
+    assert all(word in m["what"] for word, m in zip(words, rows, strict=True))
+    for m in rows[:4]:
+        assert m["ab_unit"] == ("s" if m is rows[3] else "GiB/s") and m["a"] > 0 and m["b"] > 0
+        assert len(m["samples_a"]) == len(m["samples_b"]) == 2
+    shard = result["shard_bytes"]
+    assert len(shard) == result["world_size"] == 2
+    # the data files hold the ranks' shards of params and AdamW state, plus small per-rank RNG and step values
+    assert sum(shard) <= result["checkpoint_bytes"] <= sum(shard) + 2**20
+    assert result["first_side_each_round"] == ["a", "b"]
+    assert len(result["mem_b_growth_bytes"]) == 2 and all(len(g) == 2 for g in result["mem_b_growth_bytes"])
 
 
 def test_no_processes_left_behind(bench):
