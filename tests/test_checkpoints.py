@@ -293,3 +293,47 @@ def test_a_saved_checkpoint_exports_to_one_file_that_a_plain_model_loads(shell, 
 
 def _state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+#: Steps ``first`` .. ``stop - 1`` through the loader's epochs (8 steps an epoch).
+EPOCHS = """%%fsdp --world-size 2 {flags}
+step = first
+while step < stop:
+    for x, y in loader:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        nbfsdp.log(step=step)
+        step += 1
+        if step == stop:
+            break
+"""
+
+
+def _loader_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("nbfsdp: loader:"))
+
+
+@pytest.mark.slow
+def test_after_a_load_the_loader_line_names_the_epoch_the_loader_resumes_in(shell, tmp_path, capsys):
+    """Epoch 1 in one cell, then epochs 2 and 3 with saves every 4 steps; after each load (a fresh world,
+    fresh objects) the next cell's line names the epoch that cell continues or begins."""
+    run_ok(shell, "%fsdp stop")
+    run_ok(shell, NOTEBOOK)
+    run_ok(shell, "model, opt, sched, loader = fresh()\nfirst, stop = 0, 8")
+    run_ok(shell, EPOCHS.format(flags=""))
+    folder = tmp_path / "ckpt"
+    run_ok(shell, "first, stop = 8, 20")  # the second cell's saves count the first cell's epoch too
+    capsys.readouterr()
+    run_ok(shell, EPOCHS.format(flags=f"--save-folder {folder} --save-interval 4"))
+    assert _loader_line(capsys.readouterr().out).endswith("(epoch 2)")
+    # step-12: 4 batches into epoch 2; step-16: epoch 2 done; step-20: 4 batches into epoch 3
+    for name, epoch in (("step-16", 3), ("step-12", 2), ("step-20", 3)):
+        run_ok(shell, "%fsdp stop")
+        run_ok(shell, "model, opt, sched, loader = fresh(seed=1)")
+        run_ok(shell, f"%fsdp load {folder / name} --world-size 2")
+        run_ok(shell, f"first = {int(name[5:])}\nstop = first + 1")
+        capsys.readouterr()
+        run_ok(shell, EPOCHS.format(flags=""))
+        assert _loader_line(capsys.readouterr().out).endswith(f"(epoch {epoch})"), name

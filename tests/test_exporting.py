@@ -281,3 +281,68 @@ def test_a_reader_refuses_a_file_of_another_model(tmp_path):
         reader.read("weight", torch.zeros(3, 3))
     with pytest.raises(ValueError, match="unknown weights file suffix"):
         full_weights_reader(tmp_path / "w.ckpt")
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_fsdp_load_of_a_full_weights_file_reads_a_shard_per_rank(shell, net_checkpoint, tmp_path, suffix):
+    """``%fsdp load FILE``: the file exported by ``%fsdp export`` (or ``torch.save`` of a state dict) goes
+    into the notebook's model on 2 ranks, each reading only its rows, and back into the notebook's model."""
+    checkpoint, full, _ = net_checkpoint
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        run_ok(shell, f"%fsdp export {checkpoint} {path}")
+    else:
+        torch.save(full, path)
+    run_ok(shell, "%fsdp stop")  # a fresh world: the load starts it
+    run_ok(shell, "torch.manual_seed(5)\nmodel = Net()\nsmall = Net(width=12)")  # other weights; one that fits not
+    import nbfsdp
+
+    read = nbfsdp.load(path, world_size=2)
+    _equal(shell.user_ns["model"].state_dict(), full)  # the notebook's model, in place
+    total = sum(v.numel() * v.element_size() for v in full.values())
+    assert sum(read) == total and max(read) < 0.6 * total, read  # each row read once, by the rank holding it
+    run_ok(
+        shell,
+        "%%fsdp --world-size 2\nfrom torch.distributed.tensor import DTensor\n"
+        "on_ranks = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}",
+    )
+    _equal(shell.user_ns["on_ranks"], full)  # the ranks' shards hold the file's weights
+
+
+def test_fsdp_load_of_a_weights_file_that_fits_no_model_changes_nothing(shell, net_checkpoint, tmp_path):
+    _, full, _ = net_checkpoint
+    path = tmp_path / "weights.pt"
+    torch.save(full, path)
+    run_ok(shell, "torch.manual_seed(5)\nsmall = Net(width=12)\nother = Net(width=12)")
+    shell.user_ns.pop("model", None)
+    before = {k: v.clone() for k, v in shell.user_ns["small"].state_dict().items()}
+    result = shell.run_cell(f"%fsdp load {path} --model small")
+    assert isinstance(result.error_in_exec, UsageError)
+    message = str(result.error_in_exec)
+    assert "does not fit small" in message and "embed.weight [16, 8] vs [12, 8]" in message, message
+    _equal(shell.user_ns["small"].state_dict(), before)
+    result = shell.run_cell(f"%fsdp load {path}")
+    message = str(result.error_in_exec)
+    assert "fits no model in the notebook" in message and "small" in message and "other" in message, message
+    run_ok(shell, "model = Net()\nsame = model\ntwin = Net()")  # two names of one model count once
+    result = shell.run_cell(f"%fsdp load {path}")
+    assert "fits several models in the notebook (model, twin): pass --model NAME" in str(result.error_in_exec)
+    _equal(shell.user_ns["small"].state_dict(), before)
+
+
+def test_nbfsdp_load_into_a_plain_model_touches_no_engine(shell, net_checkpoint):
+    import nbfsdp
+
+    checkpoint, full, opt_state = net_checkpoint
+    run_ok(shell, "%fsdp stop")
+    cluster = nbfsdp._magics.session.cluster
+    torch.manual_seed(1)
+    plain = shell.user_ns["Net"]()
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert nbfsdp.load(checkpoint, into=plain, optimizer=opt, scheduler=sched) is None
+    _equal(plain.state_dict(), full)
+    assert opt.state_dict()["param_groups"] == opt_state["param_groups"] and sched.last_epoch == 2
+    assert cluster.world is None  # no engine started
+    with pytest.raises(UsageError, match="world_size and load_ignore_keys do not apply"):
+        nbfsdp.load(checkpoint, world_size=2, into=plain)

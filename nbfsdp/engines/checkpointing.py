@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +39,7 @@ from nbfsdp.engines.loaders import SplitBatchSampler, shuffle_generators
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
 from nbfsdp.shared.protocol import IntervalSaves, LoaderState
+from nbfsdp.shared.weights_files import full_weights_reader
 
 
 def _world(generation: int) -> engine._World:
@@ -120,21 +122,37 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _position(loader: DataLoader) -> LoaderState:
+def _position(loader: DataLoader, begun: int | None) -> LoaderState:
+    """Where the loader is; ``epochs`` counts every epoch begun since the notebook's first cell: this
+    cell's after those before it, or ``begun`` (the kernel's count, between cells) where that is more."""
     batches = loader.batch_sampler
+    own = batches.epochs.started + (batches.before if isinstance(batches, PositionedBatches) else 0)
+    begun = own if begun is None else max(begun, own)  # the notebook's loader may be a new one, never sent
     if isinstance(batches, PositionedBatches) and batches.part_way():
-        return LoaderState(epochs=batches.epochs.started, generators=batches.began, taken=batches.taken)
-    return LoaderState(
-        epochs=loader.batch_sampler.epochs.started, generators=[g.get_state() for g in shuffle_generators(loader)]
-    )
+        return LoaderState(epochs=begun, generators=batches.began, taken=batches.taken)
+    return LoaderState(epochs=begun, generators=[g.get_state() for g in shuffle_generators(loader)])
 
 
-def save(generation: int, partial: str, final: str, step: int | None, overwrite: bool) -> tuple[str, dict] | None:
+#: What a full disk during ``%fsdp save`` leaves: the engines are untouched by a failed write.
+ENGINES_INTACT = "the engines still hold the trained state (free some space, or save somewhere else)"
+
+
+def save(
+    generation: int,
+    partial: str,
+    final: str,
+    step: int | None,
+    overwrite: bool,
+    disk_full_then: str = ENGINES_INTACT,
+    epochs: dict[str, int] | None = None,
+) -> tuple[str, dict] | None:
     """On every rank at once: write this rank's shards into ``partial``; rank 0 then completes the checkpoint
     as ``final``. Rank 0 returns the manifest (JSON) and the names left out, with why.
 
     A write error on any rank reaches every rank through DCP's own collectives, so they fail together and
-    the world stays usable; nothing complete is left.
+    the world stays usable; nothing complete is left. A full disk (``ENOSPC``) is a ``CheckpointError`` on
+    every rank saying so and ``disk_full_then`` (what is still there), and the partial directory is removed.
+    ``epochs``: the kernel's count of epochs each loader began, for a save between cells.
     """
     world = _world(generation)
     models, found, schedulers, loaders, skipped = _find(world)
@@ -146,9 +164,20 @@ def save(generation: int, partial: str, final: str, step: int | None, overwrite:
         "optimizers": {name: get_optimizer_state_dict(models[owner], opt) for name, (opt, owner) in found.items()},
         "schedulers": {name: scheduler.state_dict() for name, (scheduler, _) in schedulers.items()},
         "rng": {rank: rng_state(world.device)},
-        "loaders": {rank: {name: _position(loader) for name, loader in loaders.items()}} if loaders else {},
+        "loaders": {rank: {name: _position(loader, (epochs or {}).get(name)) for name, loader in loaders.items()}}
+        if loaders
+        else {},
     }
-    dcp.save(state, storage_writer=FileSystemWriter(partial))
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(partial))
+    except CheckpointException as error:  # DCP hands every rank the failures of all: they fail together
+        # each rank looks at the file system it wrote to, before anything is removed; they decide together
+        full = torch.tensor([int(checkpoints.is_disk_full(error, Path(partial).parent))])
+        dist.all_reduce(full, op=dist.ReduceOp.MAX)
+        if not full.item():
+            raise
+        # every rank is past its writes and its look: rank 0 frees what they wrote
+        raise checkpoints.disk_full(partial, disk_full_then, remove=world.rank == 0) from None
     dist.barrier()  # every rank's files are written and synced: only now may the checkpoint complete
     if world.rank != 0:
         return None
@@ -171,7 +200,12 @@ def save(generation: int, partial: str, final: str, step: int | None, overwrite:
         loaders=sorted(loaders),
         bytes_per_rank=checkpoints.bytes_per_rank(partial, world.world_size),
     )
-    checkpoints.finish(partial, final, manifest, overwrite)
+    try:
+        checkpoints.finish(partial, final, manifest, overwrite)
+    except OSError as error:  # the manifest itself did not fit: the checkpoint never became complete
+        if not checkpoints.is_disk_full(error, Path(partial).parent):
+            raise
+        raise checkpoints.disk_full(partial, disk_full_then, remove=True) from None
     return manifest.to_json(), skipped
 
 
@@ -185,11 +219,15 @@ class PositionedBatches(SplitBatchSampler):
     Part-way through an epoch: the save keeps the states the epoch drew its shuffle from and the batches
     taken (``LoaderState.taken``); the cell resumed from it gives ``resume`` here, and its first epoch
     shuffles from those states again and skips those batches (their indices only: no data is loaded).
+    A ``resume`` with nothing taken and no generator states carries only the epochs begun before this
+    cell (the kernel's count), so that a save here counts them too.
     """
 
     def __init__(self, split: SplitBatchSampler, generators: list[torch.Generator], resume: LoaderState | None) -> None:
         super().__init__(split.batches, split.rank, split.world_size, split.per_rank, split.epochs)
         self.taken = 0
+        #: Epochs begun before this cell: a part-way epoch resumed is begun again here.
+        self.before = max(resume.epochs - (1 if resume.taken else 0), 0) if resume is not None else 0
         self.began: list[torch.Tensor] = []
         self._generators, self._resume = generators, resume
         self._epoch: Any = None
@@ -260,7 +298,8 @@ class IntervalSaver:
         name = f"step-{step + 1}"
         partial = folder / f".{name}.partial-{self._tag}"
         # a later run into the same folder replaces its own step's checkpoint: never a half-written one
-        result = save(self._world.generation, str(partial), str(folder / name), step + 1, overwrite=True)
+        earlier = "the earlier checkpoints in it stay complete; this cell stops here"
+        result = save(self._world.generation, str(partial), str(folder / name), step + 1, True, earlier)
         if result is not None:
             removed = checkpoints.keep_latest(folder, self._saves.keep) if self._saves.keep > 0 else []
             gone = f"; removed {', '.join(Path(p).name for p in removed)}" if removed else ""
@@ -313,3 +352,22 @@ def load_into(
         scheduler.load_state_dict(state["schedulers"][name])
     if state["rng"]:
         _set_rng_state(state["rng"][rank], world.device)  # last: nothing above may draw from what it restores
+
+
+#: Bytes of tensor data this rank read in its last ``load_weights_file`` (the kernel reports them).
+_bytes_read = 0
+
+
+def load_weights_file(path: str, model: nn.Module) -> None:
+    """In an internal cell, on every rank: this rank's part of every tensor of a full-weights file into the
+    sharded ``model``, in place; only those rows are read (``full_weights_reader``). The cell's end then
+    brings the weights back into the notebook's model, as after a checkpoint's load."""
+    global _bytes_read
+    with full_weights_reader(path) as reader:
+        reader.load_into(model)
+    _bytes_read = reader.bytes_read
+
+
+def bytes_read() -> int:
+    """What this rank read in its last ``load_weights_file``."""
+    return _bytes_read

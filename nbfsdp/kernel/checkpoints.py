@@ -30,14 +30,16 @@ from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
 from nbfsdp.kernel import history
-from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, World
+from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, World, visible_gpus
 from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
 from nbfsdp.kernel.session import Session
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
 from nbfsdp.shared.collectives import size_text
-from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
+from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
+from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.protocol import LoaderState
+from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader
 
 #: How many differing keys an error names.
 _NAMED = 5
@@ -90,7 +92,9 @@ def save_with(session: Session, path: str | os.PathLike, overwrite: bool) -> Man
         raise _usage(error) from None
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = fmt.partial_path(final)
-    args = (world.generation, str(partial), str(final), _resume_step(), overwrite)
+    namespace = session.shell.user_ns
+    epochs = {name: session.loader_epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
+    args = (world.generation, str(partial), str(final), _resume_step(), overwrite, checkpointing.ENGINES_INTACT, epochs)
     results = _on_every_rank(session, world, checkpointing.save, args, "saving", partial)
     text, skipped = results[0]
     manifest = Manifest.from_json(text)
@@ -149,8 +153,15 @@ def _on_every_rank(session: Session, world: World, function: Any, args: tuple, d
 
 # ------------------------------------------------------------------ load
 def load(
-    path: str | os.PathLike, world_size: int | None = None, load_ignore_keys: list[str] | str | None = None
-) -> Manifest:
+    path: str | os.PathLike,
+    world_size: int | None = None,
+    load_ignore_keys: list[str] | str | None = None,
+    *,
+    model: str | None = None,
+    into: nn.Module | None = None,
+    optimizer: Optimizer | None = None,
+    scheduler: Any = None,
+) -> Manifest | list[int] | None:
     """Load a checkpoint into the running world, or a fresh one of ``world_size`` ranks (``%fsdp load``).
 
     The default world size is the running world's, or with none running the checkpoint's. The models,
@@ -158,8 +169,26 @@ def load(
     at the world size that saved it, each rank's RNG states and the loaders' positions carry over too.
     ``load_ignore_keys``: globs on the DCP keys to skip (``"optimizers.*"``; an optimizer skipped skips
     its scheduler). Returns the checkpoint's manifest.
+
+    ``path`` a ``.pt`` or ``.safetensors`` file of full weights: each rank reads only its rows of it into
+    the notebook's model ``model`` (default: the only one whose keys and shapes match), which then takes
+    them in place; returns the bytes each rank read.
+
+    ``into=`` a plain model (with ``optimizer=`` and ``scheduler=``): the checkpoint goes straight into
+    these objects, in place, in the kernel; no engine is touched or started (``model=``: which of the
+    checkpoint's models, when it holds several). Returns None.
     """
-    return load_with(_session(), path, world_size, load_ignore_keys)
+    if into is not None:
+        if world_size is not None or load_ignore_keys:
+            raise UsageError("load(into=...) reads in the kernel: world_size and load_ignore_keys do not apply")
+        from nbfsdp.kernel import exporting  # the kernel's reader: imported only when used
+
+        exporting.load_into(path, into, optimizer, scheduler, model=model)
+        print(f"nbfsdp: loaded {path} into {type(into).__name__} in the notebook (no engines)")
+        return None
+    if optimizer is not None or scheduler is not None:
+        raise UsageError("optimizer= and scheduler= go with into= (a plain model); a world loads them by name")
+    return load_with(_session(), path, world_size, load_ignore_keys, model=model)
 
 
 def load_with(
@@ -170,12 +199,22 @@ def load_with(
     *,
     config: FSDPConfig | None = None,
     timeout: float | None = None,
-) -> Manifest:
+    model: str | None = None,
+) -> Manifest | list[int]:
     """``config`` and ``timeout``: the settings of the cell the load runs before (``--load-path``,
     ``--autoresume``), so that cell finds the world and the sharded models as the load left them; by
-    default the checkpoint's settings and the running world's timeout."""
+    default the checkpoint's settings and the running world's timeout. A full-weights file instead of a
+    checkpoint: ``load_file_with``, into the notebook's model ``model``."""
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
+    if Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir():
+        if ignore:
+            raise UsageError("--load-ignore-keys applies to checkpoints; a weights file loads whole into one model")
+        return load_file_with(session, path, world_size, model, config=config, timeout=timeout)
+    if model is not None:
+        raise UsageError(
+            "--model names the notebook's model for a .pt or .safetensors file; a checkpoint loads by name"
+        )
     patterns = [p.strip() for p in ignore.split(",")] if isinstance(ignore, str) else list(ignore or [])
     patterns = [p for p in patterns if p]
     directory = Path(path).expanduser().resolve()
@@ -228,6 +267,106 @@ def load_with(
     )
     session.resume_step = manifest.step or 0  # the next cell's resume_step
     return manifest
+
+
+def load_file_with(
+    session: Session,
+    path: str | os.PathLike,
+    world_size: int | None,
+    model: str | None,
+    *,
+    config: FSDPConfig | None = None,
+    timeout: float | None = None,
+) -> list[int]:
+    """A ``.pt`` or ``.safetensors`` file of full weights into the notebook's model ``model``, sharded.
+
+    The file's names and shapes are checked here against the model first (its header only: nothing is
+    read). Then an internal cell over the model has each rank read only its rows of each tensor
+    (``full_weights_reader``), not the kernel sending whole weights; its end brings them back into the
+    notebook's model in place. Returns the bytes of tensor data each rank read.
+    """
+    file = Path(path).expanduser().resolve()  # the engines may run in another directory
+    try:
+        with full_weights_reader(file) as reader:
+            names = reader.keys()  # a WeightsFile is not iterable itself
+            shapes = {key: reader.shape(key) for key in names}
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    namespace = session.shell.user_ns
+    name = _weights_model(path, shapes, namespace, model)
+    running = session.cluster.world
+    alive = running is not None and not running.broken
+    if world_size is None:
+        world_size = running.world_size if alive else (session.panel_world_size or visible_gpus() or 2)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if timeout is None:
+        timeout = running.timeout if alive else DEFAULT_TIMEOUT_SECONDS
+    cell = (
+        '__import__("nbfsdp.engines.checkpointing", fromlist=["load_weights_file"]).load_weights_file('
+        f"{str(file)!r}, {name})\n"
+    )
+    if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
+        try:
+            config = resolve_settings(None, {}, session.panel)
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
+    session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
+    world = session.cluster.world
+    client = session.cluster.client
+    read = [client[engine_id].apply_sync(checkpointing.bytes_read) for engine_id in world.engine_ids]
+    tensors = {id(t): t for t in namespace[name].state_dict(keep_vars=True).values()}  # a tie counts once
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(
+        f"nbfsdp: loaded {path} into {name} on {world_size} ranks, each reading its shard: "
+        f"{', '.join(size_text(b) for b in read)} of {size_text(total)}"
+    )
+    return read
+
+
+def _weights_model(
+    path: str | os.PathLike, shapes: dict[str, tuple], namespace: dict[str, Any], name: str | None
+) -> str:
+    """The notebook's model the file's weights fit: ``name``'s, checked, or the only one that fits."""
+    if name is not None:
+        if not isinstance(namespace.get(name), nn.Module):
+            raise UsageError(f"--model {name}: no nn.Module of that name in the notebook")
+        problems = _weights_problems(shapes, namespace[name])
+        if problems:
+            raise UsageError(f"{path} does not fit {name}: {problems}")
+        return name
+    modules: dict[int, str] = {}
+    for key, value in namespace.items():
+        if isinstance(value, nn.Module) and not key.startswith("_") and id(value) not in modules:
+            modules[id(value)] = key
+    fits = {key: _weights_problems(shapes, namespace[key]) for key in modules.values()}
+    matching = [key for key, problems in fits.items() if not problems]
+    if len(matching) == 1:
+        return matching[0]
+    if matching:
+        raise UsageError(f"{path} fits several models in the notebook ({', '.join(matching)}): pass --model NAME")
+    if not fits:
+        raise UsageError(f"{path}: no nn.Module in the notebook to load it into: build the model first")
+    why = "; ".join(f"{key}: {problems}" for key, problems in list(fits.items())[:3])
+    raise UsageError(f"{path} fits no model in the notebook (candidates {', '.join(fits)}): {why}")
+
+
+def _weights_problems(shapes: dict[str, tuple], module: nn.Module) -> str:
+    """What keeps a file of these names and shapes from loading into ``module`` ("" when nothing does).
+
+    A tie is one tensor under several names: the file needs one of them (Hugging Face keeps one)."""
+    groups: dict[int, list[str]] = {}
+    expected: dict[str, tuple] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(key)
+        expected[key] = tuple(tensor.shape)
+    missing = [group[0] for group in groups.values() if not any(key in shapes for key in group)]
+    unexpected = [key for key in shapes if key not in expected]
+    differ = [f"{k} {list(shapes[k])} vs {list(v)}" for k, v in expected.items() if k in shapes and shapes[k] != v]
+    found = (("not in the file", missing), ("only in the file", unexpected), ("shapes differ (file vs model)", differ))
+    return "; ".join(
+        f"{label}: {', '.join(keys[:_NAMED])}{' ...' if len(keys) > _NAMED else ''}" for label, keys in found if keys
+    )
 
 
 def load_before_cell(

@@ -169,6 +169,17 @@ class NotebookLoaders:
         for generator, saved in zip(generators, state.generators, strict=False):
             generator.set_state(saved)
 
+    def restore(self, loader: DataLoader, state: LoaderState) -> None:
+        """The loader goes on from a checkpoint's position: its shuffle from the saved generator states, and
+        its epoch count from the saved one, so the next cell's line names the epoch it really starts in
+        (``state.epochs`` begun; one taken part-way is the one the next cell continues)."""
+        self.continue_after(loader, LoaderState(epochs=0, generators=state.generators))
+        self._epochs[loader] = max(state.epochs - (1 if state.taken else 0), 0)
+
+    def epochs(self, loader: DataLoader) -> int:
+        """Epochs the loader began on the ranks, in every cell of this kernel (or since a checkpoint)."""
+        return self._epochs.get(loader, 0)
+
 
 def draws_without_generator(loader: DataLoader) -> bool:
     """The loader shuffles from the global RNG (a ``RandomSampler`` with no generator): the notebook gives

@@ -231,7 +231,8 @@ class FSDPMagics(Magics):
         "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
         "defaults); wait: the results of an --async run; cancel: end the running cell at its next step; "
         "save PATH [--overwrite]: a sharded checkpoint of what the engines hold; load PATH [--world-size N] "
-        "[--load-ignore-keys K,...]: a checkpoint into the engines and the notebook's objects; "
+        "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
+        "each rank reading its shard) into the engines and the notebook's objects; "
         "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
         "model's full weights into one .pt or .safetensors file, in the kernel.",
     )
@@ -315,7 +316,7 @@ class FSDPMagics(Magics):
         """%fsdp save PATH [--overwrite]"""
 
     @magic_arguments()
-    @argument("path", help="The checkpoint's directory.")
+    @argument("path", help="The checkpoint's directory, or a .pt or .safetensors file of full weights.")
     @argument(
         "--world-size",
         "-n",
@@ -329,8 +330,13 @@ class FSDPMagics(Magics):
         default="",
         help="Globs on the checkpoint's keys to skip, e.g. 'optimizers.*' (an optimizer skipped skips its scheduler).",
     )
+    @argument(
+        "--model",
+        default=None,
+        help="With a .pt or .safetensors file: the notebook's model to load it into (default: the only one it fits).",
+    )
     def _load_arguments(self, line: str) -> None:
-        """%fsdp load PATH [--world-size N] [--load-ignore-keys K,...]"""
+        """%fsdp load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]"""
 
     @magic_arguments()
     @argument("folder", help="A folder holding checkpoints.")
@@ -361,7 +367,7 @@ class FSDPMagics(Magics):
             checkpoints.save_with(self.session, args.path, args.overwrite)
         elif action == "load":
             args = parse_argstring(self._load_arguments, line)
-            checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys)
+            checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys, model=args.model)
         else:
             args = parse_argstring(self._checkpoints_arguments, line)
             found = checkpoints.checkpoints(args.folder)

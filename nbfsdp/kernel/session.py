@@ -194,7 +194,15 @@ class Session:
             },
             resume_step=resume_step,
             saves=saves,
-            loader_resume={name: state for name, state in loader_resume.items() if name in plans},
+            loader_resume={
+                # with saves on, every loader also carries the epochs it began before, for the saves' count
+                **(
+                    {name: LoaderState(epochs=self._loaders.epochs(sent[name]), generators=[]) for name in plans}
+                    if saves is not None
+                    else {}
+                ),
+                **{name: state for name, state in loader_resume.items() if name in plans},
+            },
         )
         record = history.RunRecord(
             world_size=world_size,
@@ -397,8 +405,12 @@ class Session:
 
     def restore_loader(self, loader: DataLoader, state: LoaderState) -> None:
         """A loader shuffles on from a checkpoint's position, as after the cell that left it there (its
-        generators' states; the epoch count the plan line shows is this kernel's own)."""
-        self._loaders.continue_after(loader, LoaderState(epochs=0, generators=state.generators))
+        generators' states, and the epoch count the next cell's plan line shows)."""
+        self._loaders.restore(loader, state)
+
+    def loader_epochs(self, loader: DataLoader) -> int:
+        """Epochs the notebook's loader began on the ranks: what a checkpoint saves as its epoch count."""
+        return self._loaders.epochs(loader)
 
     def stop(self) -> None:
         """End the cluster; a background run still going ends with it."""

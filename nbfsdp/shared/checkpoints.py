@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fnmatch
 import importlib.metadata
 import json
@@ -49,6 +50,44 @@ _RANK_FILE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked (shown as a ``UsageError`` in the notebook)."""
+
+
+#: Free space under which a failed write counts as a full disk (a write fills the disk before it fails).
+FULL_BELOW_BYTES = 1 << 20
+
+
+def is_disk_full(error: BaseException, directory: str | os.PathLike | None = None) -> bool:
+    """``error`` (or, from any rank, what DCP's ``CheckpointException`` wraps) is a full disk.
+
+    ``ENOSPC`` itself, or, with ``directory``, a failed write while its file system has (almost) no space
+    left: ``torch.save``'s zip writer, which DCP uses for non-tensor values, reports ``ENOSPC`` as a short
+    write ("unexpected pos") and loses the errno.
+    """
+    failures = getattr(error, "failures", None)
+    errors = [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()] if failures else [error]
+    chained = []
+    for item in errors:
+        while item is not None and item not in chained:
+            chained.append(item)
+            item = item.__cause__ or item.__context__
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e) for e in chained):
+        return True
+    if directory is None or not any(isinstance(e, (OSError, RuntimeError)) for e in chained):
+        return False
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < FULL_BELOW_BYTES
+
+
+def disk_full(partial: str | os.PathLike, then: str, remove: bool) -> CheckpointError:
+    """After ``ENOSPC`` mid-save: the error to raise; ``remove`` (one rank, once every rank is past its
+    writes) deletes the partial directory, so the space it took goes back to the user."""
+    partial = Path(partial)
+    if remove:
+        shutil.rmtree(partial, ignore_errors=True)
+    return CheckpointError(f"no space left on device in {partial.parent}: nothing was saved; {then}")
 
 
 @dataclass(kw_only=True)
