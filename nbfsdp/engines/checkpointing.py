@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from nbfsdp.engines import engine
 from nbfsdp.engines.control import SaveAgreement
-from nbfsdp.engines.loaders import SplitBatchSampler, shuffle_generators
+from nbfsdp.engines.loaders import SplitBatchSampler, set_after_init, shuffle_generators
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
 from nbfsdp.shared.protocol import IntervalSaves, LoaderState
@@ -263,7 +263,7 @@ def track_positions(loader: DataLoader, resume: LoaderState | None) -> None:
     """With ``--save-interval`` or a part-way position to resume: count a split loader's batches."""
     if isinstance(loader.batch_sampler, SplitBatchSampler):
         batches = PositionedBatches(loader.batch_sampler, shuffle_generators(loader), resume)
-        object.__setattr__(loader, "batch_sampler", batches)  # as loaders._set: DataLoader forbids setting it
+        set_after_init(loader, "batch_sampler", batches)
 
 
 class IntervalSaver:

@@ -147,7 +147,7 @@ class SplitLoader:
         return LoaderState(epochs=self.epochs.started, generators=[g.get_state() for g in self.generators])
 
 
-def _set(loader: DataLoader, attribute: str, value: Any) -> None:
+def set_after_init(loader: DataLoader, attribute: str, value: Any) -> None:
     # DataLoader forbids setting these after __init__; rebuilding it instead would lose a subclass's own
     # behaviour and every setting __init__ does not take back (Lightning re-runs a saved __init__ for that)
     object.__setattr__(loader, attribute, value)
@@ -167,16 +167,16 @@ def split(
         batch_size = global_batch_size(loader)
         wrapped = SplitIterable(loader.dataset, batch_size, rank, world_size, per_rank)
         size = batch_size if per_rank else batch_size // world_size
-        _set(loader, "dataset", wrapped)
-        _set(loader, "batch_sampler", BatchSampler(infinite_sampler(), size, drop_last=False))
-        _set(loader, "batch_size", size)
-        _set(loader, "drop_last", False)
+        set_after_init(loader, "dataset", wrapped)
+        set_after_init(loader, "batch_sampler", BatchSampler(infinite_sampler(), size, drop_last=False))
+        set_after_init(loader, "batch_size", size)
+        set_after_init(loader, "drop_last", False)
         return SplitLoader(loader, epochs, [])
     if loader.generator is None and seed_state is not None:
         generator = torch.Generator()
         generator.set_state(seed_state)
         loader.generator = loader.sampler.generator = generator
-    _set(loader, "batch_sampler", SplitBatchSampler(loader.batch_sampler, rank, world_size, per_rank, epochs))
+    set_after_init(loader, "batch_sampler", SplitBatchSampler(loader.batch_sampler, rank, world_size, per_rank, epochs))
     return SplitLoader(loader, epochs, shuffle_generators(loader))
 
 

@@ -7,24 +7,8 @@ fixes) and says in one line what the ranks will get. On the engines,
 rank's part of it, in place, keeping the user's class, dataset,
 ``collate_fn``, workers, generator and every other setting.
 
-Two conventions:
-
-- default (*split batches*): the loader's ``batch_size`` stays the **global**
-  batch; every batch the notebook's loader would give is cut into N equal
-  contiguous parts and rank r takes part r. With FSDP averaging gradients, a
-  step is the same math as the plain cell whatever N is, and ``len(loader)``
-  is unchanged.
-- ``--per-rank-batches``: rank r takes whole batches r, r + N, r + 2N, ...
-  (``N x batch_size`` samples per step, ``len / N`` steps), as Composer's and
-  Lightning's samplers do.
-
-Every rank draws the same batches from the same pickled generator state, so
-the ranks agree on one shuffle without talking to each other; with a seeded
-``generator=`` it is exactly the notebook loader's shuffle. Ranks must take
-as many steps as each other or FSDP's collectives hang: a short last batch
-that does not split evenly is trimmed to a multiple of N (dropped when
-shorter than N), and in per-rank mode an incomplete last round of N batches
-is dropped; the plan says which.
+The two conventions (split batches, ``--per-rank-batches``) and what keeps the ranks in step are
+said in ``nbfsdp.engines.loaders``, which carries them out.
 """
 
 from __future__ import annotations
