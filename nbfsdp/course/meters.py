@@ -88,8 +88,9 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
 
 
-#: Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): tcpi_bytes_received, tcpi_bytes_sent (4.19+).
-_TCP_INFO_SIZE, _BYTES_RECEIVED, _BYTES_SENT = 232, 128, 200
+#: Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): tcpi_bytes_received, tcpi_bytes_sent,
+#: tcpi_bytes_retrans (4.19+).
+_TCP_INFO_SIZE, _BYTES_RECEIVED, _BYTES_SENT, _BYTES_RETRANS = 232, 128, 200, 208
 
 Connection = tuple[tuple[str, int], tuple[str, int]]
 
@@ -97,6 +98,8 @@ Connection = tuple[tuple[str, int], tuple[str, int]]
 def tcp_counters() -> dict[Connection, tuple[int, int]]:
     """(bytes sent, bytes received) of each connected TCP socket of this process, by (this end, other end).
 
+    Bytes sent count each byte once: the kernel's ``bytes_sent`` counts a retransmitted segment again (a
+    64 KiB segment on a busy loopback now and then), so its ``bytes_retrans`` is taken off.
     The kernel's own counters (what ``ss -ti`` prints), read through a duplicate of each socket's
     descriptor; psutil has per-interface counters only, not per socket.
     """
@@ -117,7 +120,7 @@ def tcp_counters() -> dict[Connection, tuple[int, int]]:
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
             counters[ends] = (
-                struct.unpack_from("Q", info, _BYTES_SENT)[0],
+                struct.unpack_from("Q", info, _BYTES_SENT)[0] - struct.unpack_from("Q", info, _BYTES_RETRANS)[0],
                 struct.unpack_from("Q", info, _BYTES_RECEIVED)[0],
             )
     return counters
