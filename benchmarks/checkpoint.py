@@ -12,26 +12,26 @@ order, every save into a fresh directory under the kernel's working directory (s
   the notebook waits for: the state dict, DCP, the manifest, the rename, the fsyncs, the messages).
 - load, A: a ``%%fsdp --no-gather`` cell: state dict, ``dcp.load``, ``set_model_state_dict`` /
   ``set_optimizer_state_dict``, timed on the ranks. B: ``%fsdp load DIR``, kernel round trip (the
-  same, plus the weights and optimizer state gathered back into the notebook's own objects, as the
-  issue asks). Before each load the checkpoint's pages are dropped from the page cache
-  (``posix_fadvise(DONTNEED)``, after an fsync), so both sides read from the disk.
+  same, plus the notebook's own objects given the loaded weights and optimizer state, as the issue
+  asks: the kernel reads the same files meanwhile). Before each load the checkpoint's pages are
+  dropped from the page cache (``posix_fadvise(DONTNEED)``, after an fsync), so both sides read from
+  the disk.
+- async: ``%fsdp save DIR --async``, kernel round trip (the time the notebook is blocked: every rank's
+  snapshot taken), then ``%fsdp wait`` (the write's end), against the blocking ``%fsdp save`` of the
+  same round; and the engines' peak growth while it runs (the snapshot is a copy of the shard).
 - disk: one process (the bench's) writes as many bytes as the checkpoint's data files, sequentially in
   8 MiB blocks, and fsyncs: the disk's own write speed in the same run.
-- bare cell: ``%%fsdp --world-size 2`` reading ``model, opt`` and nothing else, kernel round trip: the
-  cell ``%fsdp load`` runs inside (the notebook's weights and optimizer state go to the ranks, and come
-  back into the notebook's objects when it ends), so the load row's gap can be read against it.
 - memory: before each save every engine's peak resident size is reset (``/proc/PID/clear_refs``) and
   its resident size taken as its baseline; afterwards its peak (``VmHWM``) is read. The growth, worst
   rank, is compared with that rank's shard: the local bytes of its parameters and optimizer state.
 
 Throughput is the checkpoint's data bytes (``bytes_per_rank`` summed) over the time. Rows: save and load
 throughput B / A (target at least 0.9x, with the 95% bootstrap interval over rounds), ``%fsdp save``'s
-throughput / the disk's (no target), the bare cell's seconds / ``%fsdp load``'s (no target), the engines'
-peak growth while ``%fsdp save`` runs / their shard (at most 1.1x; the direct side's in the note). The
-direct cells take the optimizer from the ranks' namespace (``globals()["opt"]``): a cell that names it is
-sent the notebook's copy, state and all, which would cost them seconds and memory that are not DCP's.
-``--async`` saving does not exist yet: no row for the time it blocks the cell. The machine is shared:
-figures are medians of the rounds.
+throughput / the disk's (no target), the engines' peak growth while ``%fsdp save`` and ``%fsdp save
+--async`` run / their shard (at most 1.1x; the direct side's in the note), the seconds ``--async`` blocks
+the notebook / a blocking save's (no target). The direct cells take the optimizer from the ranks'
+namespace (``globals()["opt"]``), as nbfsdp's own cells now do when the ranks hold it as the notebook
+does. The machine is shared: figures are medians of the rounds.
 
 ``--quick``: a small model, two rounds. Run alone: ``python -m benchmarks --only checkpoint``.
 """
@@ -100,9 +100,6 @@ dist.barrier()
 nbfsdp.log(step=0, seconds=time.perf_counter() - _began)
 del _opt, _loaded
 """
-#: What ``%fsdp load`` runs inside, without loading: a cell that reads the model and optimizer (sent to the
-#: ranks as any cell's are) and gathers them back into the notebook's objects when it ends.
-BARE_CELL = f"%%fsdp --world-size {WORLD_SIZE}\nmodel, opt"
 RANK_SECONDS = "print(json.dumps(max(m['seconds'] for m in nbfsdp.last_run().metrics if 'seconds' in m)))"
 
 
@@ -145,6 +142,16 @@ def _saved(kernel: Kernel, pids: list[int], cell: str, rank_timed: bool) -> tupl
     return seconds, growth
 
 
+def _saved_async(kernel: Kernel, pids: list[int], directory: Path) -> tuple[float, float, list[int]]:
+    """``%fsdp save --async`` then ``%fsdp wait``: the seconds each blocks the notebook, and each engine's
+    peak growth over both (the snapshot, and whatever the background write holds)."""
+    baseline = [procmem.reset_peak(pid) for pid in pids]
+    blocked = kernel.execute(f"%fsdp save {directory} --async").elapsed
+    waited = kernel.execute("%fsdp wait").elapsed
+    growth = [procmem.read(pid)["hwm"] - base for pid, base in zip(pids, baseline, strict=True)]
+    return blocked, waited, growth
+
+
 def _loaded(kernel: Kernel, cell: str, source: Path, rank_timed: bool) -> float:
     _drop_cache(source)
     reply = kernel.execute(cell)
@@ -169,7 +176,19 @@ def run(ctx: Context) -> dict:
         source = root / "source"
         size = _data_bytes(source)
         data: dict[str, list] = {
-            key: [] for key in ("save_a", "save_b", "load_a", "load_b", "disk", "cell", "mem_a", "mem_b")
+            key: []
+            for key in (
+                "save_a",
+                "save_b",
+                "load_a",
+                "load_b",
+                "disk",
+                "async",
+                "async_wait",
+                "mem_a",
+                "mem_b",
+                "mem_async",
+            )
         }
         order = []
         for index in range(rounds):
@@ -192,11 +211,15 @@ def run(ctx: Context) -> dict:
             data["disk"].append(disk_write_seconds(root / "disk.bin", size))
             for side in (first, second):
                 data[f"load_{side}"].append(loads[side]())
-            data["cell"].append(kernel.execute(BARE_CELL).elapsed)
-            written = {side: _data_bytes(path) for side, path in (("a", direct), ("b", ours))}
-            assert written["a"] == written["b"] == size, (written, size)  # the same state, the same bytes
-            shutil.rmtree(direct)
-            shutil.rmtree(ours)
+            background = root / f"async-{index}"
+            blocked, waited, growth = _saved_async(kernel, pids, background)
+            data["async"].append(blocked)
+            data["async_wait"].append(waited)
+            data["mem_async"].append(growth)
+            written = {side: _data_bytes(path) for side, path in (("a", direct), ("b", ours), ("async", background))}
+            assert set(written.values()) == {size}, (written, size)  # the same state, the same bytes
+            for path in (direct, ours, background):
+                shutil.rmtree(path)
     finally:
         ctx.shutdown(kernel)
     return {
@@ -240,24 +263,26 @@ def _rows(data: dict[str, list], size: int, shard: list[int], width: int, depth:
             interval=round_interval(disk, save_b, _speed_ratio),
         )
     )  # fmt: skip
-    cell, load_b = data["cell"], data["load_b"]
+    blocked, waited = data["async"], data["async_wait"]
     rows.append(
         Measurement(
-            what=f"{label}: a bare %%fsdp cell reading the model and optimizer (no load) / `%fsdp load`, seconds",
-            value=median(cell) / median(load_b), unit="x", a_label="%fsdp load", a=median(load_b),
-            b_label="bare cell", b=median(cell), ab_unit="s", samples_a=load_b, samples_b=cell,
-            note="`%fsdp load` runs as such a cell: the weights and optimizer state go to the ranks and come back",
+            what=f"{label}: seconds `%fsdp save --async` blocks the notebook / a blocking `%fsdp save`'s",
+            value=median(blocked) / median(save_b), unit="x", a_label="%fsdp save", a=median(save_b),
+            b_label="%fsdp save --async", b=median(blocked), ab_unit="s", samples_a=save_b, samples_b=blocked,
+            samples_value=[x / y for x, y in zip(blocked, save_b, strict=True)],
+            note=f"then `%fsdp wait` took {median(waited):.3f} s (median): the write left once the snapshot was taken",
         )
     )  # fmt: skip
     direct = [max(g / s for g, s in zip(growth, shard, strict=True)) for growth in data["mem_a"]]
-    worst = [max(g / s for g, s in zip(growth, shard, strict=True)) for growth in data["mem_b"]]
-    rows.append(
-        Measurement(
-            what=f"{label}: engine peak growth while `%fsdp save` runs / its shard (params + AdamW state), worst rank",
-            value=median(worst), unit="x", target=MEMORY_TARGET, op="<=", a_label="shard",
-            a=max(shard) / MiB, b_label="peak growth", b=median([max(g) for g in data["mem_b"]]) / MiB,
-            ab_unit="MiB", samples_value=worst,
-            note=f"VmHWM after - VmRSS before (clear_refs); `dcp.save` called directly: {median(direct):.3f}x",
-        )
-    )  # fmt: skip
+    for key, how in (("mem_b", "`%fsdp save`"), ("mem_async", "`%fsdp save --async` and `%fsdp wait`")):
+        worst = [max(g / s for g, s in zip(growth, shard, strict=True)) for growth in data[key]]
+        rows.append(
+            Measurement(
+                what=f"{label}: engine peak growth while {how} run / its shard (params + AdamW state), worst rank",
+                value=median(worst), unit="x", target=MEMORY_TARGET, op="<=", a_label="shard",
+                a=max(shard) / MiB, b_label="peak growth", b=median([max(g) for g in data[key]]) / MiB,
+                ab_unit="MiB", samples_value=worst,
+                note=f"VmHWM after - VmRSS before (clear_refs); `dcp.save` called directly: {median(direct):.3f}x",
+            )
+        )  # fmt: skip
     return rows

@@ -94,3 +94,34 @@ def test_a_full_disk_at_an_interval_save_fails_the_cell_and_keeps_the_earlier_ch
         assert [(info.name, info.complete) for info in list_checkpoints(small)] == [("step-1", True)]
         assert [p.name for p in small.iterdir()] == ["step-1"]  # the failed step-2's partial is gone
         assert nbfsdp.checkpoints(small)[0].step == 1
+
+
+def test_a_full_disk_under_an_async_save_is_raised_at_the_next_wait_save_or_stop(shell, tmp_path):
+    """The background write fails; the save itself returned. The error comes at the next ``%fsdp wait``,
+    the next save (which then does not save) or ``%fsdp stop`` (after the cluster stops); nothing
+    complete is left and the world trains on."""
+    run_ok(shell, "%fsdp stop")
+    run_ok(shell, "import torch, torch.nn as nn\ntorch.manual_seed(0)\nwide = nn.Linear(1024, 768)")
+    run_ok(shell, "wide_opt = torch.optim.AdamW(wide.parameters(), lr=1e-2)")
+    step = "%%fsdp --world-size 2\nwide(torch.ones(4, 1024)).square().mean().backward()\nwide_opt.step()\n"
+    run_ok(shell, step + "wide_opt.zero_grad()")
+    session = nbfsdp._magics.session
+    world = session.cluster.world
+    with _small_disk(tmp_path / "small") as small:
+        run_ok(shell, f"%fsdp save {small / 'a'} --async")
+        error, _ = run_failing(shell, "%fsdp wait")
+        assert isinstance(error, UsageError) and "no space left on device" in str(error), error
+        assert session.pending_save is None and list(small.iterdir()) == []
+        assert session.cluster.world is world and not world.broken
+        run_ok(shell, step + "wide_opt.zero_grad()")  # the world trains on
+
+        run_ok(shell, f"%fsdp save {small / 'b'} --async")
+        error, _ = run_failing(shell, f"%fsdp save {tmp_path / 'roomy'}")
+        assert "no space left on device" in str(error) and not (tmp_path / "roomy").exists()
+        run_ok(shell, f"%fsdp save {tmp_path / 'roomy'}")  # asked again, it saves
+        assert (tmp_path / "roomy" / MANIFEST).is_file()
+
+        run_ok(shell, f"%fsdp save {small / 'c'} --async")
+        error, _ = run_failing(shell, "%fsdp stop")
+        assert "no space left on device" in str(error) and session.cluster.world is None
+        assert list_checkpoints(small) == []

@@ -77,6 +77,7 @@ def _assert_optimizers_equal(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_exact_resume_between_cells_after_the_world_is_stopped(shell, tmp_path):
     """k steps, save, stop, fresh notebook objects, load, m steps == k + m steps in one world, bitwise."""
     run_ok(shell, NOTEBOOK)
@@ -94,7 +95,9 @@ def test_exact_resume_between_cells_after_the_world_is_stopped(shell, tmp_path):
     run_ok(shell, SEED.format(n=2))
     run_ok(shell, TRAIN.format(n=2))
     assert shell.user_ns["losses"] == first
+    sent_with_model = nbfsdp.last_run().sent_bytes[0]  # a new world: the model went to the ranks
     path = tmp_path / "manual"
+    saved, saved_optimizer = _state(shell), shell.user_ns["opt"].state_dict()
     run_ok(shell, f"%fsdp save {path}")
     assert (path / MANIFEST).is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     run_ok(shell, "%fsdp stop")
@@ -102,14 +105,22 @@ def test_exact_resume_between_cells_after_the_world_is_stopped(shell, tmp_path):
     run_ok(shell, "model, opt, sched, loader = fresh(seed=1)\nstart = 8")
     run_ok(shell, f"%fsdp load {path}")
     assert nbfsdp.last_run().metric("loss")[-1] == first[-1]  # the load is no run of its own
+    # the notebook's own objects hold what was saved (the kernel read them while the ranks loaded theirs)
+    _assert_states_equal(_state(shell), saved)
+    _assert_optimizers_equal(shell.user_ns["opt"].state_dict(), saved_optimizer)
+    assert shell.user_ns["sched"].last_epoch == 8
     run_ok(shell, TRAIN.format(n=2))
     assert shell.user_ns["losses"] == second
+    # notebook and ranks agreed after the load: the model and optimizer were not sent again
+    state_bytes = sum(t.numel() * t.element_size() for t in final.values())
+    assert nbfsdp.last_run().sent_bytes[0] + state_bytes <= sent_with_model
     _assert_states_equal(_state(shell), final)
     _assert_optimizers_equal(shell.user_ns["opt"].state_dict(), final_optimizer)
     assert shell.user_ns["sched"].last_epoch == 16
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_reshard_from_four_ranks_to_one_two_and_three(shell, tmp_path, capsys):
     """Saved at 4 ranks, each writing about a quarter; loaded at 1, 2 and 3: the same full state dicts."""
     run_ok(shell, NOTEBOOK)

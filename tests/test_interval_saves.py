@@ -57,6 +57,7 @@ def _complete(folder) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.floor
 def test_interval_saves_and_autoresume_continue_bitwise_exactly(shell, tmp_path, capsys):
     """20 steps in one run == 12 steps with a save every 4 (at an epoch's end and part-way through one),
     the world stopped, fresh notebook objects, --autoresume from step-12, 8 more across an epoch's end:

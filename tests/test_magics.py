@@ -109,7 +109,10 @@ def test_bad_panel_arguments_are_usage_errors(shell, line, message):
 def test_wait_and_cancel_with_nothing_running_say_so(shell, capsys):
     shell.run_line_magic("fsdp", "wait")
     shell.run_line_magic("fsdp", "cancel")
-    assert capsys.readouterr().out.splitlines() == ["nbfsdp: no background run", "nbfsdp: nothing is running"]
+    assert capsys.readouterr().out.splitlines() == [
+        "nbfsdp: nothing to wait for: no background run or save",
+        "nbfsdp: nothing is running",
+    ]
 
 
 @pytest.mark.parametrize(

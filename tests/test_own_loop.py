@@ -283,3 +283,40 @@ def test_an_optimizer_and_scheduler_made_in_the_cell_come_back_bound_to_the_note
     assert all(p is q for p, q in zip(made.param_groups[0]["params"], model.parameters(), strict=True))
     assert all(made.state[p]["momentum_buffer"].shape == p.shape for p in model.parameters())
     assert made.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+@pytest.mark.timeout(240)
+def test_an_optimizer_the_ranks_hold_is_not_sent_again_until_the_notebook_changes_it(shell):
+    """After a cell brings its state back, the ranks' optimizer and scheduler are the notebook's: the next
+    cell sends neither (its payload shrinks by the optimizer's state) and trains on theirs. A change in
+    the notebook (a learning rate, the model's weights) sends them again, and the change takes effect."""
+    _notebook(shell, samples=64)
+    run_ok(
+        shell,
+        "loader = make_loader(16)\nopt = torch.optim.AdamW(model.parameters(), lr=1e-2)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)",
+    )
+    cell = "%%fsdp --world-size 2 --mixed-precision FULL\ncell_losses = []" + _epoch("loader", losses="cell_losses")
+    ns = shell.user_ns
+    state_bytes = lambda: sum(  # noqa: E731
+        t.numel() * t.element_size() for s in ns["opt"].state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    weights = lambda: [p.detach().clone() for p in ns["model"].parameters()]  # noqa: E731
+    run_ok(shell, cell)  # the optimizer goes to the ranks (no state yet) and comes back with state
+    run_ok(shell, cell)
+    kept = nbfsdp.last_run().sent_bytes[0]
+    run_ok(shell, "for group in opt.param_groups:\n    group['lr'] = 0.0")  # a change in the notebook
+    before = weights()
+    run_ok(shell, cell)
+    resent = nbfsdp.last_run().sent_bytes[0]
+    assert resent - kept >= state_bytes() > 0, (resent, kept, state_bytes())
+    for p, q in zip(weights(), before, strict=True):  # it took effect: learning rate 0, nothing moved
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+    run_ok(shell, "for group in opt.param_groups:\n    group['lr'] = 1e-2")
+    run_ok(shell, cell)  # sent again (the learning rate), and held since
+    run_ok(shell, "with torch.no_grad():\n    model[0].weight.add_(1.0)")  # the model goes to the ranks again
+    changed = weights()
+    run_ok(shell, cell)
+    assert nbfsdp.last_run().sent_bytes[0] - kept >= state_bytes()  # so does its optimizer, pointing at it
+    assert all(not torch.equal(p, q) for p, q in zip(weights(), changed, strict=True))  # and it trains it

@@ -108,3 +108,20 @@ def test_loader_kind_and_infinite_sampler():
     assert not torch_private.is_iterable_loader(DataLoader(list(range(4)), batch_size=2))
     sampler = iter(torch_private.infinite_sampler())
     assert [next(sampler) for _ in range(3)] == [None, None, None]
+
+
+def test_dcp_load_in_one_process_reads_whole_tensors_with_no_process_group(tmp_path):
+    """What the kernel does to read a checkpoint (export, ``%fsdp load``'s notebook side): no world."""
+    import torch.distributed.checkpoint as dcp
+
+    assert not torch.distributed.is_initialized()
+    saved = {"models": {"m": {"weight": torch.arange(12.0).reshape(3, 4)}}, "step": 7}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    state = {"models": {"m": {"weight": torch.zeros(3, 4)}}, "step": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it says nothing: one process is the point
+        torch_private.dcp_load_in_one_process(state, dcp.FileSystemReader(str(tmp_path)))
+    torch.testing.assert_close(state["models"]["m"]["weight"], saved["models"]["m"]["weight"], rtol=0, atol=0)
+    assert state["step"] == 7

@@ -261,6 +261,10 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
         namespace = world.namespace
         namespace.update(__name__="__main__", __builtins__=builtins)
         read = transfer.unpack_values(values, models)
+        missing = [name for name in spec.kept if name not in namespace]
+        if missing:  # the kernel keeps only what an earlier cell of this world left here
+            raise RuntimeError(f"nbfsdp: {', '.join(missing)} expected on the ranks from an earlier cell, not found")
+        read.update((name, namespace[name]) for name in spec.kept)
         split_loaders = _split_loaders(world, spec, read)
         for value in read.values():
             if isinstance(value, Optimizer):

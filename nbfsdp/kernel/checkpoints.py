@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from ipyparallel import error as ipp_error
 from IPython import get_ipython
@@ -39,6 +37,7 @@ from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.protocol import LoaderState
+from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader
 
 #: How many differing keys an error names.
@@ -60,14 +59,18 @@ def _usage(error: CheckpointError) -> UsageError:
 
 
 # ------------------------------------------------------------------ save
-def save(path: str | os.PathLike, overwrite: bool = False) -> Manifest:
+def save(path: str | os.PathLike, overwrite: bool = False, *, background: bool = False) -> Manifest | PendingSave:
     """Save what the engines hold now as a sharded checkpoint at ``path`` (``%fsdp save PATH``).
 
     Every sharded model of the running world, the optimizers and LR schedulers the cells left on the
     ranks, each rank's RNG states and split DataLoaders' positions; each rank writes only its own shards.
     The checkpoint appears under ``path`` only once complete. Returns its manifest.
+
+    ``background=True`` (``--async``): returns once every rank has its snapshot, while the ranks write it
+    and the next cells run; returns a ``PendingSave`` whose ``wait()`` gives the manifest (so do
+    ``%fsdp wait``, ``%fsdp stop`` and the next save, which wait for it and raise its error).
     """
-    return save_with(_session(), path, overwrite)
+    return save_with(_session(), path, overwrite, background=background)
 
 
 def _resume_step() -> int | None:
@@ -77,9 +80,46 @@ def _resume_step() -> int | None:
     return max(steps) + 1 if steps else None
 
 
-def save_with(session: Session, path: str | os.PathLike, overwrite: bool) -> Manifest:
+class PendingSave:
+    """A ``%fsdp save --async`` the ranks are still writing; the session holds it until it is waited for."""
+
+    def __init__(self, session: Session, world: World, path: str | os.PathLike, partial: Path) -> None:
+        self._session, self._world, self.path, self._partial = session, world, path, partial
+
+    def wait(self) -> Manifest:
+        """Wait for every rank's write and the checkpoint's completion; raise the write's error if it failed."""
+        session = self._session
+        if session.pending_save is self:
+            session.pending_save = None
+        if session.cluster.world is not self._world:
+            raise UsageError(
+                f"the background save of {self.path} was lost: the world writing it stopped before it was "
+                f"waited for; nothing complete was saved{_left(self._partial)}"
+            )
+        try:
+            results = _on_every_rank(
+                session, self._world, checkpointing.wait_background_save, (), "saving in the background", self._partial
+            )
+        except (UsageError, RankError):
+            print(f"nbfsdp: the background save of {self.path} failed:", file=sys.stderr)
+            raise
+        text, skipped = results[0]
+        manifest = Manifest.from_json(text)
+        _report(self.path, manifest, skipped)
+        return manifest
+
+
+def _left(partial: Path) -> str:
+    return f"; {partial.name} was left incomplete in {partial.parent} (safe to delete)" if partial.exists() else ""
+
+
+def save_with(
+    session: Session, path: str | os.PathLike, overwrite: bool, *, background: bool = False
+) -> Manifest | PendingSave:
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then save")
+    if session.pending_save is not None:
+        session.pending_save.wait()  # one save at a time: the one before must be complete (or its error said)
     world = session.cluster.world
     if world is None or world.broken:
         raise UsageError("nothing to save: no world is running (run a %%fsdp cell, or %fsdp load a checkpoint)")
@@ -94,12 +134,28 @@ def save_with(session: Session, path: str | os.PathLike, overwrite: bool) -> Man
     partial = fmt.partial_path(final)
     namespace = session.shell.user_ns
     epochs = {name: session.loader_epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
+    if background:
+        args = (world.generation, str(partial), str(final), _resume_step(), overwrite, epochs)
+        snapshot = checkpointing.save_in_background
+        skipped = _on_every_rank(session, world, snapshot, args, "taking a snapshot", partial)[0]
+        _say_skipped(skipped)
+        session.pending_save = PendingSave(session, world, path, partial)
+        print(f"nbfsdp: saving {path} in the background (every rank has its snapshot); `%fsdp wait` for it")
+        return session.pending_save
     args = (world.generation, str(partial), str(final), _resume_step(), overwrite, checkpointing.ENGINES_INTACT, epochs)
-    results = _on_every_rank(session, world, checkpointing.save, args, "saving", partial)
-    text, skipped = results[0]
+    text, skipped = _on_every_rank(session, world, checkpointing.save, args, "saving", partial)[0]
     manifest = Manifest.from_json(text)
+    _report(path, manifest, skipped)
+    return manifest
+
+
+def _say_skipped(skipped: dict[str, str]) -> None:
     if skipped:
         print(f"nbfsdp: not saved: {'; '.join(f'{n} ({why})' for n, why in skipped.items())}", file=sys.stderr)
+
+
+def _report(path: str | os.PathLike, manifest: Manifest, skipped: dict[str, str]) -> None:
+    _say_skipped(skipped)
     written = ", ".join(size_text(b) for b in manifest.bytes_per_rank)
     step = f"step {manifest.step}" if manifest.step is not None else "no step logged"
     print(
@@ -107,7 +163,6 @@ def save_with(session: Session, path: str | os.PathLike, overwrite: bool) -> Man
         f"{', '.join(manifest.models)}; optimizers {', '.join(manifest.optimizers) or 'none'}; "
         f"schedulers {', '.join(manifest.schedulers) or 'none'}"
     )
-    return manifest
 
 
 def _on_every_rank(session: Session, world: World, function: Any, args: tuple, doing: str, partial: Path) -> list:
@@ -125,8 +180,7 @@ def _on_every_rank(session: Session, world: World, function: Any, args: tuple, d
             return None
         world.broken = True
         rank, how = next(iter(dead.items()))
-        left = f"; {partial.name} was left incomplete in {partial.parent} (safe to delete)" if partial.exists() else ""
-        return RankError(rank, f"engine died while {doing}: {how}{left}")
+        return RankError(rank, f"engine died while {doing}: {how}{_left(partial)}")
 
     for result in results:
         while not result.ready():
@@ -207,6 +261,8 @@ def load_with(
     checkpoint: ``load_file_with``, into the notebook's model ``model``."""
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
+    if session.pending_save is not None:
+        session.pending_save.wait()  # a load may read what it writes, or start another world
     if Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir():
         if ignore:
             raise UsageError("--load-ignore-keys applies to checkpoints; a weights file loads whole into one model")
@@ -252,7 +308,19 @@ def load_with(
     )
     if timeout is None:
         timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
-    session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
+    if patterns or any(p.is_meta for model in models.values() for p in model.parameters()):
+        # part of a checkpoint, or a model with no storage yet: the notebook takes what the ranks loaded
+        session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
+    else:
+        # the kernel reads the same files into the notebook's objects while the ranks load theirs: nothing
+        # loaded is gathered back, and the next cell sends none of them (the notebook holds what the ranks do)
+        from nbfsdp.kernel import exporting  # the kernel's reader: imported only when used
+
+        objects = {name: (namespace[name], owner) for name, owner in optimizers.items()}
+        reading = exporting.NotebookRead(directory, models, objects, {n: namespace[n] for n in schedulers})
+        session.run_cell(cell, world_size=world_size, timeout=timeout, gather=False, config=config, internal=True)
+        reading.apply()
+        session.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
     session.loader_resume = {}
     for name, state in _loader_positions(directory, loaders).items():
@@ -472,9 +540,7 @@ def _loader_positions(directory: Path, names: list[str]) -> dict[str, LoaderStat
     if not names:
         return {}
     state: dict[str, Any] = {"loaders": {"rank0": dict.fromkeys(names)}}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: here that is the point
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+    dcp_load_in_one_process(state, FileSystemReader(str(directory)))
     return state["loaders"]["rank0"]
 
 

@@ -168,13 +168,18 @@ class FSDPCluster:
             return None
         return background.world_size, time.monotonic() - background.since
 
+    def reuses_world(self, world_size: int, timeout: float) -> bool:
+        """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
+        world = self.world
+        return bool(world and not world.broken and world.world_size == world_size and world.timeout == timeout)
+
     def ensure_world(self, world_size: int, timeout: float) -> World:
         """A healthy world of ``world_size`` ranks, reusing what already runs."""
         self._wait_for_background()
         self.background_error = None  # this start replaces a failed one
+        if self.reuses_world(world_size, timeout):
+            return self.world
         world = self.world
-        if world and not world.broken and world.world_size == world_size and world.timeout == timeout:
-            return world
         if self._cluster is None and self._fork_server is None:
             self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
         gpus = visible_gpus()

@@ -3,7 +3,7 @@ weights, or loaded straight into the notebook's own plain model, optimizer and s
 
 A checkpoint (``nbfsdp.shared.checkpoints`` describes the format) is DCP's sharded files plus the manifest
 ``nbfsdp.json``. DCP reassembles whole tensors from every rank's shards when asked for them without a
-process group (``dcp.load(..., no_dist=True)``), so the kernel needs no world to read one. What to ask for
+process group (``torch_private.dcp_load_in_one_process``), so the kernel needs no world to read one. What to ask for
 comes from DCP's own ``.metadata`` (every key, its shape and dtype, and the nested path it was flattened
 from), so nothing of the model has to be built first::
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import warnings
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from nbfsdp.kernel.usage_errors import as_usage_errors
+from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import check_suffix, import_safetensors
 
 #: ``dtype=`` choices: what floating tensors are cast to (integer and bool tensors keep theirs).
@@ -108,9 +109,7 @@ def _read(checkpoint: _Checkpoint, prefix: tuple[str, ...]) -> Any:
             if isinstance(stored, TensorStorageMetadata)
             else None
         )
-    with warnings.catch_warnings():  # no process group is the point here, not news worth a warning
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(checkpoint.path)), no_dist=True)
+    dcp_load_in_one_process(flat, dcp.FileSystemReader(str(checkpoint.path)))
     nested: dict[Any, Any] = {}
     for key, path in keys.items():
         node = nested
@@ -226,6 +225,51 @@ def load_into(
         optimizer.load_state_dict(optimizer_state)
     if scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)
+
+
+class NotebookRead:
+    """A checkpoint's models, optimizers and schedulers read in the kernel for the notebook's own objects of
+    those names, in a thread: ``%fsdp load`` reads it so while the ranks load their shards, instead of
+    gathering every loaded tensor back from them. ``apply`` waits for the read, then loads each object in
+    place; a read that failed raises there, before any object changes."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        models: dict[str, nn.Module],
+        optimizers: dict[str, tuple[Optimizer, str]],
+        schedulers: dict[str, Any],
+    ) -> None:
+        self._checkpoint, self._models, self._optimizers, self._schedulers = checkpoint, models, optimizers, schedulers
+        self._objects = {**models, **{name: opt for name, (opt, _) in optimizers.items()}, **schedulers}
+        self._states: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="nbfsdp-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            opened = _open(self._checkpoint)
+            for name, module in self._models.items():
+                self._states[name] = _read(opened, ("models", name))
+                _check_fits(opened, name, self._states[name], module)
+            for name, (optimizer, owner) in self._optimizers.items():
+                saved = _read(opened, ("optimizers", name))
+                self._states[name] = _plain_optimizer_state(saved, self._models[owner], optimizer, name)
+            for name in self._schedulers:
+                self._states[name] = _read(opened, ("schedulers", name))
+        except BaseException as error:  # raised by ``apply``, in the notebook's thread
+            self._error = error
+
+    def apply(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        for name, value in self._objects.items():  # models first: an optimizer's state maps onto its parameters
+            if isinstance(value, nn.Module):
+                value.load_state_dict(self._states[name], strict=True)
+            else:
+                value.load_state_dict(self._states[name])
 
 
 def _check_fits(checkpoint: _Checkpoint, name: str, state: dict[str, torch.Tensor], module: nn.Module) -> None:

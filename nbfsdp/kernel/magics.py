@@ -229,8 +229,9 @@ class FSDPMagics(Magics):
         "compare [N]: the last N runs (default 5) side by side; "
         "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
         "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
-        "defaults); wait: the results of an --async run; cancel: end the running cell at its next step; "
-        "save PATH [--overwrite]: a sharded checkpoint of what the engines hold; load PATH [--world-size N] "
+        "defaults); wait: the results of an --async run, and an --async save's end; cancel: end the running "
+        "cell at its next step; save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines "
+        "hold; load PATH [--world-size N] "
         "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
         "each rank reading its shard) into the engines and the notebook's objects; "
         "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
@@ -261,7 +262,14 @@ class FSDPMagics(Magics):
             print("nbfsdp: cluster stopped")
             return
         if args.action == "wait":
-            self.session.wait()
+            waited = self.session.active is not None
+            if waited:
+                self.session.wait()
+            if self.session.pending_save is not None:
+                self.session.pending_save.wait()
+                waited = True
+            if not waited:
+                print("nbfsdp: nothing to wait for: no background run or save")
             return
         if args.action == "cancel":
             self.session.cancel()
@@ -285,6 +293,8 @@ class FSDPMagics(Magics):
             f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s"
             f"{' (broken: restarts on the next cell)' if world.broken else ''}"
         )
+        if (saving := self.session.pending_save) is not None:
+            print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
         print(f"{'rank':>4}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
         for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
             print(f"{rank:>4}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}  {info.device}")
@@ -312,8 +322,15 @@ class FSDPMagics(Magics):
     @magic_arguments()
     @argument("path", help="The checkpoint's directory.")
     @argument("--overwrite", action="store_true", help="Replace a complete checkpoint already at PATH.")
+    @argument(
+        "--async",
+        dest="background",
+        action="store_true",
+        help="Return once every rank has its snapshot; the ranks write it while the next cells run "
+        "(`%%fsdp wait`, `%%fsdp stop` and the next save wait for it and raise its error).",
+    )
     def _save_arguments(self, line: str) -> None:
-        """%fsdp save PATH [--overwrite]"""
+        """%fsdp save PATH [--overwrite] [--async]"""
 
     @magic_arguments()
     @argument("path", help="The checkpoint's directory, or a .pt or .safetensors file of full weights.")
@@ -364,7 +381,7 @@ class FSDPMagics(Magics):
 
         if action == "save":
             args = parse_argstring(self._save_arguments, line)
-            checkpoints.save_with(self.session, args.path, args.overwrite)
+            checkpoints.save_with(self.session, args.path, args.overwrite, background=args.background)
         elif action == "load":
             args = parse_argstring(self._load_arguments, line)
             checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys, model=args.model)

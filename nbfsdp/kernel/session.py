@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.kernel import history, loaders
@@ -105,12 +106,17 @@ class Session:
         self._cells = itertools.count(1)
         self._tokens = itertools.count(1)
         self._engine_models: dict[str, tuple[tuple, int]] = {}  # name -> (fingerprint, token)
+        self._engine_objects: dict[str, tuple] = {}
+        """Optimizers and schedulers the ranks hold as the notebook does, by name -> ``optimizers.fingerprint``."""
         self._models_generation: int | None = None
         self._loaders = loaders.NotebookLoaders()
         self.resume_step = 0
         """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
         self.loader_resume: dict[str, LoaderState] = {}
         """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
+        self.pending_save: Any = None
+        """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.PendingSave``): waited for
+        by ``%fsdp wait``, ``stop``, the next save or load, and before the world it runs in is replaced."""
 
     def run_cell(
         self,
@@ -137,8 +143,7 @@ class Session:
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
-        models, values, sent = self._read_inputs(reads)
-        plans = self._loaders.plan(sent, world_size, per_rank_batches)
+        models, others = self._read_inputs(reads)
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
         for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
             wrap_units(model, config)
@@ -146,11 +151,21 @@ class Session:
             name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(config))
             for name, model in models.items()
         }
+        kept = self._kept_objects(others, models, fingerprints, world_size, timeout)
+        values, sent = self._pack_inputs(others, models, kept)
+        plans = self._loaders.plan(sent, world_size, per_rank_batches)
 
+        if self.pending_save is not None and not self.cluster.reuses_world(world_size, timeout):
+            self.pending_save.wait()  # replacing the world would end its write
         world = self.cluster.ensure_world(world_size, timeout)
-        if world.generation != self._models_generation:  # a new world holds no models
-            self._engine_models, self._models_generation = {}, world.generation
+        if world.generation != self._models_generation:  # a new world holds no models, nor anything else
+            self._engine_models, self._models_generation, self._engine_objects = {}, world.generation, {}
+            if kept:  # it was to be the running one (a rank died since): send everything after all
+                kept = set()
+                values, sent = self._pack_inputs(others, models, kept)
         to_send = [name for name in models if self._engine_models.get(name, (None,))[0] != fingerprints[name]]
+        if to_send:  # an optimizer or scheduler the ranks hold may point at a model's old shards
+            self._engine_objects = {name: self._engine_objects[name] for name in kept}
         tokens = {name: next(self._tokens) if name in to_send else self._engine_models[name][1] for name in models}
         materialize = [name for name in to_send if _on_meta(models[name])]
         delivering = {name: models[name] for name in to_send if name not in materialize}
@@ -194,6 +209,7 @@ class Session:
             },
             resume_step=resume_step,
             saves=saves,
+            kept=sorted(kept),
             loader_resume={
                 # with saves on, every loader also carries the epochs it began before, for the saves' count
                 **(
@@ -319,11 +335,10 @@ class Session:
             world.world_size, device, predicted, settings, self.change_settings, self.cancel, with_output=background
         )
 
-    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], bytes, dict[str, Any]]:
-        """The notebook's models the cell reads, and every other name it reads, pickled; and the
-        loaders, optimizers and schedulers among those, which take the ranks' state after the cell.
+    def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+        """The notebook's models the cell reads, and every other name it reads.
 
-        Everything that can be refused is refused here, before an engine is touched.
+        Everything that can be refused is refused here or in ``_pack_inputs``, before an engine is touched.
         """
         namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
         inputs = {name: namespace[name] for name in reads if name in namespace and name not in hidden}
@@ -335,15 +350,60 @@ class Session:
             if _on_meta(model) and (why := check_initializable(model)):
                 raise UsageError(f"{name!r} is built on the meta device, but {why}")
             _check_no_shared_modules(name, model)
-        others = {n: v for n, v in inputs.items() if n not in models}
+        return models, {n: v for n, v in inputs.items() if n not in models}
+
+    def _pack_inputs(
+        self, others: dict[str, Any], models: dict[str, nn.Module], kept: set[str]
+    ) -> tuple[bytes, dict[str, Any]]:
+        """The cell's other names pickled, less those ``kept`` (the ranks hold them already); and the
+        loaders, optimizers and schedulers among them all, which take the ranks' state after the cell."""
+        sending = {n: v for n, v in others.items() if n not in kept}
         try:
-            values = transfer.pack_values(others, models)
+            values = transfer.pack_values(sending, models)
         except transfer.UnpicklableName as error:
             raise UsageError(str(error)) from None
         if len(values) > HUGE_INPUT_BYTES:
-            self._warn_huge(others, models)
-        sent = {n: v for n, v in others.items() if isinstance(v, (DataLoader, *optimizers.STATEFUL))}
-        return models, values, sent
+            self._warn_huge(sending, models)
+        return values, {n: v for n, v in others.items() if isinstance(v, (DataLoader, *optimizers.STATEFUL))}
+
+    def _kept_objects(
+        self,
+        others: dict[str, Any],
+        models: dict[str, nn.Module],
+        fingerprints: dict[str, tuple],
+        world_size: int,
+        timeout: float,
+    ) -> set[str]:
+        """The optimizers and schedulers the cell reads that need not be sent: the running world holds
+        them as the notebook does (their fingerprint is the one taken when a cell brought their state
+        back), and the models they point at stay on the ranks as they are. An optimizer goes with its
+        schedulers: one sent while the other stays would be bound to a copy."""
+        world = self.cluster.world
+        if not self.cluster.reuses_world(world_size, timeout) or world.generation != self._models_generation:
+            return set()
+        held = {
+            id(p)
+            for name, model in models.items()
+            if self._engine_models.get(name, (None,))[0] == fingerprints[name]
+            for p in model.parameters()
+        }
+        stateful = {n: v for n, v in others.items() if isinstance(v, optimizers.STATEFUL)}
+        kept = {
+            name
+            for name, value in stateful.items()
+            if self._engine_objects.get(name) == optimizers.fingerprint(value)
+            and (not isinstance(value, Optimizer) or {id(p) for g in value.param_groups for p in g["params"]} <= held)
+        }
+        for _ in range(2):  # a scheduler stays only with its optimizer, and an optimizer only with its schedulers
+            names = {id(stateful[name]): name for name in kept}
+            for name, value in stateful.items():
+                bound = getattr(value, "optimizer", None)
+                if isinstance(value, Optimizer) or bound is None:
+                    continue
+                if id(bound) not in names or name not in kept:
+                    kept.discard(name)
+                    kept.discard(names.get(id(bound), ""))
+        return kept
 
     def _warn_huge(self, values: dict[str, Any], models: dict[str, nn.Module]) -> None:
         """Name the inputs that make a cell's payload big: each rank gets a copy of each."""
@@ -386,15 +446,32 @@ class Session:
             )
         for name, state in first.in_place.items():
             run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
+            self._engine_objects[name] = optimizers.fingerprint(run.sent[name])
         for name, state in first.loaders.items():
             self._loaders.continue_after(run.sent[name], state)
         objects = dict(run.sent)
         for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
             objects[name] = self.shell.user_ns[name] = transfer.load_result(data, run.models, objects)
             optimizers.track_steps(objects[name])
+            if isinstance(objects[name], optimizers.STATEFUL):
+                self._engine_objects[name] = optimizers.fingerprint(objects[name])
+            else:
+                self._engine_objects.pop(name, None)
         if first.skipped:
             reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
             print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
+
+    def now_in_sync(self, models: dict[str, nn.Module], objects: dict[str, Any]) -> None:
+        """The notebook's models, optimizers and schedulers now hold what the ranks hold (both read one
+        checkpoint): the next cell sends none of them."""
+        for name, model in models.items():
+            (_, settings), token = self._engine_models[name]
+            self._engine_models[name] = (
+                (transfer.model_fingerprint(model, transfer.model_skeleton(model)), settings),
+                token,
+            )
+        for name, value in objects.items():
+            self._engine_objects[name] = optimizers.fingerprint(value)
 
     def engine_models(self) -> list[str]:
         """The notebook's models the running world holds (sharded by an earlier cell)."""
@@ -413,7 +490,14 @@ class Session:
         return self._loaders.epochs(loader)
 
     def stop(self) -> None:
-        """End the cluster; a background run still going ends with it."""
+        """End the cluster; a background run still going ends with it. A background save is waited for
+        first; its error, if any, is raised once the cluster has stopped."""
+        failed: BaseException | None = None
+        if self.pending_save is not None:
+            try:
+                self.pending_save.wait()
+            except Exception as error:  # the cluster still stops
+                failed = error
         if self.active is not None and self.active.thread is not None:
             self.active.ranks.interrupt()
             self.active.thread.join()
@@ -422,7 +506,9 @@ class Session:
                 shutil.rmtree(self.active.markers, ignore_errors=True)
             self.active = None
         self.cluster.stop()
-        self._engine_models = {}
+        self._engine_models, self._engine_objects = {}, {}
+        if failed is not None:
+            raise failed
 
 
 def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:

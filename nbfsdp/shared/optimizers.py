@@ -54,6 +54,26 @@ def shard_state(optimizer: Optimizer) -> None:
                 state[key] = shard_whole_tensor(local, param.device_mesh, param.placements)
 
 
+def fingerprint(value: Any) -> tuple:
+    """Changes whenever the notebook's optimizer or scheduler changes: its state tensors (replaced, or
+    written in place: ``Tensor._version``), its other state, its hyperparameters and parameters. Taken
+    when a cell has brought the ranks' state back into it: while it holds, the ranks' copy is the same
+    and the next cell need not send it again (``nbfsdp.kernel.session``), as a model's fingerprint does.
+    Reads no tensor data."""
+    if isinstance(value, Optimizer):
+        state = tuple(
+            (key, (id(v), v._version) if isinstance(v, torch.Tensor) else repr(v))
+            for entry in value.state.values()
+            for key, v in entry.items()
+        )
+        groups = tuple(
+            (tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params")), tuple(map(id, group["params"])))
+            for group in value.param_groups
+        )
+        return id(value), len(value.state), state, groups
+    return id(value), repr(value.state_dict())
+
+
 def track_steps(scheduler: Any) -> None:
     """Mark the scheduler's optimizer's ``step`` as LRScheduler's ``__init__`` does, after a pickle round trip.
 

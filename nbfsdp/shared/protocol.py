@@ -120,6 +120,9 @@ class CellSpec:
     loader_resume: dict[str, LoaderState] = field(default_factory=dict)
     """Loaders a checkpoint loaded just before saved part-way through an epoch: each rank's first epoch
     of them shuffles from the saved states again and skips the batches taken (``LoaderState.taken``)."""
+    kept: list[str] = field(default_factory=list)
+    """The notebook's optimizers and schedulers the cell reads that the ranks hold as the notebook does:
+    not sent; each rank takes its own from its namespace."""
 
 
 @dataclass(kw_only=True, slots=True)

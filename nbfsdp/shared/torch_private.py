@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 __all__ = [
     "checkpoint",
+    "dcp_load_in_one_process",
     "is_iterable_loader",
     "infinite_sampler",
     "is_step_tracked",
@@ -200,3 +202,19 @@ def infinite_sampler() -> Sampler:
     """The sampler a DataLoader over an ``IterableDataset`` batches from: ``_InfiniteConstantSampler``
     (yields None forever; the dataset supplies the samples)."""
     return _InfiniteConstantSampler()
+
+
+def dcp_load_in_one_process(state: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` in a process with no process group (the kernel), whole tensors from every rank's shards.
+
+    torch 2.7 added ``no_dist=True`` to say so; torch 2.6 has no such argument and loads in one process
+    whenever ``torch.distributed`` is not initialized, which the kernel never initializes. Either way the
+    warning that it assumes one process is the point here, not news."""
+    import torch.distributed.checkpoint as dcp  # the kernel's reads only: engines never need it here
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is (disabled|unavailable)", UserWarning)
+        if "no_dist" in inspect.signature(dcp.load).parameters:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        else:
+            dcp.load(state, storage_reader=reader)
