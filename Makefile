@@ -18,7 +18,7 @@ FLOOR_BIN   := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
-.PHONY: lab test test-floor check browser lint clean bench docs
+.PHONY: lab test test-floor check browser sshd lint clean bench docs
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -47,8 +47,18 @@ browser:
 	    echo "chromium is missing and installing it needs root: tests/test_browser.py will skip"; \
 	  fi; }
 
+## Debian's openssh-server for the tests over several hosts (tests/hosts.py: network namespaces, each running
+## an sshd that ipyparallel's SSH launcher reaches): installed with apt-get when missing, as root; without it they skip
+sshd:
+	@test -x /usr/sbin/sshd || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server; \
+	  else \
+	    echo "sshd is missing and installing it needs root: the tests over several hosts will skip"; \
+	  fi; }
+
 ## Same set-up, then the whole suite: lint, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
-test: $(STAMP) browser
+test: $(STAMP) browser sshd
 	$(BIN)/ruff check nbfsdp tests benchmarks
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet

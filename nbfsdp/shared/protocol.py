@@ -57,6 +57,17 @@ class EngineInfo:
     """torch's intra-op threads on this rank."""
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HostIdentity:
+    """The host an engine runs on, as it says (``nbfsdp.engines.hosts.identity``)."""
+
+    hostname: str
+    key: str
+    """Equal for the engines of one host, and only for them: what ranks are grouped by."""
+    pid: int
+    """The engine's process id on that host."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LoaderState:
     """Where rank 0's part of a loader left off, so the notebook's loader shuffles on from there."""

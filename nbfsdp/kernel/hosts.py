@@ -1,0 +1,69 @@
+"""Ranks given host by host, as torchrun gives them: the ranks of one host are consecutive, and each
+engine learns its ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``.
+
+An HSDP mesh ``(replicate, shard)`` is row-major, so sharding inside a host needs exactly that:
+ranks ``[r * S, (r + 1) * S)`` on one host. The engines say which host they are on
+(``nbfsdp.engines.hosts``); hosts come in the order their first engine registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nbfsdp.shared.protocol import HostIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One rank: the engine it runs on, its host, and its place there."""
+
+    rank: int
+    engine_id: int
+    host: str
+    """The host's name (its hostname; made unique where two hosts share one)."""
+    local_rank: int
+    local_world_size: int
+
+    def environment(self, world_size: int) -> dict[str, str]:
+        """What torchrun sets for this rank."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "WORLD_SIZE": str(world_size),
+        }
+
+
+def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
+    """The first ``world_size`` ranks over these engines (by engine id), host by host.
+
+    Hosts are taken whole, in the order of their lowest engine id, so a subset fills hosts one after
+    another; within a host, engines go by id (a GPU each, in order)."""
+    if world_size > len(engines):
+        raise ValueError(f"{world_size} ranks asked for, {len(engines)} engines in the cluster")
+    by_host: dict[str, list[int]] = {}
+    for engine_id in sorted(engines):
+        by_host.setdefault(engines[engine_id].key, []).append(engine_id)
+    names = _host_names({key: engines[ids[0]].hostname for key, ids in by_host.items()})
+    chosen: list[tuple[str, list[int]]] = []
+    left = world_size
+    for key, ids in by_host.items():
+        if left == 0:
+            break
+        chosen.append((key, ids[:left]))
+        left -= len(chosen[-1][1])
+    placements = []
+    for key, ids in chosen:
+        for local_rank, engine_id in enumerate(ids):
+            placements.append(Placement(len(placements), engine_id, names[key], local_rank, len(ids)))
+    return placements
+
+
+def _host_names(hostnames: dict[str, str]) -> dict[str, str]:
+    """A name per host key: its hostname, with ``#2``, ``#3`` ... where hosts share one."""
+    names: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for key, hostname in hostnames.items():
+        seen[hostname] = seen.get(hostname, 0) + 1
+        names[key] = hostname if seen[hostname] == 1 else f"{hostname}#{seen[hostname]}"
+    return names

@@ -1,0 +1,75 @@
+"""Which host each engine is on, and ranks given host by host (issue 29, point 2).
+
+The placement rule on its own, then real engines: ipyparallel's own SSH launcher starts two engines on
+each of two "hosts" (network namespaces with an sshd each, ``tests/hosts.py``), and each engine says
+which host it is on. Two namespaces with the same hostname still count as two hosts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nbfsdp.engines import hosts as engine_hosts
+from nbfsdp.kernel.hosts import place
+from nbfsdp.shared.protocol import HostIdentity
+from tests import hosts as namespace_hosts
+
+
+def _engine(hostname: str, key: str | None = None, pid: int = 1) -> HostIdentity:
+    return HostIdentity(hostname=hostname, key=key or hostname, pid=pid)
+
+
+def test_ranks_go_host_by_host_whatever_order_the_engines_registered_in():
+    engines = {0: _engine("a"), 1: _engine("b"), 2: _engine("a"), 3: _engine("b"), 4: _engine("c")}
+    placed = place(engines, 5)
+    assert [(p.rank, p.engine_id, p.host, p.local_rank, p.local_world_size) for p in placed] == [
+        (0, 0, "a", 0, 2), (1, 2, "a", 1, 2), (2, 1, "b", 0, 2), (3, 3, "b", 1, 2), (4, 4, "c", 0, 1),
+    ]  # fmt: skip
+    assert placed[3].environment(5) == {"RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "5"}
+
+
+def test_a_subset_fills_hosts_one_after_another():
+    engines = {i: _engine("a" if i < 4 else "b") for i in range(8)}
+    assert [(p.engine_id, p.host, p.local_world_size) for p in place(engines, 6)] == [
+        (0, "a", 4), (1, "a", 4), (2, "a", 4), (3, "a", 4), (4, "b", 2), (5, "b", 2),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="9 ranks asked for, 8 engines"):
+        place(engines, 9)
+
+
+def test_hosts_that_share_a_hostname_are_told_apart_by_name_too():
+    engines = {0: _engine("node", "k1"), 1: _engine("node", "k2"), 2: _engine("node", "k1")}
+    assert [(p.engine_id, p.host) for p in place(engines, 3)] == [(0, "node"), (2, "node"), (1, "node#2")]
+
+
+def test_the_environment_names_the_host_outright(monkeypatch):
+    monkeypatch.setenv(engine_hosts.HOST_ID_VARIABLE, "rack3-node7")
+    assert engine_hosts.identity().key == "rack3-node7"
+    monkeypatch.delenv(engine_hosts.HOST_ID_VARIABLE)
+    mine = engine_hosts.identity()
+    assert mine.key.startswith(mine.hostname + "|") and "net:[" in mine.key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engines_the_ssh_launcher_started_on_two_hosts_say_which_host_they_are_on(tmp_path):
+    why = namespace_hosts.why_not()
+    if why:
+        pytest.skip(why)
+    # the same hostname on both: only the network namespace tells them apart, as with containers
+    with (
+        namespace_hosts.hosts(2, tmp_path, hostname="node") as machines,
+        namespace_hosts.ssh_cluster(machines, 2, sys.executable) as cluster,
+    ):
+        client = cluster.connect_client_sync()
+        found = dict(zip(client.ids, client[:].apply_sync(engine_hosts.identity), strict=True))
+        client.close()
+    assert {identity.hostname for identity in found.values()} == {"node"}
+    assert len({identity.key for identity in found.values()}) == 2
+    placed = place(found, 4)
+    assert [p.host for p in placed] == ["node", "node", "node#2", "node#2"]
+    for first, second in (placed[:2], placed[2:]):
+        assert found[first.engine_id].key == found[second.engine_id].key
+    assert found[placed[0].engine_id].key != found[placed[2].engine_id].key
