@@ -147,9 +147,10 @@ def hosts(count: int, directory: Path, hostname: str | None = None) -> Iterator[
 
 
 @contextmanager
-def ssh_cluster(machines: Hosts, engines_per_host: int, python: str) -> Iterator[object]:
+def ssh_cluster(machines: Hosts, engines_per_host: int, python: str, profile: str | None = None) -> Iterator[object]:
     """An ipyparallel cluster whose engines ipyparallel's own SSH launcher starts on the hosts; its controller
-    listens on the bridge only. Yields the ``ipyparallel.Cluster``; stopped after."""
+    listens on the bridge only. ``profile``: a profile under ``$IPYTHONDIR`` (so that it can be attached to
+    by name), else a directory of the run's. Yields the ``ipyparallel.Cluster``; stopped after."""
     import ipyparallel as ipp
     from traitlets.config import Config
 
@@ -163,7 +164,7 @@ def ssh_cluster(machines: Hosts, engines_per_host: int, python: str) -> Iterator
         engines="ssh",
         n=engines_per_host * len(machines.hosts),
         config=config,
-        profile_dir=str(machines.directory / "profile"),
+        **({"profile": profile} if profile else {"profile_dir": str(machines.directory / "profile")}),
         log_level=40,
     )
     client = cluster.start_and_connect_sync()

@@ -69,7 +69,7 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 def test_bad_line_action_names_the_valid_ones(shell):
     valid = (
         r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel', 'save', 'load', "
-        r"'checkpoints', 'export'\)"
+        r"'checkpoints', 'export', 'attach', 'detach'\)"
     )
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")
@@ -160,3 +160,21 @@ def test_config_flags_and_the_controls_take_their_lists_from_one_place(shell):
     values = {**dataclasses.asdict(config.FSDPConfig()), "world_size": 2}
     controls = SettingsControls(values, lambda change: None)
     assert controls.widgets["world_size"].max == MAX_WORLD_SIZE
+
+
+def test_attach_without_a_running_cluster_says_where_it_looked_and_detach_without_one_says_so(
+    shell, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    with pytest.raises(UsageError, match="no ipyparallel profile 'gpus'"):
+        shell.run_line_magic("fsdp", "attach --profile gpus")
+    (tmp_path / "profile_gpus" / "security").mkdir(parents=True)
+    with pytest.raises(UsageError, match="no running ipyparallel cluster in profile gpus: start one"):
+        shell.run_line_magic("fsdp", "attach --profile gpus")
+    for cluster_id in ("a", "b"):
+        (tmp_path / "profile_gpus" / "security" / f"cluster-{cluster_id}.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"several clusters running \(a, b\): pass --cluster-id"):
+        shell.run_line_magic("fsdp", "attach --profile gpus")
+    shell.run_line_magic("fsdp", "detach")
+    assert capsys.readouterr().out == "nbfsdp: no cluster attached\n"
+    assert not nbfsdp._magics.session.attached

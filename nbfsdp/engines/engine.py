@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, loaders, metrics
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
@@ -58,33 +58,73 @@ class _World:
 _world: _World | None = None
 
 
+#: The socket interfaces the user set for the collectives before nbfsdp did: kept, whatever the world.
+_USER_INTERFACES = {
+    name: os.environ[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name in os.environ
+}
+
+
+def _use_interface(interface: str | None) -> None:
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name in _USER_INTERFACES:
+            os.environ[name] = _USER_INTERFACES[name]
+        elif interface:
+            os.environ[name] = interface
+
+
 def setup(
-    *, rank: int, world_size: int, backend: str, store_path: str, timeout: float, threads: int, generation: int
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str | None,
+    timeout: float,
+    threads: int,
+    generation: int,
+    rendezvous: tuple[str, int] | None = None,
+    environment: dict[str, str] | None = None,
 ) -> EngineInfo:
     """Join a new world: a fresh process group on a fresh store, a fresh namespace.
 
-    Collectives talk over the loopback interface only, and the store is a file
-    in the client's private directory, so nothing listens on the network.
+    On one machine collectives talk over the loopback interface only, and the store is a file in the
+    client's private directory, so nothing listens on the network. Over several hosts (``rendezvous``:
+    rank 0's address and port, ``nbfsdp.engines.hosts.open_rendezvous``) the store is a TCPStore on
+    rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
+    user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables.
     """
     global _world
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.set_num_threads(threads)
-    loopback = loopback_interface()
-    if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    os.environ.update(environment or {})
     if backend == "nccl":
         device = torch.device("cuda", 0)  # each engine sees exactly one GPU
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    seconds = datetime.timedelta(seconds=timeout)
+    if rendezvous is None:
+        _use_interface(loopback_interface())
+        store = dist.FileStore(store_path, world_size)
+    else:
+        address, port = rendezvous
+        _use_interface(hosts.interface_of(hosts.source_address(address)))
+        listening = hosts.take_rendezvous() if rank == 0 else None
+        store = dist.TCPStore(
+            address,
+            port,
+            world_size,
+            rank == 0,
+            timeout=seconds,
+            wait_for_workers=False,
+            **({"master_listen_fd": listening.fileno()} if listening is not None else {}),
+        )
     dist.init_process_group(
         backend,
-        store=dist.FileStore(store_path, world_size),
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=seconds,
         device_id=device if backend == "nccl" else None,
     )
     _world = _World(rank=rank, world_size=world_size, device=device, generation=generation)
@@ -97,6 +137,7 @@ def describe() -> EngineInfo:
     return EngineInfo(
         rank=_world.rank if _world else None,
         pid=os.getpid(),
+        host=hosts.identity().hostname,
         device=f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
         backend=dist.get_backend() if dist.is_initialized() else "",
         threads=torch.get_num_threads(),

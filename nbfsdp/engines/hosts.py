@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
+import psutil
+
 from nbfsdp.shared.protocol import HostIdentity
 
 #: An environment variable that names this engine's host outright.
@@ -37,3 +39,43 @@ def identity() -> HostIdentity:
         namespace = ""
     boot = _read("/proc/sys/kernel/random/boot_id")  # one per booted kernel: a machine, or a VM
     return HostIdentity(hostname=hostname, key=f"{hostname}|{boot}|{namespace}", pid=os.getpid())
+
+
+def source_address(target: str) -> str:
+    """This host's address on the route to ``target`` (a UDP connect sends nothing; it only routes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address``."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+#: Rank 0's rendezvous socket, kept open from ``open_rendezvous`` until the store takes it.
+_rendezvous: socket.socket | None = None
+
+
+def open_rendezvous(toward: str) -> tuple[str, int]:
+    """On rank 0: a listening socket for the world's store, on this host's address toward ``toward`` (the
+    controller's: the network the hosts share) and a free port, kept open. Bound here, not by the store:
+    TCPStore's own server listens on every interface whatever host it is given (pytorch#173909)."""
+    global _rendezvous
+    if _rendezvous is not None:
+        _rendezvous.close()
+    address = source_address(toward)
+    _rendezvous = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    _rendezvous.bind((address, 0))
+    _rendezvous.listen(128)
+    return address, _rendezvous.getsockname()[1]
+
+
+def take_rendezvous() -> socket.socket | None:
+    """The socket ``open_rendezvous`` left, for the store to listen on (once)."""
+    global _rendezvous
+    taken, _rendezvous = _rendezvous, None
+    return taken

@@ -24,6 +24,7 @@ from nbfsdp.ui.panel import SettingsPanel
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LINE_ACTIONS = (
     "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "save", "load", "checkpoints", "export",
+    "attach", "detach",
 )  # fmt: skip
 WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
 
@@ -177,6 +178,8 @@ class FSDPMagics(Magics):
         """
         args = parse_argstring(self.fsdp, line)
         requested = args.world_size if args.world_size is not None else self.session.panel_world_size
+        if requested is None and self.session.attached:
+            requested = self.session.cluster.engines  # every engine of the attached cluster
         world_size = _world_size(requested)
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
@@ -235,7 +238,9 @@ class FSDPMagics(Magics):
         "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
         "each rank reading its shard) into the engines and the notebook's objects; "
         "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
-        "model's full weights into one .pt or .safetensors file, in the kernel.",
+        "model's full weights into one .pt or .safetensors file, in the kernel; attach [--profile P] "
+        "[--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp did not start (any "
+        "launcher, several hosts); detach: let go of it, leaving it running.",
     )
     @line_magic("fsdp")
     @as_usage_errors
@@ -253,6 +258,11 @@ class FSDPMagics(Magics):
         if line.split()[:1] == ["set"]:
             self._set(line.split()[1:])
             return
+        if line.split()[:1] == ["attach"]:
+            args = parse_argstring(self._attach_arguments, line.split(None, 1)[1] if len(line.split()) > 1 else "")
+            engines = self.session.attach(args.profile, args.cluster_id)
+            print(f"nbfsdp: attached to {engines} engines (profile {args.profile or 'default'}); `%fsdp status`")
+            return
         if line.split()[:1] in (["save"], ["load"], ["checkpoints"], ["export"]):
             self._checkpoint(*line.split(None, 1) if len(line.split()) > 1 else (line.strip(), ""))
             return
@@ -260,6 +270,10 @@ class FSDPMagics(Magics):
         if args.action == "stop":
             self.session.stop()
             print("nbfsdp: cluster stopped")
+            return
+        if args.action == "detach":
+            attached = self.session.detach()
+            print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
             return
         if args.action == "wait":
             waited = self.session.active is not None
@@ -295,9 +309,10 @@ class FSDPMagics(Magics):
         )
         if (saving := self.session.pending_save) is not None:
             print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
-        print(f"{'rank':>4}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
+        width = max(len("host"), *(len(info.host) for info in world.engines))
+        print(f"{'rank':>4}  {'host':<{width}}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
         for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
-            print(f"{rank:>4}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}  {info.device}")
+            print(f"{rank:>4}  {info.host:<{width}}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}  {info.device}")
 
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")
@@ -318,6 +333,14 @@ class FSDPMagics(Magics):
         settings = config.validate(settings, world_size, device_type(world_size))
         planned = plan(model, settings, world_size)
         print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+    @magic_arguments()
+    @argument(
+        "--profile", default=None, help="The ipyparallel profile the cluster was started with (default: default)."
+    )
+    @argument("--cluster-id", default=None, help="Its cluster id, where the profile has several running.")
+    def _attach_arguments(self, line: str) -> None:
+        """%fsdp attach [--profile P] [--cluster-id ID]"""
 
     @magic_arguments()
     @argument("path", help="The checkpoint's directory.")
@@ -434,6 +457,8 @@ class FSDPMagics(Magics):
         display(SettingsPanel(self.session, model, world_size).box)
 
     def stop(self) -> None:
+        """The extension unloads (or the kernel ends): an attached cluster is let go of, nbfsdp's own stopped."""
+        self.session.detach()
         self.session.stop()
 
 

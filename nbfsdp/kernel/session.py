@@ -114,6 +114,8 @@ class Session:
         """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
         self.loader_resume: dict[str, LoaderState] = {}
         """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
+        self._own_cluster: FSDPCluster | None = None
+        """nbfsdp's own cluster, set aside while ``self.cluster`` is an attached one."""
         self.pending_save: Any = None
         """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.PendingSave``): waited for
         by ``%fsdp wait``, ``stop``, the next save or load, and before the world it runs in is replaced."""
@@ -488,6 +490,36 @@ class Session:
     def loader_epochs(self, loader: DataLoader) -> int:
         """Epochs the notebook's loader began on the ranks: what a checkpoint saves as its epoch count."""
         return self._loaders.epochs(loader)
+
+    def attach(self, profile: str | None, cluster_id: str | None) -> int:
+        """Run the next cells on a running ipyparallel cluster nbfsdp did not start (``nbfsdp.kernel.attached``),
+        instead of its own, which stops; return its number of engines."""
+        from nbfsdp.kernel.attached import AttachedCluster
+
+        if self.active is not None:
+            raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then attach")
+        attached = AttachedCluster(profile, cluster_id)
+        self.detach()
+        self.stop()
+        self._own_cluster, self.cluster = self.cluster, attached
+        return attached.engines
+
+    @property
+    def attached(self) -> bool:
+        """The cells run on a cluster nbfsdp did not start."""
+        return self._own_cluster is not None
+
+    def detach(self) -> bool:
+        """Let go of an attached cluster (it goes on running); the next cell starts nbfsdp's own again.
+        Whether one was attached."""
+        if self._own_cluster is None:
+            return False
+        if self.pending_save is not None:
+            self.pending_save.wait()
+        self.cluster.detach()
+        self.cluster, self._own_cluster = self._own_cluster, None
+        self._engine_models, self._engine_objects = {}, {}
+        return True
 
     def stop(self) -> None:
         """End the cluster; a background run still going ends with it. A background save is waited for

@@ -55,6 +55,8 @@ class EngineInfo:
     """The process group's backend (``gloo``, ``nccl``); empty before a world."""
     threads: int
     """torch's intra-op threads on this rank."""
+    host: str = ""
+    """The engine's host name."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

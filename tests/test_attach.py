@@ -1,0 +1,95 @@
+"""``%fsdp attach`` to a cluster nbfsdp did not start, over two hosts (issue 29, points 1-3).
+
+The hosts are network namespaces with an sshd each (``tests/hosts.py``); ipyparallel's own SSH launcher
+starts two engines on each, the controller on the bridge. The notebook attaches by profile name, trains
+at world size 4 (the same math as one process on the same global batch), sees each rank's host, and
+detaches, leaving the cluster running; ``%fsdp stop`` refuses to stop it.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbfsdp
+from tests import hosts as namespace_hosts
+from tests.conftest import run_failing, run_ok
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+STEPS = 4
+TRAIN = f"""%%fsdp --mixed-precision FULL --wrap-cls Block
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+import os, socket
+for step in range({STEPS}):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+where = [None] * world_size
+here = (socket.gethostname(), os.environ["LOCAL_RANK"], os.environ["GLOO_SOCKET_IFNAME"])
+torch.distributed.all_gather_object(where, here)
+"""
+
+
+def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, tmp_path, monkeypatch, capsys):
+    why = namespace_hosts.why_not()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    reference = copy.deepcopy(tiny_model)
+    with (
+        namespace_hosts.hosts(2, tmp_path / "hosts") as machines,
+        namespace_hosts.ssh_cluster(machines, 2, sys.executable, profile="gpus") as cluster,
+    ):
+        run_ok(shell, "%fsdp attach --profile gpus")
+        assert "attached to 4 engines" in capsys.readouterr().out
+        run_ok(shell, TRAIN)  # no --world-size: every engine of the attached cluster
+        run = nbfsdp.last_run()
+        assert run.ok and run.world_size == 4
+        names = [h.name for h in machines.hosts]
+        assert shell.user_ns["where"] == [
+            (names[0], "0", "eth0"),
+            (names[0], "1", "eth0"),
+            (names[1], "0", "eth0"),
+            (names[1], "1", "eth0"),
+        ]
+        run_ok(shell, "%fsdp status")
+        status = capsys.readouterr().out
+        assert all(name in status for name in names), status
+
+        # on rank 0's host, nothing listens beyond its own address on the hosts' network and loopback:
+        # the world's store and gloo are bound to the address toward the others, never to every interface
+        listening = subprocess.run(
+            ["ip", "netns", "exec", names[0], "ss", "-ltnH"], capture_output=True, text=True, check=True
+        ).stdout
+        local = {line.split()[3].rsplit(":", 1)[0] for line in listening.splitlines()}
+        assert local <= {"127.0.0.1", machines.hosts[0].address}, listening
+
+        error, _ = run_failing(shell, "%fsdp stop")
+        assert isinstance(error, UsageError) and "did not start this cluster" in str(error)
+        run_ok(shell, "%fsdp detach")
+        assert "the cluster goes on running" in capsys.readouterr().out
+        client = cluster.connect_client_sync()
+        assert len(client.ids) == 4  # still running
+        client.close()
+
+    ns = shell.user_ns
+    model, opt = reference, torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for step in range(STEPS):
+        batches = [ns["batch_for"](rank, step) for rank in range(4)]
+        loss = ns["loss_fn"](model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    sharded = [sum(run.metric("loss", rank=r)[step] for r in range(4)) / 4 for step in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected))
+    for (name, trained), (_, wanted) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, wanted, msg=lambda m, name=name: f"{name}: {m}")
