@@ -130,7 +130,8 @@ def test_load_ext_returns_at_once_and_the_engines_come_up_without_a_cell(kernels
     assert load_seconds < warm_up / 4, f"%load_ext took {load_seconds:.2f}s of a {warm_up:.2f}s warm-up"
     assert "nbfsdp: starting 2 engines in the background (since " in answers[0]
     status = answers[-1]
-    pids = [int(line.split()[2]) for line in status.splitlines()[2:]]
+    header, *rows = status.splitlines()[1:]
+    pids = [int(row.split()[header.split().index("pid")]) for row in rows]
     assert len(pids) == 2 and len(kernel.cluster_processes()) >= 3  # the controller and both engines
 
     out, cell_seconds = _timed(kernel, ALL_REDUCE.format(n=2) + "print(total, seen)")

@@ -64,6 +64,7 @@ class AttachedCluster:
         self._generation = 0
         self.world: World | None = None
         self.placements: list[Placement] = []
+        self._identities: dict[int, HostIdentity] = {}
         self.background_error: BaseException | None = None
         self.starting = None
 
@@ -81,15 +82,35 @@ class AttachedCluster:
         world = self.world
         return bool(world and not world.broken and world.world_size == world_size and world.timeout == timeout)
 
+    def placements_for(self, world_size: int) -> list[Placement]:
+        """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
+        ids = sorted(self.client.ids)
+        if not 1 <= world_size <= len(ids):
+            raise UsageError(f"--world-size {world_size}: the attached cluster has {len(ids)} engines")
+        if sorted(self._identities) != ids:
+            found: list[HostIdentity] = self.client[ids].apply_sync(hosts.identity)
+            self._identities = dict(zip(ids, found, strict=True))
+        return place(self._identities, world_size)
+
+    def host_replicas(self, world_size: int) -> int:
+        """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.
+        Hosts with different numbers of ranks cannot: a UsageError names them."""
+        counts: dict[str, int] = {}
+        for placement in self.placements_for(world_size):
+            counts[placement.host] = counts.get(placement.host, 0) + 1
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{host} {count}" for host, count in counts.items())
+            raise UsageError(
+                f"HYBRID_SHARD across hosts needs as many ranks on every host; at world size {world_size} the "
+                f"hosts have {listed}: choose --world-size to fill hosts evenly, or --replicas R yourself"
+            )
+        return len(counts)
+
     def ensure_world(self, world_size: int, timeout: float) -> World:
         """A world of ``world_size`` of the cluster's engines, host by host."""
         if self.reuses_world(world_size, timeout):
             return self.world
-        ids = sorted(self.client.ids)
-        if not 1 <= world_size <= len(ids):
-            raise UsageError(f"--world-size {world_size}: the attached cluster has {len(ids)} engines")
-        found: list[HostIdentity] = self.client[ids].apply_sync(hosts.identity)
-        self.placements = place(dict(zip(ids, found, strict=True)), world_size)
+        self.placements = self.placements_for(world_size)
         first = self.placements[0].engine_id
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1

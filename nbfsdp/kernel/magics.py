@@ -184,6 +184,11 @@ class FSDPMagics(Magics):
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         settings = self._settings(args)
+        if self.session.attached and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None:
+            # across hosts: shard inside each host, replicate across them
+            replicas = self.session.cluster.host_replicas(world_size)
+            why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
+            settings = dataclasses.replace(settings, replicas=replicas, why=why)
         saving = self._checkpointing(args)
         if saving.loads:
             from nbfsdp.kernel import checkpoints
