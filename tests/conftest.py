@@ -118,3 +118,18 @@ def tiny_model(shell):
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def one_process_losses(shell, model, optimizer, world_size: int, steps: int, **batch_args) -> list[float]:
+    """The steps a sharded cell of ``batch_for`` runs, in this process on the ranks' global batch: the
+    losses, and ``model`` trained (the reference a parity test compares the ranks with)."""
+    ns = shell.user_ns
+    losses = []
+    for step in range(steps):
+        batches = [ns["batch_for"](rank, step, **batch_args) for rank in range(world_size)]
+        loss = ns["loss_fn"](model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

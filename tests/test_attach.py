@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 
 import nbfsdp
 from tests import hosts as namespace_hosts
-from tests.conftest import run_failing, run_ok
+from tests.conftest import one_process_losses, run_failing, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -67,24 +67,10 @@ def two_hosts(tmp_path_factory):
             os.environ["IPYTHONDIR"] = before
 
 
-def _one_process(shell, model: torch.nn.Module, world_size: int) -> list[float]:
-    """The same steps in this process on the ranks' global batch: the losses, and ``model`` trained."""
-    ns = shell.user_ns
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        batches = [ns["batch_for"](rank, step) for rank in range(world_size)]
-        loss = ns["loss_fn"](model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _assert_same_math(shell, tiny_model, reference, world_size: int) -> None:
     run = nbfsdp.last_run()
-    expected = _one_process(shell, reference, world_size)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = one_process_losses(shell, reference, opt, world_size, STEPS)
     sharded = [sum(run.metric("loss", rank=r)[step] for r in range(world_size)) / world_size for step in range(STEPS)]
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected))
     for (name, trained), (_, wanted) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):

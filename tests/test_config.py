@@ -9,7 +9,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from tests.conftest import run_failing, run_ok
+from tests.conftest import one_process_losses, run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
@@ -31,17 +31,8 @@ local_rows = model.blocks[0].mlp[0].weight.to_local().shape[0]
 
 
 def _reference_losses(shell, model, world_size: int, per_rank: int) -> list[float]:
-    ns = shell.user_ns
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        batches = [ns["batch_for"](rank, step, per_rank=per_rank) for rank in range(world_size)]
-        loss = ns["loss_fn"](model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return one_process_losses(shell, model, opt, world_size, STEPS, per_rank=per_rank)
 
 
 def _train_and_compare(shell, model, flags: str, world_size: int = 2) -> None:

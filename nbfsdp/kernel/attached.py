@@ -24,7 +24,7 @@ from IPython.core.profiledir import ProfileDir, ProfileDirError
 from IPython.paths import get_ipython_dir
 
 from nbfsdp.engines import engine, hosts
-from nbfsdp.kernel.cluster import ENGINE_START_TIMEOUT, World, cpu_threads_per_rank
+from nbfsdp.kernel.cluster import ENGINE_START_TIMEOUT, World, cpu_threads_per_rank, wait_for_death
 from nbfsdp.kernel.hosts import Placement, place
 from nbfsdp.shared.protocol import HostIdentity
 
@@ -79,8 +79,7 @@ class AttachedCluster:
         return len(self.client.ids)
 
     def reuses_world(self, world_size: int, timeout: float) -> bool:
-        world = self.world
-        return bool(world and not world.broken and world.world_size == world_size and world.timeout == timeout)
+        return bool(self.world and self.world.serves(world_size, timeout))
 
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
@@ -151,10 +150,7 @@ class AttachedCluster:
         }
 
     def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
-        deadline = time.monotonic() + within
-        while (how := self.dead_ranks().get(rank)) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return how
+        return wait_for_death(self.dead_ranks, rank, within)
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
         for rank in ranks:

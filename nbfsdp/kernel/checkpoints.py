@@ -200,8 +200,7 @@ def _on_every_rank(session: Session, world: World, function: Any, args: tuple, d
                 world.broken = True  # the ranks may disagree on where they are now: the next cell starts afresh
             # else DCP's own error (a full disk ...), which it hands every rank together: the world goes on
             what = f"{error.ename}: {error.evalue}" if hasattr(error, "ename") else str(error)
-            left = f"; {partial.name} was left incomplete (safe to delete)" if partial.exists() else ""
-            raise RankError(rank, f"{what} (while {doing}){left}") from None
+            raise RankError(rank, f"{what} (while {doing}){_left(partial)}") from None
     return answers
 
 

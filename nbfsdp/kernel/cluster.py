@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -89,6 +90,19 @@ class World:
     @property
     def pids(self) -> list[int]:
         return [e.pid for e in self.engines]
+
+    def serves(self, world_size: int, timeout: float) -> bool:
+        """A cell of this world size and timeout can run in it as it is."""
+        return not self.broken and self.world_size == world_size and self.timeout == timeout
+
+
+def wait_for_death(dead_ranks: Callable[[], dict[int, str]], rank: int, within: float) -> str | None:
+    """How ``rank``'s engine ended (``dead_ranks()``'s word), waiting up to ``within`` seconds to see it end:
+    a controller can report a death while the process is still tearing down, or its host still unregistering."""
+    deadline = time.monotonic() + within
+    while (how := dead_ranks().get(rank)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return how
 
 
 def visible_gpus() -> int:
@@ -170,8 +184,7 @@ class FSDPCluster:
 
     def reuses_world(self, world_size: int, timeout: float) -> bool:
         """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
-        world = self.world
-        return bool(world and not world.broken and world.world_size == world_size and world.timeout == timeout)
+        return bool(self.world and self.world.serves(world_size, timeout))
 
     def ensure_world(self, world_size: int, timeout: float) -> World:
         """A healthy world of ``world_size`` ranks, reusing what already runs."""
@@ -208,12 +221,8 @@ class FSDPCluster:
         return dead
 
     def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
-        """How the rank's engine ended, waiting up to ``within`` seconds to see it end: the controller can
-        report a death while the killed process is still tearing down its memory."""
-        deadline = time.monotonic() + within
-        while (how := self.dead_ranks().get(rank)) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return how
+        """How the rank's engine ended, waiting up to ``within`` seconds to see it end."""
+        return wait_for_death(self.dead_ranks, rank, within)
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
         """Signal the ranks' engines that still run (an engine that ended is skipped, and so is its pid)."""

@@ -210,21 +210,15 @@ def load_into(
     """
     opened = _open(checkpoint)
     name = _model_name(opened, model)
-    state = _read(opened, ("models", name))
-    _check_fits(opened, name, state, module)
-    optimizer_state = scheduler_state = None
+    optimizers: dict[str, tuple[Optimizer, str]] = {}
+    schedulers: dict[str, Any] = {}
     if optimizer is not None or scheduler is not None:
         optimizer_name = _owned(opened, "optimizers", name, "optimizers")
         if optimizer is not None:
-            saved = _read(opened, ("optimizers", optimizer_name))
-            optimizer_state = _plain_optimizer_state(saved, module, optimizer, optimizer_name)
+            optimizers[optimizer_name] = (optimizer, name)
         if scheduler is not None:
-            scheduler_state = _read(opened, ("schedulers", _owned(opened, "schedulers", optimizer_name, "schedulers")))
-    module.load_state_dict(state, strict=True)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-    if scheduler_state is not None:
-        scheduler.load_state_dict(scheduler_state)
+            schedulers[_owned(opened, "schedulers", optimizer_name, "schedulers")] = scheduler
+    NotebookRead(opened.path, {name: module}, optimizers, schedulers).apply()
 
 
 class NotebookRead:
