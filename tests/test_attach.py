@@ -8,16 +8,22 @@ detaches, leaving the cluster running; ``%fsdp stop`` refuses to stop it.
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import copy
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
+from nbfsdp.kernel.runner import RankError
+from nbfsdp.shared.checkpoints import list_checkpoints
 from tests import hosts as namespace_hosts
 from tests.conftest import one_process_losses, run_failing, run_ok
 
@@ -45,18 +51,19 @@ torch.distributed.all_gather_object(groups, mine)
 """
 
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    """2 hosts x 2 engines, started by ipyparallel's SSH launcher, in profile "gpus" of a fresh IPYTHONDIR."""
+@contextlib.contextmanager
+def _attachable(directory):
+    """2 hosts x 2 engines, started by ipyparallel's SSH launcher, in profile "gpus" of a fresh IPYTHONDIR;
+    ``directory / "kernel-only"`` is a directory the hosts do not see."""
     why = namespace_hosts.why_not()
     if why:
         pytest.skip(why)
-    directory = tmp_path_factory.mktemp("hosts")
     before = os.environ.get("IPYTHONDIR")
     os.environ["IPYTHONDIR"] = str(directory / "ipython")
+    (directory / "kernel-only").mkdir()
     try:
         with (
-            namespace_hosts.hosts(2, directory / "hosts") as machines,
+            namespace_hosts.hosts(2, directory / "hosts", hidden=(directory / "kernel-only",)) as machines,
             namespace_hosts.ssh_cluster(machines, 2, sys.executable, profile="gpus") as cluster,
         ):
             yield machines, cluster
@@ -65,6 +72,21 @@ def two_hosts(tmp_path_factory):
             os.environ.pop("IPYTHONDIR", None)
         else:
             os.environ["IPYTHONDIR"] = before
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hosts")
+    with _attachable(directory) as (machines, cluster):
+        machines.kernel_only = directory / "kernel-only"
+        yield machines, cluster
+
+
+@pytest.fixture(autouse=True)
+def detached(shell):
+    """Each test lets go of the cluster it attached to, passed or failed: the next module's cells run locally."""
+    yield
+    nbfsdp._magics.session.detach()
 
 
 def _assert_same_math(shell, tiny_model, reference, world_size: int) -> None:
@@ -81,10 +103,15 @@ def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, 
     machines, cluster = two_hosts
     reference = copy.deepcopy(tiny_model)
     run_ok(shell, "%fsdp attach --profile gpus")
-    assert "attached to 4 engines" in capsys.readouterr().out
+    said = capsys.readouterr()
+    names = [h.name for h in machines.hosts]
+    assert f"attached to 4 engines on 2 hosts ({names[0]} 2, {names[1]} 2)" in said.out, said.out
+    assert "warning" not in said.out  # the profile's directory is one the hosts share here
+    # the controller listens on the bridge without CurveZMQ: one line says so, and how to turn it on
+    warning = [line for line in said.err.splitlines() if "IPP_ENABLE_CURVE=1" in line]
+    assert len(warning) == 1 and machines.bridge_address in warning[0], said.err
     run_ok(shell, TRAIN)  # no --world-size: every engine of the attached cluster
     assert nbfsdp.last_run().ok and nbfsdp.last_run().world_size == 4
-    names = [h.name for h in machines.hosts]
     assert shell.user_ns["where"] == [
         (names[0], "0", "eth0"),
         (names[0], "1", "eth0"),
@@ -113,18 +140,195 @@ def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, 
     _assert_same_math(shell, tiny_model, reference, 4)
 
 
-def test_hybrid_shard_shards_inside_each_host_and_replicates_across(shell, tiny_model, two_hosts):
+def test_hybrid_shard_shards_inside_each_host_and_replicates_across(shell, tiny_model, two_hosts, capsys):
     reference = copy.deepcopy(tiny_model)
-    run_ok(shell, "%fsdp attach --profile gpus")
-    error, _ = run_failing(shell, "%%fsdp --world-size 3 --sharding-strategy HYBRID_SHARD\nx = 1")
+    # --profile on the cell attaches first (once), as %fsdp attach would
+    error, _ = run_failing(shell, "%%fsdp --profile gpus --world-size 3 --sharding-strategy HYBRID_SHARD\nx = 1")
+    assert "attached to 4 engines" in capsys.readouterr().out
     assert isinstance(error, UsageError) and "as many ranks on every host" in str(error), error
     assert all(f"{h.name} {n}" in str(error) for h, n in zip(two_hosts[0].hosts, (2, 1), strict=True)), error
-    run_ok(shell, TRAIN.replace("%%fsdp", "%%fsdp --sharding-strategy HYBRID_SHARD") + MESH)
+    run_ok(shell, TRAIN.replace("%%fsdp", "%%fsdp --profile gpus --sharding-strategy HYBRID_SHARD") + MESH)
+    assert "attached" not in capsys.readouterr().out  # attached already: the same cluster, not again
     run = nbfsdp.last_run()
     assert run.config["replicas"] == 2 and "one replica per host" in run.config["why"]["replicas"]
     hosts_of = [host for host, _, _ in shell.user_ns["where"]]
     for rank, (shard, replicate) in enumerate(shell.user_ns["groups"]):
         assert {hosts_of[r] for r in shard} == {hosts_of[rank]} and len(shard) == 2  # inside its host
         assert len({hosts_of[r] for r in replicate}) == 2  # one rank of each host
+    # %fsdp explain on the attached cluster: every engine, a replica per host, and what crosses hosts
+    capsys.readouterr()
+    run_ok(shell, "%fsdp explain --wrap-cls Block --sharding-strategy HYBRID_SHARD model")
+    out = capsys.readouterr().out
+    h0, h1 = (h.name for h in two_hosts[0].hosts)
+    assert "FSDP plan at world size 4: HYBRID_SHARD" in out and "one replica per host (2 hosts)" in out, out
+    assert f"shard groups inside each host ({h0}: ranks 0-1; {h1}: ranks 2-3)" in out, out
+    assert "all-gather: inside each host" in out and "all-reduce: crosses hosts" in out, out
     run_ok(shell, "%fsdp detach")
     _assert_same_math(shell, tiny_model, reference, 4)
+
+
+def test_a_rank_error_is_named_with_its_host_and_the_next_cell_runs(shell, two_hosts):
+    machines, _ = two_hosts
+    run_ok(shell, "%fsdp attach --profile gpus")
+    failing = "%%fsdp\nif rank == 2:\n    raise ValueError('bad batch')\ntorch.distributed.barrier()"
+    error, elapsed = run_failing(shell, failing)
+    assert isinstance(error, RankError), error
+    assert str(error).startswith(f"rank 2 on {machines.hosts[1].name}: ValueError: bad batch"), error
+    assert any(f"[rank 2 on {machines.hosts[1].name}]" in line for line in error._render_traceback_())
+    assert elapsed < 15
+    run_ok(shell, "%%fsdp\nwho = rank + world_size")
+    assert shell.user_ns["who"] == 4 and nbfsdp.last_run().ok
+
+
+def _received(machines) -> list[int]:
+    """Bytes each host's network interface has received so far."""
+    return [int(machines.run(h, "cat", "/sys/class/net/eth0/statistics/rx_bytes").stdout) for h in machines.hosts]
+
+
+def test_each_host_receives_only_its_ranks_shards(shell, two_hosts):
+    machines, _ = two_hosts
+    run_ok(shell, "%fsdp attach --profile gpus")
+    run_ok(shell, "%%fsdp\nwarm = rank")  # the world is up: what follows is the model and the cell
+    run_ok(shell, "big = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))")
+    model_bytes = sum(p.numel() * p.element_size() for p in shell.user_ns["big"].parameters())
+    before = _received(machines)
+    run_ok(shell, "%%fsdp --mixed-precision FULL --no-gather\nn = sum(p.numel() for p in big.parameters())")
+    after = _received(machines)
+    shards = model_bytes // 2  # each of 2 hosts holds 2 of the 4 even shards of every parameter
+    for host, got in zip(machines.hosts, (a - b for a, b in zip(after, before, strict=True)), strict=True):
+        assert shards <= got <= 1.05 * shards, (host.name, got, shards)
+
+
+def test_interrupt_reaches_the_ranks_on_every_host(shell, two_hosts, capsys):
+    run_ok(shell, "%fsdp attach --profile gpus")
+    run_ok(shell, "%%fsdp\nwarm = rank")
+    previous = nbfsdp.last_run()
+
+    def interrupt_once_every_rank_runs() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            run = nbfsdp.last_run()
+            if run is not previous and len(run.metrics) == 4:
+                _thread.interrupt_main()  # what the notebook's interrupt button does to the kernel
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_once_every_rank_runs, daemon=True).start()
+    error, elapsed = run_failing(shell, "%%fsdp\nimport time\nnbfsdp.log(running=1)\nwhile True:\n    time.sleep(0.01)")
+    assert isinstance(error, KeyboardInterrupt), error
+    assert elapsed < 30
+    capsys.readouterr()
+    run_ok(shell, "%%fsdp\nprint('back', rank)")
+    out = capsys.readouterr().out
+    assert all(f"[rank {r}] back {r}" in out for r in range(4)), out
+
+
+def test_a_checkpoint_across_hosts_holds_every_ranks_shards(shell, tiny_model, two_hosts, tmp_path):
+    run_ok(shell, "%fsdp attach --profile gpus")
+    run_ok(shell, TRAIN)
+    saved = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    path = tmp_path / "across"  # a directory every host sees, as a shared file system would be
+    run_ok(shell, f"%fsdp save {path}")
+    assert sorted(p.name for p in path.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(4)]
+    run_ok(shell, TRAIN)  # the weights move on
+    assert not torch.equal(next(tiny_model.parameters()), next(iter(saved.values())))
+    run_ok(shell, f"%fsdp load {path}")
+    for name, p in tiny_model.named_parameters():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    run_ok(shell, "%%fsdp --no-gather\nfirst = next(model.parameters()).full_tensor()")
+    torch.testing.assert_close(shell.user_ns["first"], next(iter(saved.values())), rtol=0, atol=0)
+
+
+# ipyparallel's SSH launcher watches each engine over ssh; those watchers fail once their host is gone
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_host_killed_mid_cell_ends_the_cell_in_seconds_and_the_next_runs_on_the_rest(shell, tmp_path):
+    with _attachable(tmp_path) as (machines, _):
+        run_ok(shell, "%fsdp attach --profile gpus")
+        run_ok(shell, "%%fsdp\nwarm = rank")
+        previous = nbfsdp.last_run()
+        killed: list[float] = []
+
+        def kill_once_every_rank_runs() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                run = nbfsdp.last_run()
+                if run is not previous and len(run.metrics) == 4:
+                    machines.kill(machines.hosts[1])  # every process of the host: its engines, nanny, sshd
+                    killed.append(time.monotonic())
+                    return
+                time.sleep(0.05)
+
+        threading.Thread(target=kill_once_every_rank_runs, daemon=True).start()
+        training = (
+            "%%fsdp --timeout 120\nimport time, torch\nnbfsdp.log(running=1)\n"
+            "for _ in range(100000):\n    torch.distributed.all_reduce(torch.ones(1)); time.sleep(0.01)"
+        )
+        error, _ = run_failing(shell, training)
+        ended = time.monotonic() - killed[0]
+        assert isinstance(error, RankError), error
+        assert ended < 10, ended  # not the controller's half-minute of missed heartbeats, nor the 120 s timeout
+        lost = machines.hosts[1].name
+        assert f"on {lost}" in str(error), error
+        run_ok(shell, "%%fsdp\nimport socket\nwhere = socket.gethostname()")
+        assert nbfsdp.last_run().world_size == 2 and shell.user_ns["where"] == machines.hosts[0].name
+
+
+LONG = """%%fsdp --async
+import time
+for step in range(100000):
+    torch.distributed.all_reduce(torch.ones(1))
+    nbfsdp.log(step=step)
+    time.sleep(0.01)
+"""
+
+
+def _wait_for_steps(run_before, steps: int = 5) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        run = nbfsdp.last_run()
+        if run is not run_before and len(run.metrics) >= 4 * steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the ranks did not log")
+
+
+def test_a_cell_across_hosts_is_cancelled_on_every_rank_at_one_step(shell, two_hosts):
+    run_ok(shell, "%fsdp attach --profile gpus\nimport torch")
+    before = nbfsdp.last_run()
+    run_ok(shell, LONG)
+    _wait_for_steps(before)
+    shell.run_line_magic("fsdp", "cancel")  # through the profile's directory, which every host sees
+    started = time.monotonic()
+    shell.run_line_magic("fsdp", "wait")
+    assert time.monotonic() - started < 10
+    run = nbfsdp.last_run()
+    assert run.ok and run.cancelled
+    assert len({run.metric("step", rank=r)[-1] for r in range(4)}) == 1  # every rank stopped at the same step
+
+
+def test_hosts_that_do_not_see_the_shared_directory_are_named_and_the_cells_still_run(shell, two_hosts, capsys):
+    machines, _ = two_hosts
+    run_ok(shell, f"%fsdp attach --profile gpus --shared-dir {machines.kernel_only}\nimport torch")
+    said = capsys.readouterr().out
+    names = ", ".join(h.name for h in machines.hosts)
+    assert "warning: live changes, cancel and --save-interval need a directory" in said, said
+    assert f"{names} do not see {machines.kernel_only}" in said, said
+    error, _ = run_failing(shell, f"%%fsdp --save-interval 1 --save-folder {machines.kernel_only / 'ck'}\nx = 1")
+    assert isinstance(error, UsageError) and f"{names} do not see" in str(error), error
+    before = nbfsdp.last_run()
+    run_ok(shell, LONG.replace("100000", "200"))
+    _wait_for_steps(before)
+    error, _ = run_failing(shell, "%fsdp cancel")  # refused, not half-done on the hosts that would see it
+    assert isinstance(error, UsageError) and "--shared-dir PATH" in str(error), error
+    shell.run_line_magic("fsdp", "wait")
+    run = nbfsdp.last_run()
+    assert run.ok and not run.cancelled and [run.metric("step", rank=r)[-1] for r in range(4)] == [199] * 4
+
+
+def test_interval_saves_across_hosts_agree_through_the_shared_directory(shell, tiny_model, two_hosts, tmp_path):
+    run_ok(shell, "%fsdp attach --profile gpus")
+    folder = tmp_path / "interval"
+    run_ok(shell, TRAIN.replace("%%fsdp", f"%%fsdp --save-folder {folder} --save-interval 2"))
+    saved = list_checkpoints(folder)
+    assert [(c.step, c.world_size, c.complete) for c in saved] == [(2, 4, True), (4, 4, True)], saved
+    assert sorted(p.name for p in (folder / "step-4").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]

@@ -22,9 +22,12 @@ import torch
 
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
+from tests import hosts as namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu", "checkpoint")
+BENCHMARKS = (
+    "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu", "checkpoint", "hosts",
+)  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -71,6 +74,9 @@ def test_every_benchmark_reports_numeric_medians(bench):
     for name, result in results["benchmarks"].items():
         if name == "gpu" and not torch.cuda.is_available():
             assert result == {"skipped": "no GPU"}
+            continue
+        if name == "hosts" and namespace_hosts.why_not():
+            assert result == {"skipped": namespace_hosts.why_not()}
             continue
         assert "error" not in result, result.get("error")
         assert result["measurements"], name
@@ -198,6 +204,28 @@ def test_checkpoint_rows_compare_the_same_state_on_both_sides(bench):
     assert sum(shard) <= result["checkpoint_bytes"] <= sum(shard) + 2**20
     assert result["first_side_each_round"] == ["a", "b"]
     assert len(result["mem_b_growth_bytes"]) == 2 and all(len(g) == 2 for g in result["mem_b_growth_bytes"])
+
+
+def test_hosts_row_counts_what_each_host_received_against_its_ranks_shards(bench):
+    """Two namespaces of two ranks: each host's ``eth0`` received at least its ranks' shards (they crossed the
+    wire) and little more; ranks host by host; the step-time comparison left out of --quick, saying so."""
+    _, results, _ = bench
+    result = results["benchmarks"]["hosts"]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    for round_ in result["transfer_rounds"]:
+        assert sum(round_["shard_bytes"].values()) == round_["model_bytes"]
+        hosts = list(round_["host_rx_bytes"])
+        assert round_["rank_hosts"] == [hosts[0], hosts[0], hosts[1], hosts[1]]
+        for host in hosts:
+            assert (
+                round_["host_shard_bytes"][host]
+                <= round_["host_rx_bytes"][host]
+                <= 1.05 * round_["host_shard_bytes"][host]
+            )
+    step, *transfer = result["measurements"]
+    assert step["value"] is None and "--quick" in step["note"] and step["target"] == 1.05
+    assert [m["ok"] for m in transfer] == [True, True]
 
 
 def test_no_processes_left_behind(bench):

@@ -178,6 +178,28 @@ def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffer
     assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]
 
 
+def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell):
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    plan = nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], wrap_cls="Linear")
+    settings = {**dataclasses.asdict(for_device(FSDPConfig(), "cpu")), "world_size": 4}
+    dashboard = LiveDashboard(
+        4,
+        "cpu",
+        plan.memory,
+        settings,
+        lambda change: "",
+        lambda: None,
+        hosts=plan.hosts,
+        across_hosts=plan.hosts_lines(),
+    )
+    table = dashboard._status.value
+    assert "<th>rank</th><th>host</th>" in table
+    for rank, host in enumerate(["a", "a", "b", "b"]):
+        assert f"<tr><td>{rank}</td><td>{host}</td>" in table
+    assert "mesh (replicate 1, shard 4): shard groups across hosts" in table and "all-gather: crosses hosts" in table
+    assert "<th>host</th>" not in _dashboard()._status.value  # one host: no column
+
+
 def test_an_async_cell_returns_at_once_and_its_dashboard_stays_live(kernel):
     started = time.monotonic()
     reply, _ = kernel.execute(TEN_SECONDS.replace("%%fsdp --world-size 2", "%%fsdp --world-size 2 --async"))

@@ -114,3 +114,63 @@ def test_bytes_on_the_wire_match_what_a_rank_measures(shell, capsys, strategy):
     capsys.readouterr()
     shell.run_line_magic("fsdp", f"explain --world-size 2 --wrap-cls MLPBlock --sharding-strategy {strategy} mlp")
     assert "bytes sent (and as many received) under the ring algorithms" in capsys.readouterr().out
+
+
+TWO_HOSTS = ["a", "a", "b", "b"]
+
+
+def _fp32_bytes(module) -> int:
+    return sum(p.numel() * 4 for p in module.parameters())
+
+
+def test_full_shard_over_two_hosts_sends_every_gather_and_reduce_scatter_between_them(tiny_model):
+    """One shard group of 4 ranks, 2 on each host: its ring has 2 links between hosts, each carrying 3/4 of
+    the tensor a rank sends."""
+    plan = nbfsdp.explain(tiny_model, world_size=4, hosts=TWO_HOSTS, wrap_cls="Block", mixed_precision="FULL")
+    psi = _fp32_bytes(tiny_model)
+    blocks = sum(_fp32_bytes(block) for block in tiny_model.blocks)
+    gathered = (psi - blocks) + 2 * blocks  # the root once a step, every block in forward and in backward
+    assert plan.wire["all_gather"]["cross_host"] == 2 * (gathered * 3 // 4)
+    assert plan.wire["reduce_scatter"]["cross_host"] == 2 * (psi * 3 // 4)
+    assert plan.wire["all_reduce"]["cross_host"] == 0
+    assert plan.cross_host["reduce_scatter"] == {"a": psi * 3 // 4, "b": psi * 3 // 4}
+    text = str(plan)
+    assert "hosts: a (ranks 0-1), b (ranks 2-3)" in text
+    assert "mesh (replicate 1, shard 4): shard groups across hosts (ranks 0-3)" in text
+    assert f"all-gather: crosses hosts: {2 * (gathered * 3 // 4):,} bytes/step" in text
+    assert f"reduce-scatter: crosses hosts: {2 * (psi * 3 // 4):,} bytes/step" in text
+
+
+def test_hybrid_shard_over_two_hosts_sends_only_the_all_reduce_between_them(tiny_model):
+    """Mesh (replicate 2, shard 2), a host per replica: gathers and reduce-scatters stay inside each host;
+    the all-reduce of each rank's gradient shard runs in 2 groups of 2 ranks, every link between hosts."""
+    plan = nbfsdp.explain(
+        tiny_model,
+        world_size=4,
+        hosts=TWO_HOSTS,
+        wrap_cls="Block",
+        mixed_precision="FULL",
+        sharding_strategy="HYBRID_SHARD",
+        replicas=2,
+    )
+    shard = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * 4 for p in tiny_model.parameters())  # padded
+    assert plan.wire["all_gather"]["cross_host"] == plan.wire["reduce_scatter"]["cross_host"] == 0
+    assert plan.wire["all_gather"]["sent"] > 0  # they run, inside each host
+    # a rank sends 2(g-1)/g = 1 x its shard; 2 links per group, 2 groups
+    assert plan.wire["all_reduce"]["cross_host"] == 2 * 2 * shard
+    assert plan.cross_host["all_reduce"] == {"a": 2 * shard, "b": 2 * shard}
+    text = str(plan)
+    assert (
+        "mesh (replicate 2, shard 2): shard groups inside each host (a: ranks 0-1; b: ranks 2-3), "
+        "replicate groups across hosts (ranks 0,2; ranks 1,3)"
+    ) in text
+    assert "all-gather: inside each host" in text and "reduce-scatter: inside each host" in text
+    assert f"all-reduce: crosses hosts: {4 * shard:,} bytes/step" in text
+
+
+def test_one_host_prints_the_plan_as_before(tiny_model):
+    plain = nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block")
+    one_host = nbfsdp.explain(tiny_model, world_size=4, hosts=["a"] * 4, wrap_cls="Block")
+    assert str(one_host) == str(plain) and "hosts:" not in str(plain) and one_host.hosts == []
+    with pytest.raises(UsageError, match="hosts: 2 given for world size 4"):
+        nbfsdp.explain(tiny_model, world_size=4, hosts=["a", "b"])

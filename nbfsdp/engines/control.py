@@ -27,7 +27,8 @@ class RankControl:
     """A rank's side: at each step boundary, notice new requests and apply them at the agreed one."""
 
     def __init__(self, path: str, apply: Callable[[dict[str, Any]], list[str]]) -> None:
-        self._path = Path(path)
+        """``path`` '': the ranks share no directory with the notebook, so nothing is steered (all alike)."""
+        self._path = Path(path) if path else None
         self._apply = apply
         self._stamp: tuple[int, int] | None = None
         self._seen = 0
@@ -35,6 +36,8 @@ class RankControl:
 
     def at_boundary(self, call: int) -> list[str]:
         """Called at boundary number ``call``; returns the settings changed here, or raises CellCancelled."""
+        if self._path is None:
+            return []
         try:
             stat = self._path.stat()
         except FileNotFoundError:

@@ -35,7 +35,7 @@ from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import FSDPConfig
-from nbfsdp.shared.network import loopback_interface
+from nbfsdp.shared.network import interface_of, loopback_interface, source_address
 from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAllocation
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
@@ -98,7 +98,10 @@ def setup(
     torch.set_num_threads(threads)
     os.environ.update(environment or {})
     if backend == "nccl":
-        device = torch.device("cuda", 0)  # each engine sees exactly one GPU
+        # nbfsdp's own engines see one GPU each; an attached host's engines see them all and take their
+        # LOCAL_RANK's, as under torchrun
+        local = int((environment or {}).get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -108,7 +111,7 @@ def setup(
         store = dist.FileStore(store_path, world_size)
     else:
         address, port = rendezvous
-        _use_interface(hosts.interface_of(hosts.source_address(address)))
+        _use_interface(interface_of(source_address(address)))
         listening = hosts.take_rendezvous() if rank == 0 else None
         store = dist.TCPStore(
             address,
@@ -117,7 +120,7 @@ def setup(
             rank == 0,
             timeout=seconds,
             wait_for_workers=False,
-            **({"master_listen_fd": listening.fileno()} if listening is not None else {}),
+            **({"master_listen_fd": listening.detach()} if listening is not None else {}),  # the store owns it now
         )
     dist.init_process_group(
         backend,

@@ -4,6 +4,9 @@ ipyparallel records no host per engine, so each engine says: its hostname, and a
 apart even where hostnames do not (containers and network namespaces share a kernel and may share a
 name): the boot id, the network namespace and the hostname. ``NBFSDP_HOST_ID`` overrides the key for
 set-ups where neither tells (two engines that should count as one host, or as two).
+
+Engines of an attached cluster also hold a lifeline to the kernel (``hold_lifeline``), and rank 0 opens
+the world's rendezvous (``open_rendezvous``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import os
 import socket
 
-import psutil
+import torch
 
+from nbfsdp.shared.network import keep_alive, source_address
 from nbfsdp.shared.protocol import HostIdentity
 
 #: An environment variable that names this engine's host outright.
@@ -30,30 +34,16 @@ def _read(path: str) -> str:
 def identity() -> HostIdentity:
     """This engine's host: its name, and the key engines of one host share."""
     hostname = socket.gethostname()
+    gpus = torch.cuda.device_count()  # NVML's count: no CUDA context is made
     override = os.environ.get(HOST_ID_VARIABLE)
     if override:
-        return HostIdentity(hostname=hostname, key=override, pid=os.getpid())
+        return HostIdentity(hostname=hostname, key=override, pid=os.getpid(), gpus=gpus)
     try:
         namespace = os.readlink("/proc/self/ns/net")  # e.g. net:[4026531840]: one per network namespace
     except OSError:
         namespace = ""
     boot = _read("/proc/sys/kernel/random/boot_id")  # one per booted kernel: a machine, or a VM
-    return HostIdentity(hostname=hostname, key=f"{hostname}|{boot}|{namespace}", pid=os.getpid())
-
-
-def source_address(target: str) -> str:
-    """This host's address on the route to ``target`` (a UDP connect sends nothing; it only routes)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((target, 9))
-        return probe.getsockname()[0]
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds ``address``."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addresses):
-            return name
-    return None
+    return HostIdentity(hostname=hostname, key=f"{hostname}|{boot}|{namespace}", pid=os.getpid(), gpus=gpus)
 
 
 #: Rank 0's rendezvous socket, kept open from ``open_rendezvous`` until the store takes it.
@@ -79,3 +69,26 @@ def take_rendezvous() -> socket.socket | None:
     global _rendezvous
     taken, _rendezvous = _rendezvous, None
     return taken
+
+
+#: This engine's connection to the kernel that attached (``nbfsdp.kernel.lifelines``), held open.
+_lifeline: socket.socket | None = None
+
+
+def check_in(kernel: tuple[str, int], secret: str, engine_id: int, seen: str) -> tuple[HostIdentity, bool]:
+    """Say which host this engine is on, and whether it sees the notebook's file ``seen`` (holding
+    ``secret``): a directory both share. Then hold a lifeline to the kernel at ``kernel``: the kernel
+    sees the connection end the moment this engine does, or its host. A kernel out of reach (behind a
+    tunnel) gets no lifeline and falls back on the controller's heartbeats."""
+    global _lifeline
+    if _lifeline is not None:
+        _lifeline.close()
+        _lifeline = None
+    try:
+        connection = socket.create_connection(kernel, timeout=5)
+        keep_alive(connection, 1, 1, 3)
+        connection.sendall(f"{secret} {engine_id}\n".encode())
+        _lifeline = connection
+    except OSError:
+        pass
+    return identity(), _read(seen) == secret

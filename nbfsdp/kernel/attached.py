@@ -4,15 +4,19 @@ The user started it (``ipcluster start --engines=ssh|slurm|mpi ...``), on this m
 several hosts; nbfsdp connects with ipyparallel's own files (``Cluster.from_file``), asks each engine
 which host it is on, gives ranks host by host (``nbfsdp.kernel.hosts``) and makes the world's store a
 TCPStore on rank 0's host, on the interface that reaches the controller. It never stops the cluster:
-``%fsdp detach`` lets go of it, and ``%fsdp stop`` says so. It stands in for ``FSDPCluster`` in the
-session while attached, with the same methods.
+``%fsdp detach`` lets go of it, and ``%fsdp stop`` says so. While attached it is the session's
+``Cluster`` (``nbfsdp.kernel.cluster``), as ``FSDPCluster`` is otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,18 +30,29 @@ from IPython.paths import get_ipython_dir
 from nbfsdp.engines import engine, hosts
 from nbfsdp.kernel.cluster import ENGINE_START_TIMEOUT, World, cpu_threads_per_rank, wait_for_death
 from nbfsdp.kernel.hosts import Placement, place
+from nbfsdp.kernel.lifelines import Lifelines
+from nbfsdp.shared.network import source_address
 from nbfsdp.shared.protocol import HostIdentity
+
+#: What attaching to a controller on the network without CurveZMQ prints (one line).
+CURVE_WARNING = (
+    "nbfsdp: warning: the controller listens on {address} without encrypting or authenticating connections; "
+    "start ipcluster with IPP_ENABLE_CURVE=1 set to turn CurveZMQ on"
+)
+
+#: A file in the shared directory that engines look for, holding the attach's secret: they see it or not.
+SEEN_FILE = "seen-by-the-hosts"
 
 
 class RegisteredEngine:
-    """An engine of the attached cluster: alive while its controller has it registered (it notices a dead
-    engine or host by its heartbeats); signals go through ipyparallel, which reaches other hosts."""
+    """An engine of the attached cluster: alive while its lifeline to the kernel holds and its controller
+    has it registered; signals go through ipyparallel, which reaches other hosts."""
 
-    def __init__(self, client: ipp.Client, engine_id: int, pid: int) -> None:
-        self._client, self.engine_id, self.pid = client, engine_id, pid
+    def __init__(self, cluster: AttachedCluster, engine_id: int, pid: int) -> None:
+        self._cluster, self._client, self.engine_id, self.pid = cluster, cluster.client, engine_id, pid
 
     def alive(self) -> bool:
-        return self.engine_id in self._client.ids
+        return self._cluster.how_engine_ended(self.engine_id) is None
 
     def signal(self, signum: int) -> None:
         if self.alive():
@@ -48,7 +63,7 @@ class RegisteredEngine:
 class AttachedCluster:
     """The session's cluster while attached; see the module's docstring."""
 
-    def __init__(self, profile: str | None, cluster_id: str | None) -> None:
+    def __init__(self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None) -> None:
         profile = profile or "default"
         if cluster_id is None:
             cluster_id = _only_cluster(profile)
@@ -60,36 +75,109 @@ class AttachedCluster:
             ) from None
         self.client = self._cluster.connect_client_sync()
         self.profile, self.cluster_id = profile, cluster_id
-        self._private_dir = tempfile.mkdtemp(prefix="nbfsdp-attached-")
+        self._lifelines = Lifelines(source_address(self._controller_address()))
+        self._warn_without_curve()
+        # where the notebook and the ranks meet to steer a cell (live changes, cancel, interval saves): the
+        # profile's directory, which the hosts of a Slurm or PBS cluster share, unless the user names one
+        parent = Path(shared_dir or Path(self._cluster.profile_dir, "nbfsdp")).expanduser().resolve()
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._private_dir = tempfile.mkdtemp(prefix="attached-", dir=parent)  # mode 0700
+        except OSError as error:
+            self._lifelines.close()
+            self.client.close()
+            raise UsageError(f"--shared-dir {parent}: {error.strerror or error}") from None
+        Path(self._private_dir, SEEN_FILE).write_text(self._lifelines.secret)
+        self._sees_private_dir: dict[int, bool] = {}
         self._generation = 0
         self.world: World | None = None
         self.placements: list[Placement] = []
         self._identities: dict[int, HostIdentity] = {}
         self.background_error: BaseException | None = None
         self.starting = None
+        if self.engines:  # every engine checks in now: its host, whether it sees the directory, its lifeline
+            self.placements = self.placements_for(self.engines)
+
+    def summary(self) -> list[str]:
+        """What ``%fsdp attach`` says: the engines per host, and why cells cannot be steered, if so."""
+        counts: dict[str, int] = {}
+        for placement in self.placements:
+            counts[placement.host] = counts.get(placement.host, 0) + 1
+        hosts = ", ".join(f"{host} {count}" for host, count in counts.items())
+        lines = [f"attached to {len(self.placements)} engines on {len(counts)} hosts ({hosts}); `%fsdp status`"]
+        if why := self.unsteerable(None):
+            lines.append(f"warning: {why}")
+        return lines
 
     # ------------------------------------------------------------ the session's view
     @property
     def private_dir(self) -> str:
-        """Run control files for the ranks on this machine (ranks elsewhere do not see them)."""
+        """Where the cells' run control files go: a directory the hosts share, if they do (``unsteerable``)."""
         return self._private_dir
+
+    def unsteerable(self, world: World | None) -> str | None:
+        """Why a cell in ``world`` cannot be steered mid-run: hosts of its ranks that do not see ``private_dir``."""
+        blind = sorted({p.host for p in self.placements if not self._sees_private_dir.get(p.engine_id)})
+        if not blind:
+            return None
+        return (
+            f"live changes, cancel and --save-interval need a directory the notebook and every host share; "
+            f"{', '.join(blind)} {'does' if len(blind) == 1 else 'do'} not see {self._private_dir}: attach with "
+            "`%fsdp attach --shared-dir PATH` (a path on a shared file system)"
+        )
 
     @property
     def engines(self) -> int:
-        return len(self.client.ids)
+        """Engines a world can use: registered, and not known to have ended."""
+        return len(self._usable_ids())
+
+    def how_engine_ended(self, engine_id: int) -> str | None:
+        """How an engine ended (its lifeline or its registration), or None while it runs."""
+        if engine_id not in self.client.ids:
+            return "unregistered from the controller"
+        return self._lifelines.lost().get(engine_id)
+
+    def _usable_ids(self) -> list[int]:
+        lost = self._lifelines.lost()
+        return sorted(i for i in self.client.ids if i not in lost)
 
     def reuses_world(self, world_size: int, timeout: float) -> bool:
         return bool(self.world and self.world.serves(world_size, timeout))
 
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
-        ids = sorted(self.client.ids)
+        ids = self._usable_ids()
         if not 1 <= world_size <= len(ids):
             raise UsageError(f"--world-size {world_size}: the attached cluster has {len(ids)} engines")
-        if sorted(self._identities) != ids:
-            found: list[HostIdentity] = self.client[ids].apply_sync(hosts.identity)
-            self._identities = dict(zip(ids, found, strict=True))
+        self._identities = {i: self._identities[i] for i in ids if i in self._identities}
+        new = [i for i in ids if i not in self._identities]
+        lifeline = self._lifelines.address, self._lifelines.secret
+        seen = str(Path(self._private_dir, SEEN_FILE))
+        asked = [self.client[i].apply_async(hosts.check_in, *lifeline, i, seen) for i in new]
+        for engine_id, result in zip(new, asked, strict=True):
+            self._identities[engine_id], self._sees_private_dir[engine_id] = result.get(timeout=ENGINE_START_TIMEOUT)
         return place(self._identities, world_size)
+
+    def rank_hosts(self) -> list[str]:
+        return [p.host for p in self.placements] if self.world else []
+
+    def device_type(self, world_size: int) -> str:
+        """``cuda`` (NCCL) where every rank of a world this size has a GPU of its own (its host's GPU number
+        LOCAL_RANK, as under torchrun), ``cpu`` (gloo) where no engine sees one; hosts short of GPUs for their
+        ranks beside hosts with enough are named in a UsageError."""
+        placements = self.placements_for(world_size)
+        gpus = {p.engine_id: self._identities[p.engine_id].gpus for p in placements}
+        if not any(gpus.values()):
+            return "cpu"
+        short = {
+            p.host: (p.local_world_size, gpus[p.engine_id])
+            for p in placements
+            if gpus[p.engine_id] < p.local_world_size
+        }
+        if not short:
+            return "cuda"
+        listed = ", ".join(f"{host} has {ranks} ranks and {gpus} GPUs" for host, (ranks, gpus) in short.items())
+        raise UsageError(f"every rank needs a GPU of its own, or none has one: {listed}")
 
     def host_replicas(self, world_size: int) -> int:
         """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.
@@ -110,6 +198,7 @@ class AttachedCluster:
         if self.reuses_world(world_size, timeout):
             return self.world
         self.placements = self.placements_for(world_size)
+        backend = "nccl" if self.device_type(world_size) == "cuda" else "gloo"
         first = self.placements[0].engine_id
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1
@@ -119,7 +208,7 @@ class AttachedCluster:
                 engine.setup,
                 rank=p.rank,
                 world_size=world_size,
-                backend="gloo",
+                backend=backend,
                 store_path=None,
                 timeout=timeout,
                 threads=threads,
@@ -132,10 +221,10 @@ class AttachedCluster:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT
         infos = [result.get(timeout=max(1.0, deadline - time.monotonic())) for result in results]
         processes: list[Any] = [
-            RegisteredEngine(self.client, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
+            RegisteredEngine(self, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
         ]
         engine_ids = [p.engine_id for p in self.placements]
-        self.world = World(world_size, "gloo", timeout, self._generation, engine_ids, infos, processes=processes)
+        self.world = World(world_size, backend, timeout, self._generation, engine_ids, infos, processes=processes)
         return self.world
 
     def dead_ranks(self) -> dict[int, str]:
@@ -143,10 +232,11 @@ class AttachedCluster:
         world = self.world
         if world is None:
             return {}
+        ended = {rank: self.how_engine_ended(engine_id) for rank, engine_id in enumerate(world.engine_ids)}
         return {
-            rank: f"engine {world.engine_ids[rank]} on {self.placements[rank].host} is gone (unregistered)"
-            for rank, process in enumerate(world.processes)
-            if not process.alive()
+            rank: f"engine {world.engine_ids[rank]} on {self.placements[rank].host}: {how}"
+            for rank, how in ended.items()
+            if how is not None
         }
 
     def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
@@ -172,12 +262,31 @@ class AttachedCluster:
         """Let go of the cluster, which goes on running."""
         self.world = None
         self.client.close()
+        self._lifelines.close()
         shutil.rmtree(self._private_dir, ignore_errors=True)
 
     def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
         """Nothing to start: the cluster runs already."""
 
     # ----------------------------------------------------------------- helpers
+    def _warn_without_curve(self) -> None:
+        """One line where the controller takes engines from beyond loopback without CurveZMQ: ipyparallel's
+        own engine connection file says where it listens and whether it has a CurveZMQ key."""
+        try:
+            with open(self._cluster.controller.connection_files["engine"]) as file:
+                engines = json.load(file)
+        except (AttributeError, OSError, ValueError):
+            return
+        address = engines.get("interface", "").split("://")[-1]
+        if engines.get("curve_serverkey") or not address:
+            return
+        try:
+            loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+        except (OSError, ValueError):  # "*", or a name that does not resolve here
+            loopback = False
+        if not loopback:
+            print(CURVE_WARNING.format(address=address), file=sys.stderr)
+
     def _controller_address(self) -> str:
         """The address the engines reach the controller at: the network the hosts share."""
         address = self._cluster.controller_ip or ""

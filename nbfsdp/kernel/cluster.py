@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
@@ -134,6 +134,38 @@ def join_interruptibly(thread: threading.Thread) -> None:
     """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
     while thread.is_alive():
         thread.join(_JOIN_SLICE_SECONDS)
+
+
+class Cluster(Protocol):
+    """The cluster the session runs cells on: nbfsdp's own (``FSDPCluster``) or one it attached to
+    (``nbfsdp.kernel.attached.AttachedCluster``). The session, the runner and delivery use only this."""
+
+    world: World | None
+    background_error: BaseException | None
+
+    @property
+    def client(self) -> ipp.Client: ...
+    @property
+    def private_dir(self) -> str:
+        """Where the notebook and the ranks meet: run control files, interval-save markers."""
+
+    @property
+    def starting(self) -> tuple[int, float] | None: ...
+    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
+    def reuses_world(self, world_size: int, timeout: float) -> bool: ...
+    def ensure_world(self, world_size: int, timeout: float) -> World: ...
+    def unsteerable(self, world: World) -> str | None: ...
+    def device_type(self, world_size: int) -> str:
+        """Where a world of ``world_size`` runs: "cuda" (a GPU a rank, NCCL) or "cpu" (gloo)."""
+
+    def rank_hosts(self) -> list[str]:
+        """The running world's host per rank (names unique per host, even where hostnames are not)."""
+
+    def dead_ranks(self) -> dict[int, str]: ...
+    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None: ...
+    def signal_ranks(self, ranks: list[int], signum: int) -> None: ...
+    def kill_engines(self) -> None: ...
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -229,6 +261,17 @@ class FSDPCluster:
         self._wait_for_background()
         for rank in ranks:
             self.world.processes[rank].signal(signum)
+
+    def unsteerable(self, world: World) -> str | None:
+        """Why a cell in ``world`` could not be steered mid-run: never, every rank is on this machine."""
+        return None
+
+    def device_type(self, world_size: int) -> str:
+        return device_type(world_size)
+
+    def rank_hosts(self) -> list[str]:
+        """The running world's host per rank: this machine's, for all."""
+        return [info.host for info in self.world.engines] if self.world else []
 
     def kill_engines(self) -> None:
         """End every engine now (even one stuck in a collective); the next world restarts them."""

@@ -23,28 +23,45 @@ from __future__ import annotations
 
 from typing import Any
 
+from IPython.core.error import UsageError
+
 from nbfsdp.shared.protocol import ControlRequest, control_file, control_files
 
 
 class RunControl:
-    """The notebook's side: what the running cell should switch to, versioned."""
+    """The notebook's side: what the running cell should switch to, versioned.
 
-    def __init__(self, directory: str, run_id: int) -> None:
+    ``unavailable``: why this run cannot be steered (ranks on hosts that do not see ``directory``); the
+    ranks are then given no request file at all, and a change or cancel is refused with that reason."""
+
+    def __init__(self, directory: str, run_id: int, unavailable: str | None = None) -> None:
         self.path = control_file(directory, run_id)
+        self.unavailable = unavailable
         self.request = ControlRequest()
         self._publish()
 
+    @property
+    def for_ranks(self) -> str:
+        """The request file the ranks look at, or '' for none."""
+        return "" if self.unavailable else str(self.path)
+
     def change(self, settings: dict[str, Any]) -> None:
         """Ask every rank to switch to ``settings`` (live keys only) at the next step boundary."""
+        self._steerable()
         self.request.settings.update(settings)
         self.request.version += 1
         self._publish()
 
     def cancel(self) -> None:
         """Ask every rank to end the cell cleanly at the next step boundary."""
+        self._steerable()
         self.request.cancel = True
         self.request.version += 1
         self._publish()
+
+    def _steerable(self) -> None:
+        if self.unavailable:
+            raise UsageError(self.unavailable)
 
     def _publish(self) -> None:
         """Atomically: a rank never reads half a request."""

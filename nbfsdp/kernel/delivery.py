@@ -16,14 +16,14 @@ import torch.nn as nn
 from ipyparallel import error as ipp_error
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster import FSDPCluster, World
+from nbfsdp.kernel.cluster import Cluster, World
 from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
 from nbfsdp.shared import transfer
 from nbfsdp.shared.protocol import ShardAllocation
 
 
 def deliver(
-    cluster: FSDPCluster,
+    cluster: Cluster,
     world: World,
     models: dict[str, nn.Module],
     tokens: dict[str, int],
@@ -69,7 +69,7 @@ def deliver(
         first = False
 
 
-def _wait(cluster: FSDPCluster, world: World, rank: int, result: ipp.AsyncResult) -> int:
+def _wait(cluster: Cluster, world: World, rank: int, result: ipp.AsyncResult) -> int:
     """A rank's answer to one piece; a rank that fails or dies ends the delivery with its error."""
     while not result.ready():
         result.wait(LIVENESS_SECONDS)

@@ -163,6 +163,13 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Return at once while the ranks train; `%%fsdp wait` brings the results, `%%fsdp cancel` stops.",
     )
+    @argument(
+        "--profile",
+        default=None,
+        help="Run on the running ipyparallel cluster of this profile (as `%%fsdp attach --profile P` does first, "
+        "once); the cells after run there too, until `%%fsdp detach`.",
+    )
+    @argument("--cluster-id", default=None, help="With --profile: its cluster id, where the profile has several.")
     @checkpoint_arguments
     @config_arguments
     @cell_magic
@@ -177,6 +184,10 @@ class FSDPMagics(Magics):
         the names the cell assigned hold rank 0's values.
         """
         args = parse_argstring(self.fsdp, line)
+        if args.cluster_id is not None and args.profile is None:
+            raise UsageError("--cluster-id goes with --profile P: the profile the cluster was started with")
+        if args.profile is not None and not self.session.attached_to(args.profile, args.cluster_id):
+            self._attach(args.profile, args.cluster_id, None)
         requested = args.world_size if args.world_size is not None else self.session.panel_world_size
         if requested is None and self.session.attached:
             requested = self.session.cluster.engines  # every engine of the attached cluster
@@ -184,17 +195,13 @@ class FSDPMagics(Magics):
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         settings = self._settings(args)
-        if self.session.attached and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None:
-            # across hosts: shard inside each host, replicate across them
-            replicas = self.session.cluster.host_replicas(world_size)
-            why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
-            settings = dataclasses.replace(settings, replicas=replicas, why=why)
+        settings = self._replica_per_host(settings, world_size)
         saving = self._checkpointing(args)
         if saving.loads:
             from nbfsdp.kernel import checkpoints
 
             ast.parse(cell)  # a cell that cannot run fails before the load, not after
-            config.validate(settings, world_size, device_type(world_size), quiet=True)
+            config.validate(settings, world_size, self.session.cluster.device_type(world_size), quiet=True)
             checkpoints.load_before_cell(self.session, saving, world_size, args.timeout, settings)
         self.session.run_cell(
             cell,
@@ -265,8 +272,7 @@ class FSDPMagics(Magics):
             return
         if line.split()[:1] == ["attach"]:
             args = parse_argstring(self._attach_arguments, line.split(None, 1)[1] if len(line.split()) > 1 else "")
-            engines = self.session.attach(args.profile, args.cluster_id)
-            print(f"nbfsdp: attached to {engines} engines (profile {args.profile or 'default'}); `%fsdp status`")
+            self._attach(args.profile, args.cluster_id, args.shared_dir)
             return
         if line.split()[:1] in (["save"], ["load"], ["checkpoints"], ["export"]):
             self._checkpoint(*line.split(None, 1) if len(line.split()) > 1 else (line.strip(), ""))
@@ -333,19 +339,45 @@ class FSDPMagics(Magics):
         if not isinstance(model, nn.Module):
             found = "no such name" if model is None else f"a {type(model).__name__}"
             raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
-        world_size = _world_size(args.world_size)
+        attached = self.session.attached
+        requested = args.world_size
+        if requested is None and attached:
+            requested = self.session.cluster.engines  # as %%fsdp: every engine of the attached cluster
+        world_size = _world_size(requested)
         settings = self._settings(args)
+        hosts = None
+        if attached:  # the ranks' hosts, to say which collectives cross between them
+            hosts = [p.host for p in self.session.cluster.placements_for(world_size)]
+            settings = self._replica_per_host(settings, world_size)
         settings = config.validate(settings, world_size, device_type(world_size))
-        planned = plan(model, settings, world_size)
+        planned = plan(model, settings, world_size, hosts)
         print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+    def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
+        """HYBRID_SHARD without --replicas on an attached cluster: shard inside each host, replicate across."""
+        if not (self.session.attached and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
+            return settings
+        replicas = self.session.cluster.host_replicas(world_size)
+        why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
+        return dataclasses.replace(settings, replicas=replicas, why=why)
+
+    def _attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None) -> None:
+        for line in self.session.attach(profile, cluster_id, shared_dir):
+            print(f"nbfsdp: {line}")
 
     @magic_arguments()
     @argument(
         "--profile", default=None, help="The ipyparallel profile the cluster was started with (default: default)."
     )
     @argument("--cluster-id", default=None, help="Its cluster id, where the profile has several running.")
+    @argument(
+        "--shared-dir",
+        default=None,
+        help="A directory the notebook and every host see (a shared file system), for live changes, cancel and "
+        "--save-interval (default: a directory in the cluster's profile, shared where the hosts share a home).",
+    )
     def _attach_arguments(self, line: str) -> None:
-        """%fsdp attach [--profile P] [--cluster-id ID]"""
+        """%fsdp attach [--profile P] [--cluster-id ID] [--shared-dir PATH]"""
 
     @magic_arguments()
     @argument("path", help="The checkpoint's directory.")

@@ -9,8 +9,10 @@ Tests hold these predictions to 5% of ``FSDPMemTracker``'s measurement.
 
 Communication is given twice: the size of the tensors each collective handles (what a
 ``TorchDispatchMode`` sees), and the bytes a rank sends and receives on the wire under the ring
-algorithms NCCL uses for large messages (``ring_bytes``). The plan's ``code`` is the plain FSDP2
-code the settings amount to (``fsdp_code``).
+algorithms NCCL uses for large messages (``ring_bytes``). Given each rank's host, the plan also says
+which collectives' groups cross between hosts, and how many bytes a step sends over those links: the
+slow ones, which ``HYBRID_SHARD`` keeps to the gradients' all-reduce. The plan's ``code`` is the plain
+FSDP2 code the settings amount to (``fsdp_code``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from nbfsdp.kernel.cluster import device_type
 from nbfsdp.kernel.fsdp_code import render
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
-from nbfsdp.shared.config import FSDPConfig, for_device, resolve
+from nbfsdp.shared.config import ConfigError, FSDPConfig, for_device, resolve
 from nbfsdp.shared.units import activation_modules, forward_order, wrap_rule, wrap_units
 
 
@@ -66,10 +68,18 @@ class Plan:
     communication: dict[str, int] = field(default_factory=dict)
     """Tensor bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
     wire: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per collective: ``tensor`` bytes (as ``communication``), ``group`` size, and the bytes a rank
-    ``sent`` and ``received`` per step under the ring algorithms."""
+    """Per collective: ``tensor`` bytes (as ``communication``), ``group`` size, the bytes a rank
+    ``sent`` and ``received`` per step under the ring algorithms, and the bytes all its groups send
+    between hosts per step (``cross_host``, 0 on one host)."""
     code: str = ""
     """The plain FSDP2 code these settings amount to, to run on each rank."""
+    mesh: tuple[int, int] = (1, 1)
+    """(replicate, shard) degrees of the device mesh."""
+    hosts: list[str] = field(default_factory=list)
+    """Each rank's host; empty when every rank is on one host."""
+    cross_host: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per collective: the bytes each host sends to other hosts per step under the ring algorithms (its
+    groups' total is ``wire[kind]["cross_host"]``); empty on one host."""
 
     def __str__(self) -> str:
         name = lambda n: n or "(root)"  # noqa: E731
@@ -111,7 +121,48 @@ class Plan:
             + ", ".join(f"{kind.replace('_', '-')} {size_text(w['sent'])}" for kind, w in wire.items())
             + f"; {size_text(sum(w['sent'] for w in wire.values()))} in all"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + self.hosts_lines())
+
+    def hosts_lines(self) -> list[str]:
+        """The mesh over hosts and what each collective sends between them; none on one host."""
+        if not self.hosts:
+            return []
+        ranks: dict[str, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            ranks.setdefault(host, []).append(rank)
+        replicas, shards = self.mesh
+        dims = []
+        for dim, degree, groups in (
+            ("shard", shards, _shard_groups(replicas, shards)),
+            ("replicate", replicas, _replicate_groups(replicas, shards)),
+        ):
+            if degree > 1:
+                spans = frozenset(len({self.hosts[r] for r in group}) > 1 for group in groups)
+                where = {frozenset([True]): "across hosts", frozenset([False]): "inside each host"}.get(
+                    spans, "some across hosts"
+                )
+                listed = "; ".join(self._group_text(group) for group in groups)
+                dims.append(f"{dim} groups {where} ({listed})")
+        lines = [
+            f"hosts: {', '.join(f'{host} (ranks {_ranges(rs)})' for host, rs in ranks.items())}",
+            f"mesh (replicate {replicas}, shard {shards}): {', '.join(dims) or 'one rank'}",
+            "between hosts per step, under the ring algorithms (each link of a ring that crosses hosts carries "
+            "what one rank sends):",
+        ]
+        for kind, w in self.wire.items():
+            if not w["tensor"] or w["group"] <= 1:
+                where = "not run"
+            elif not w["cross_host"]:
+                where = "inside each host"
+            else:
+                out = ", ".join(f"{host} sends {size_text(n)}" for host, n in self.cross_host[kind].items() if n)
+                where = f"crosses hosts: {w['cross_host']:,} bytes/step ({size_text(w['cross_host'])}; {out})"
+            lines.append(f"  {kind.replace('_', '-')}: {where}")
+        return lines
+
+    def _group_text(self, group: list[int]) -> str:
+        on = {self.hosts[rank] for rank in group}
+        return f"{on.pop()}: ranks {_ranges(group)}" if len(on) == 1 else f"ranks {_ranges(group)}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -125,7 +176,39 @@ def _shard_numel(param: torch.Tensor, shards: int, shard: int) -> tuple[int, int
     return per_shard * row_numel, max(0, min(per_shard, rows - shard * per_shard)) * row_numel
 
 
-def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
+def _shard_groups(replicas: int, shards: int) -> list[list[int]]:
+    """The all-gather and reduce-scatter groups: rows of the row-major (replicate, shard) mesh."""
+    return [list(range(r * shards, (r + 1) * shards)) for r in range(replicas)]
+
+
+def _replicate_groups(replicas: int, shards: int) -> list[list[int]]:
+    """The all-reduce groups: columns of the mesh."""
+    return [list(range(s, replicas * shards, shards)) for s in range(shards)]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-1`` for consecutive ranks, ``0,2`` otherwise."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _host_out(groups: list[list[int]], hosts: list[str], sent: int) -> dict[str, int]:
+    """Bytes each host sends to other hosts: in each group's ring (ranks in order), every link whose
+    two ends are on different hosts carries what one rank sends."""
+    out = dict.fromkeys(hosts, 0)
+    for group in groups:
+        if len(group) > 1:
+            for a, b in zip(group, group[1:] + group[:1], strict=True):
+                if hosts[a] != hosts[b]:
+                    out[hosts[a]] += sent
+    return out
+
+
+def plan(model: nn.Module, config: FSDPConfig, world_size: int, hosts: list[str] | None = None) -> Plan:
+    """The plan; ``hosts`` names each rank's host, to say which collectives cross between hosts."""
+    if hosts is not None and len(hosts) != world_size:
+        raise ConfigError(f"hosts: {len(hosts)} given for world size {world_size}; one per rank")
     units = wrap_units(model, config)
     ordered = forward_order(model, units)
     names = {id(m): n for n, m in model.named_modules()}
@@ -183,9 +266,18 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
             "group": groups[kind],
             "sent": ring_bytes(kind, nbytes, groups[kind]),
             "received": ring_bytes(kind, nbytes, groups[kind]),
+            "cross_host": 0,
         }
         for kind, nbytes in communication.items()
     }
+    several = hosts is not None and len(set(hosts)) > 1
+    cross_host: dict[str, dict[str, int]] = {}
+    if several:
+        mesh_groups = {"shard": _shard_groups(replicas, shards), "replicate": _replicate_groups(replicas, shards)}
+        for kind, w in wire.items():
+            groups_of = mesh_groups["replicate" if kind == "all_reduce" else "shard"]
+            cross_host[kind] = _host_out(groups_of, hosts, w["sent"])
+            w["cross_host"] = sum(cross_host[kind].values())
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch
@@ -211,13 +303,18 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int) -> Plan:
         communication=communication,
         wire=wire,
         code=render(model, config, world_size, device_type(world_size)),
+        mesh=(replicas, shards),
+        hosts=list(hosts) if several else [],
+        cross_host=cross_host,
     )
 
 
 @as_usage_errors
-def explain(model: nn.Module, world_size: int = 2, **settings: Any) -> Plan:
-    """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys.
+def explain(model: nn.Module, world_size: int = 2, hosts: list[str] | None = None, **settings: Any) -> Plan:
+    """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys, ``hosts`` each
+    rank's host (to see which collectives cross between hosts).
 
     >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
+    >>> nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], sharding_strategy="HYBRID_SHARD", replicas=2)
     """
-    return plan(model, for_device(resolve(settings, {}), device_type(world_size)), world_size)
+    return plan(model, for_device(resolve(settings, {}), device_type(world_size)), world_size, hosts)

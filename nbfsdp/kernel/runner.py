@@ -25,7 +25,7 @@ from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster import FSDPCluster
+from nbfsdp.kernel.cluster import Cluster
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
 
 #: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
@@ -39,13 +39,16 @@ INTERRUPT_GRACE_SECONDS = 1.5
 class RankError(Exception):
     """A rank failed; shows that rank's traceback, not the client's."""
 
-    def __init__(self, rank: int, message: str, remote_traceback: str = "", others: str = "") -> None:
-        super().__init__(f"rank {rank}: {message}{f' ({others})' if others else ''}")
-        self.rank = rank
+    def __init__(
+        self, rank: int, message: str, remote_traceback: str = "", others: str = "", host: str | None = None
+    ) -> None:
+        self.label = f"rank {rank}" if host is None else f"rank {rank} on {host}"
+        super().__init__(f"{self.label}: {message}{f' ({others})' if others else ''}")
+        self.rank, self.host = rank, host
         self.remote_traceback = remote_traceback
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"[rank {self.rank}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
+        lines = [f"[{self.label}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
         return [*lines, f"RankError: {self}"]
 
 
@@ -165,7 +168,7 @@ class RankRun:
 
     def __init__(
         self,
-        cluster: FSDPCluster,
+        cluster: Cluster,
         spec: CellSpec,
         values: bytes,
         skeletons: dict[str, bytes],
@@ -206,14 +209,21 @@ class RankRun:
         failed = {rank: o for rank, o in outcomes.items() if not o.ok}
         if failed:
             self.world.broken = True
-            primary = {rank: o for rank, o in failed.items() if not o.secondary} or failed
+            # a rank whose engine ended is the cause; its peers' errors (a closed connection) follow from it
+            primary = (
+                {rank: o for rank, o in failed.items() if o.engine_lost}
+                or {rank: o for rank, o in failed.items() if not o.secondary}
+                or failed
+            )
             rank = min(primary)
             message = primary[rank].error
-            same = [str(r) for r in primary if r != rank and primary[r].error == message]
+            same = [str(r) for r in sorted(primary) if r != rank and primary[r].error == message]
             others = [f"rank {r}: {o.error}" for r, o in primary.items() if r != rank and o.error != message]
             if same:
                 others.insert(0, f"also on ranks {', '.join(same)}")
-            raise RankError(rank, message, primary[rank].traceback, "; ".join(others))
+            hosts = [info.host for info in self.world.engines]
+            host = hosts[rank] if len(set(hosts)) > 1 else None  # named where the world spans hosts
+            raise RankError(rank, message, primary[rank].traceback, "; ".join(others), host)
         return [outcomes[rank] for rank in range(len(self.results))]
 
 
@@ -232,7 +242,7 @@ def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[],
         run._records.pump()
         if time.monotonic() >= next_liveness:
             for rank, how in cluster.dead_ranks().items():
-                outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}"))
+                outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))
                 if run.view is not None:
                     run.view.rank_state(rank, f"dead: {how}")
             next_liveness = time.monotonic() + LIVENESS_SECONDS
@@ -265,6 +275,8 @@ def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: boo
         for rank in running:
             if results[rank].ready():
                 outcomes[rank] = _outcome(results[rank])
+    for rank, how in cluster.dead_ranks().items():  # ended while the others were being stopped
+        outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))
     stuck = [rank for rank in range(len(results)) if rank not in outcomes]
     for rank in stuck:
         outcomes[rank] = CellOutcome.failed("did not stop; engine killed", secondary=True)

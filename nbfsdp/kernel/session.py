@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.kernel import history, loaders
-from nbfsdp.kernel.cluster import FSDPCluster, World, device_type
+from nbfsdp.kernel.cluster import Cluster, FSDPCluster, World
 from nbfsdp.kernel.control import RunControl
 from nbfsdp.kernel.delivery import deliver
 from nbfsdp.kernel.planning import plan
@@ -97,7 +97,7 @@ class Session:
 
     def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         self.shell = shell
-        self.cluster = cluster or FSDPCluster()
+        self.cluster: Cluster = cluster or FSDPCluster()
         self.panel: dict[str, Any] = {}
         """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
         self.panel_world_size: int | None = None
@@ -141,7 +141,7 @@ class Session:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
-        config = validate(config, world_size, device_type(world_size))
+        config = validate(config, world_size, self.cluster.device_type(world_size))
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
@@ -160,6 +160,9 @@ class Session:
         if self.pending_save is not None and not self.cluster.reuses_world(world_size, timeout):
             self.pending_save.wait()  # replacing the world would end its write
         world = self.cluster.ensure_world(world_size, timeout)
+        unsteerable = self.cluster.unsteerable(world)
+        if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
+            raise UsageError(f"--save-interval: {unsteerable}")  # the ranks agree on each save through files there
         if world.generation != self._models_generation:  # a new world holds no models, nor anything else
             self._engine_models, self._models_generation, self._engine_objects = {}, world.generation, {}
             if kept:  # it was to be the running one (a rank died since): send everything after all
@@ -175,7 +178,7 @@ class Session:
         received = deliver(self.cluster, world, delivering, tokens, shard_degree, config.cpu_offload)
         sending = {name: skeletons[name] for name in to_send}
         sent_bytes = [n + len(values) + sum(map(len, sending.values())) for n in received]
-        control = RunControl(self.cluster.private_dir, cell_number)
+        control = RunControl(self.cluster.private_dir, cell_number, unsteerable)
         saves = None
         if checkpointing is not None and checkpointing.save_interval is not None:
             folder = Path(checkpointing.save_folder).expanduser().resolve()  # the engines may run elsewhere
@@ -204,7 +207,7 @@ class Session:
             fsdp=config,
             materialize=materialize,
             seed=torch.initial_seed() % 2**63,
-            control=str(control.path),
+            control=control.for_ranks,
             loaders={
                 name: LoaderSplit(per_rank=per_rank_batches, seed_state=self._loaders.shuffle_state(sent[name]))
                 for name in plans
@@ -330,11 +333,20 @@ class Session:
         """A live dashboard where a frontend can show one: in a kernel, not a terminal IPython."""
         if getattr(self.shell, "kernel", None) is None:
             return None
-        predicted = plan(next(iter(models.values())), config, world.world_size).memory if models else None
+        hosts = self.cluster.rank_hosts()
+        planned = plan(next(iter(models.values())), config, world.world_size, hosts) if models else None
         device = "cuda" if world.backend == "nccl" else "cpu"
         settings = {**dataclasses.asdict(config), "world_size": world.world_size}
         return LiveDashboard(
-            world.world_size, device, predicted, settings, self.change_settings, self.cancel, with_output=background
+            world.world_size,
+            device,
+            planned.memory if planned else None,
+            settings,
+            self.change_settings,
+            self.cancel,
+            with_output=background,
+            hosts=hosts,
+            across_hosts=planned.hosts_lines() if planned else None,
         )
 
     def _read_inputs(self, reads: list[str]) -> tuple[dict[str, nn.Module], dict[str, Any]]:
@@ -491,18 +503,23 @@ class Session:
         """Epochs the notebook's loader began on the ranks: what a checkpoint saves as its epoch count."""
         return self._loaders.epochs(loader)
 
-    def attach(self, profile: str | None, cluster_id: str | None) -> int:
+    def attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None) -> list[str]:
         """Run the next cells on a running ipyparallel cluster nbfsdp did not start (``nbfsdp.kernel.attached``),
-        instead of its own, which stops; return its number of engines."""
+        instead of its own, which stops; return what to say of it."""
         from nbfsdp.kernel.attached import AttachedCluster
 
         if self.active is not None:
             raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then attach")
-        attached = AttachedCluster(profile, cluster_id)
+        attached = AttachedCluster(profile, cluster_id, shared_dir)
         self.detach()
         self.stop()
         self._own_cluster, self.cluster = self.cluster, attached
-        return attached.engines
+        return attached.summary()
+
+    def attached_to(self, profile: str, cluster_id: str | None) -> bool:
+        """The cells run on the cluster of ``profile`` (and ``cluster_id``, where given) already."""
+        cluster = self.cluster
+        return self.attached and cluster.profile == profile and cluster_id in (None, cluster.cluster_id)
 
     @property
     def attached(self) -> bool:

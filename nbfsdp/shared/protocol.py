@@ -68,6 +68,8 @@ class HostIdentity:
     """Equal for the engines of one host, and only for them: what ranks are grouped by."""
     pid: int
     """The engine's process id on that host."""
+    gpus: int = 0
+    """The GPUs this engine sees (all of its host's, unless the engine's CUDA_VISIBLE_DEVICES narrows them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,7 +125,8 @@ class CellSpec:
     seed: int
     """The notebook's torch seed: meta-built models initialize under it."""
     control: str
-    """The path of the cell's live-control request file (``control_file``)."""
+    """The path of the cell's live-control request file (``control_file``), or '' where the ranks cannot
+    all see one (hosts that share no directory with the notebook): then nothing steers the cell."""
     loaders: dict[str, LoaderSplit] = field(default_factory=dict)
     """The notebook's DataLoaders the cell reads, and how each rank splits each."""
     resume_step: int = 0

@@ -64,8 +64,14 @@ class LiveDashboard:
         on_change: Callable[[dict[str, Any]], str],
         on_stop: Callable[[], None],
         with_output: bool = False,
+        hosts: list[str] | None = None,
+        across_hosts: list[str] | None = None,
     ) -> None:
+        """``hosts``: each rank's host, a column where there are several; ``across_hosts``: the plan's lines on
+        the mesh over those hosts and what crosses between them (``Plan.hosts_lines``), shown above the ranks."""
         self.world_size = world_size
+        self._hosts = hosts if hosts and len(set(hosts)) > 1 else None
+        self._across_hosts = across_hosts or []
         self.predicted = predicted
         self.records: list[dict[str, Any]] = []
         self.redraws = 0
@@ -209,17 +215,20 @@ class LiveDashboard:
         latest: dict[int, dict[str, Any]] = {}
         for record in self.records:
             latest[record["rank"]] = record
+        host = lambda rank: f"<td>{html.escape(self._hosts[rank])}</td>" if self._hosts else ""  # noqa: E731
         rows = ""
         for rank in range(self.world_size):
             record = latest.get(rank)
             step = record["step"] if record else ""
             step_time = f"{record['step_time'] * 1000:.0f} ms" if record else ""
             rows += (
-                f"<tr><td>{rank}</td><td>{step}</td><td>{step_time}</td><td>{self._device}</td>"
+                f"<tr><td>{rank}</td>{host(rank)}<td>{step}</td><td>{step_time}</td><td>{self._device}</td>"
                 f"<td>{self._states[rank]}</td></tr>"
             )
+        header = "<th>rank</th>" + ("<th>host</th>" if self._hosts else "")
+        mesh = "".join(f"<div>{html.escape(line)}</div>" for line in self._across_hosts)
         return (
-            f"<table><tr><th>rank</th><th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
+            f"{mesh}<table><tr>{header}<th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
         )
 
     def figure(self) -> Figure:
