@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -119,8 +120,15 @@ def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, 
         (names[1], "1", "eth0"),
     ]
     run_ok(shell, "%fsdp status")
-    status = capsys.readouterr().out
-    assert all(name in status for name in names), status
+    status = capsys.readouterr().out.splitlines()
+    assert f"hosts: {names[0]} (2 ranks), {names[1]} (2 ranks)" in status, status
+    header = status.index(next(line for line in status if line.split()[:3] == ["rank", "host", "local"]))
+    rows = [line.split()[:3] for line in status[header + 1 : header + 5]]
+    assert rows == [["0", names[0], "0"], ["1", names[0], "1"], ["2", names[1], "0"], ["3", names[1], "1"]], status
+
+    # the kernel's own listening sockets (the lifelines') are on the hosts' network or loopback only
+    mine = {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert mine <= {"127.0.0.1", machines.bridge_address}, mine
 
     # on rank 0's host, nothing listens beyond its own address on the hosts' network and loopback:
     # the world's store and gloo are bound to the address toward the others, never to every interface

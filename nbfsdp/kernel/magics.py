@@ -320,10 +320,19 @@ class FSDPMagics(Magics):
         )
         if (saving := self.session.pending_save) is not None:
             print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
-        width = max(len("host"), *(len(info.host) for info in world.engines))
-        print(f"{'rank':>4}  {'host':<{width}}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
+        hosts = cluster.rank_hosts()
+        by_host: dict[str, list[int]] = {}
+        for rank, host in enumerate(hosts):
+            by_host.setdefault(host, []).append(rank)
+        print(f"hosts: {', '.join(f'{host} ({len(ranks)} ranks)' for host, ranks in by_host.items())}")
+        width = max(len("host"), *map(len, hosts))
+        print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
         for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
-            print(f"{rank:>4}  {info.host:<{width}}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}  {info.device}")
+            local = by_host[hosts[rank]].index(rank)  # as LOCAL_RANK: ranks of a host are numbered from 0
+            print(
+                f"{rank:>4}  {hosts[rank]:<{width}}  {local:>5}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}"
+                f"  {info.device}"
+            )
 
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")
