@@ -1,7 +1,7 @@
 """A cluster nbfsdp did not start: ``%fsdp attach --profile P [--cluster-id ID]``.
 
 The user started it (``ipcluster start --engines=ssh|slurm|mpi ...``), on this machine or spread over
-several hosts; nbfsdp connects with ipyparallel's own files (``Cluster.from_file``), asks each engine
+several hosts; nbfsdp connects with ipyparallel's own connection files, asks each engine
 which host it is on, gives ranks host by host (``nbfsdp.kernel.hosts``) and makes the world's store a
 TCPStore on rank 0's host, on the interface that reaches the controller. It never stops the cluster:
 ``%fsdp detach`` lets go of it, and ``%fsdp stop`` says so. While attached it is the session's
@@ -65,21 +65,25 @@ class AttachedCluster:
 
     def __init__(self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None) -> None:
         profile = profile or "default"
+        directory = _profile_dir(profile)
         if cluster_id is None:
-            cluster_id = _only_cluster(profile)
+            cluster_id = _only_cluster(directory, profile)
+        # ipyparallel's connection files, not Cluster.from_file: that would restore the cluster's launchers
+        # here, and an SSH launcher then watches every engine over ssh from this kernel, once a minute
+        name = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
         try:
-            self._cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id)
+            self._engine_connection = json.loads(Path(directory.security_dir, f"{name}-engine.json").read_text())
+            self.client = ipp.Client(profile_dir=directory.location, cluster_id=cluster_id)
         except (OSError, ValueError) as error:
             raise UsageError(
                 f"no running ipyparallel cluster in profile {profile} with cluster id {cluster_id!r}: {error}"
             ) from None
-        self.client = self._cluster.connect_client_sync()
         self.profile, self.cluster_id = profile, cluster_id
         self._lifelines = Lifelines(source_address(self._controller_address()))
         self._warn_without_curve()
         # where the notebook and the ranks meet to steer a cell (live changes, cancel, interval saves): the
         # profile's directory, which the hosts of a Slurm or PBS cluster share, unless the user names one
-        parent = Path(shared_dir or Path(self._cluster.profile_dir, "nbfsdp")).expanduser().resolve()
+        parent = Path(shared_dir or Path(directory.location, "nbfsdp")).expanduser().resolve()
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self._private_dir = tempfile.mkdtemp(prefix="attached-", dir=parent)  # mode 0700
@@ -272,13 +276,8 @@ class AttachedCluster:
     def _warn_without_curve(self) -> None:
         """One line where the controller takes engines from beyond loopback without CurveZMQ: ipyparallel's
         own engine connection file says where it listens and whether it has a CurveZMQ key."""
-        try:
-            with open(self._cluster.controller.connection_files["engine"]) as file:
-                engines = json.load(file)
-        except (AttributeError, OSError, ValueError):
-            return
-        address = engines.get("interface", "").split("://")[-1]
-        if engines.get("curve_serverkey") or not address:
+        address = self._engine_connection.get("interface", "").split("://")[-1]
+        if self._engine_connection.get("curve_serverkey") or not address:
             return
         try:
             loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
@@ -288,19 +287,23 @@ class AttachedCluster:
             print(CURVE_WARNING.format(address=address), file=sys.stderr)
 
     def _controller_address(self) -> str:
-        """The address the engines reach the controller at: the network the hosts share."""
-        address = self._cluster.controller_ip or ""
+        """The address the engines reach the controller at (its engine connection file): the network the
+        hosts share."""
+        address = self._engine_connection.get("interface", "").split("://")[-1]
         if address in ("", "*", "0.0.0.0"):
-            address = self._cluster.controller_location or "127.0.0.1"
+            address = self._engine_connection.get("location") or "127.0.0.1"
         return address
 
 
-def _only_cluster(profile: str) -> str:
-    """The id of the one cluster running in ``profile`` (its ``security/cluster-<id>.json``)."""
+def _profile_dir(profile: str) -> ProfileDir:
     try:
-        directory = ProfileDir.find_profile_dir_by_name(get_ipython_dir(), profile)
+        return ProfileDir.find_profile_dir_by_name(get_ipython_dir(), profile)
     except ProfileDirError:
         raise UsageError(f"no ipyparallel profile {profile!r} in {get_ipython_dir()}") from None
+
+
+def _only_cluster(directory: ProfileDir, profile: str) -> str:
+    """The id of the one cluster running in ``profile`` (its ``security/cluster-<id>.json``)."""
     found = sorted(p.name[len("cluster-") : -len(".json")] for p in Path(directory.security_dir).glob("cluster-*.json"))
     if len(found) == 1:
         return found[0]
