@@ -14,6 +14,9 @@ Benchmarks (each module's docstring says what it measures and how):
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
 8. ``checkpoint``   ``%fsdp save`` / ``load`` vs ``dcp.save`` / ``load`` direct on the same engines, vs the
                     disk's write speed, and the engines' peak memory while saving, ws 2
+9. ``hosts``        2 hosts x 2 ranks (network namespaces, an SSH-launched cluster ``%fsdp attach``-ed): the
+                    step-time loop vs ``torchrun --nnodes 2``, and the bytes each host receives / its shards;
+                    skipped where namespaces cannot be made
 
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out`` (default ``benchmarks/results``)
 and prints the table. ``--quick`` runs tiny sizes, few rounds and world size 2 where the point allows (the
@@ -36,6 +39,7 @@ from benchmarks import (
     cold_start,
     dataloader,
     gpu,
+    hosts,
     log_overhead,
     machine,
     model_transfer,
@@ -47,11 +51,22 @@ from benchmarks.context import Context
 
 #: Report order (the issue's numbering).
 BENCHMARKS = {
-    m.NAME: m for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu, checkpoint)
+    m.NAME: m
+    for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu, checkpoint, hosts)
 }
 #: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
 #: world each round anyway), then those with kernels of their own.
-RUN_ORDER = ("log_overhead", "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "checkpoint", "gpu")
+RUN_ORDER = (
+    "log_overhead",
+    "step_time",
+    "dataloader",
+    "warm_cell",
+    "cold_start",
+    "transfer",
+    "checkpoint",
+    "hosts",
+    "gpu",
+)
 SHARE_WARM_KERNEL = {"log_overhead", "step_time", "dataloader", "warm_cell"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

@@ -223,8 +223,10 @@ def test_hosts_row_counts_what_each_host_received_against_its_ranks_shards(bench
                 <= round_["host_rx_bytes"][host]
                 <= 1.05 * round_["host_shard_bytes"][host]
             )
-    step, *transfer = result["measurements"]
+    step, idle, *transfer = result["measurements"]
     assert step["value"] is None and "--quick" in step["note"] and step["target"] == 1.05
+    assert idle["unit"] == "cores" and 0 <= idle["value"] < 2 and idle["ok"] is None
+    assert result["idle_session"]["processes"]["engines"] == 8  # 4 engines and their nannies, over 2 hosts
     assert [m["ok"] for m in transfer] == [True, True]
 
 
