@@ -170,6 +170,7 @@ def ssh_cluster(machines: Hosts, engines_per_host: int, python: str, profile: st
         config=config,
         **({"profile": profile} if profile else {"profile_dir": str(machines.directory / "profile")}),
         log_level=40,
+        engine_timeout=240,  # ssh and an engine's imports on a busy 2-core machine: well past the default 60 s
     )
     client = cluster.start_and_connect_sync()
     try:

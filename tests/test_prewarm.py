@@ -130,7 +130,9 @@ def test_load_ext_returns_at_once_and_the_engines_come_up_without_a_cell(kernels
     assert load_seconds < warm_up / 4, f"%load_ext took {load_seconds:.2f}s of a {warm_up:.2f}s warm-up"
     assert "nbfsdp: starting 2 engines in the background (since " in answers[0]
     status = answers[-1]
-    header, *rows = status.splitlines()[1:]
+    lines = status.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rank"])  # after the world and hosts lines
+    header, rows = lines[at], lines[at + 1 :]
     pids = [int(row.split()[header.split().index("pid")]) for row in rows]
     assert len(pids) == 2 and len(kernel.cluster_processes()) >= 3  # the controller and both engines
 
