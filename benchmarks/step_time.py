@@ -28,6 +28,29 @@ TARGET_RATIO = 1.03
 TARGET_THROUGHPUT = 0.98
 
 
+def side_by_side(a_rounds: list, b_rounds: list, a_cpu: list, b_cpu: list, first: dict) -> dict:
+    """What every torchrun-against-%%fsdp result holds: the rounds' medians, their ratio, the first round's
+    losses (and how far apart), units, engine threads, backend and wall times."""
+    return {
+        "torchrun_round_medians_s": a_rounds,
+        "fsdp_round_medians_s": b_rounds,
+        "torchrun_median_s": statistics.median(a_rounds),
+        "fsdp_median_s": statistics.median(b_rounds),
+        "ratio": statistics.median(b_rounds) / statistics.median(a_rounds),
+        "torchrun_cpu_round_medians_s": a_cpu,
+        "fsdp_cpu_round_medians_s": b_cpu,
+        "losses_torchrun": first["torchrun"]["losses"],
+        "losses_fsdp": first["fsdp"]["losses"],
+        "loss_max_abs_diff": parity(first["torchrun"]["losses"], first["fsdp"]["losses"]),
+        "units_torchrun": first["torchrun"]["units"],
+        "units_fsdp": first["fsdp"]["units"],
+        "threads_fsdp_engines": first["fsdp"]["engine_threads"],
+        "backend_fsdp": first["fsdp"]["backend"],
+        "torchrun_wall_s": first["torchrun"]["wall_s"],
+        "fsdp_cell_round_trip_s": first["fsdp"]["cell_round_trip_s"],
+    }
+
+
 def parity(a_losses: list[float], b_losses: list[float]) -> float:
     """Largest absolute difference between two runs' losses (inf when their lengths differ)."""
     if len(a_losses) != len(b_losses):
@@ -70,31 +93,16 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         "sizes": sizes.as_dict(),
         "first_side_each_round": first_sides,
         "world_stopped_for_torchrun": stopped_for_torchrun,
-        "torchrun_round_medians_s": a_rounds,
-        "fsdp_round_medians_s": b_rounds,
-        "torchrun_median_s": statistics.median(a_rounds),
-        "fsdp_median_s": statistics.median(b_rounds),
-        "ratio": statistics.median(b_rounds) / statistics.median(a_rounds),
-        "torchrun_cpu_round_medians_s": a_cpu_rounds,
-        "fsdp_cpu_round_medians_s": b_cpu_rounds,
-        "losses_torchrun": first["torchrun"]["losses"],
-        "losses_fsdp": first["fsdp"]["losses"],
-        "loss_max_abs_diff": parity(first["torchrun"]["losses"], first["fsdp"]["losses"]),
-        "units_torchrun": first["torchrun"]["units"],
-        "units_fsdp": first["fsdp"]["units"],
+        **side_by_side(a_rounds, b_rounds, a_cpu_rounds, b_cpu_rounds, first),
         "step_times_torchrun_s": first["torchrun"]["step_times"],
         "step_times_fsdp_s": first["fsdp"]["step_times"],
         "threads_torchrun": {
             "torch_threads": first["torchrun"]["torch_threads"],
             "OMP_NUM_THREADS": first["torchrun"]["omp_num_threads"],
         },
-        "threads_fsdp_engines": first["fsdp"]["engine_threads"],
         "device_torchrun": first["torchrun"]["device"],
         "devices_fsdp": first["fsdp"]["devices"],
-        "backend_fsdp": first["fsdp"]["backend"],
         "fsdp_records_per_cell": first["fsdp"]["records"],
-        "torchrun_wall_s": first["torchrun"]["wall_s"],
-        "fsdp_cell_round_trip_s": first["fsdp"]["cell_round_trip_s"],
         **(_loader_reads(first) if sizes.from_loader else {}),
     }
 

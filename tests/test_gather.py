@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 import torch
@@ -83,6 +85,17 @@ def test_only_rank_0_materializes_the_full_state(shell, cluster):
     del shell.user_ns["big"]
 
 
+def settled_rss(process: psutil.Process, seconds: float = 2.0) -> int:
+    """The least resident size over a short window: the controller frees the messages it passed on a moment
+    after the cell returns (measured: 110-130 MiB above its floor in one sample of eight, gone by the next)."""
+    samples = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        samples.append(process.memory_info().rss)
+        time.sleep(0.05)
+    return min(samples)
+
+
 def test_the_controller_keeps_no_copy_of_what_a_cell_sends_or_gathers(shell, cluster):
     # ipyparallel's default task database keeps every request's and result's buffers (up to 1 GiB): here,
     # the shards sent and the state gathered, about twice the model, for the life of the world (measured:
@@ -91,10 +104,10 @@ def test_the_controller_keeps_no_copy_of_what_a_cell_sends_or_gathers(shell, clu
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     run_ok(shell, "%%fsdp --world-size 2\nbig\n")  # sent to the ranks, gathered back: the allocator's pools grown
     controller = psutil.Process(cluster.cluster_pids()[1])
-    before = controller.memory_info().rss
+    before = settled_rss(controller)
     for _ in range(2):  # a database keeps each cell's messages (about 2x the model a cell); pools are reused
         shell.user_ns["big"] = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # sent anew
         run_ok(shell, "%%fsdp --world-size 2\nbig\n")
-    kept = controller.memory_info().rss - before
+    kept = settled_rss(controller) - before
     assert kept < 0.5 * full, f"the controller kept {kept / 2**20:.0f} MiB over two cells of {full / 2**20:.0f} MiB"
     del shell.user_ns["big"]

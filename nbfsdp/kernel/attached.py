@@ -100,7 +100,11 @@ class AttachedCluster:
         self.background_error: BaseException | None = None
         self.starting = None
         if self.engines:  # every engine checks in now: its host, whether it sees the directory, its lifeline
-            self.placements = self.placements_for(self.engines)
+            try:
+                self.placements = self.placements_for(self.engines)
+            except BaseException:  # an engine that cannot check in: let go of all this attach opened
+                self.detach()
+                raise
 
     def summary(self) -> list[str]:
         """What ``%fsdp attach`` says: the engines per host, and why cells cannot be steered, if so."""
@@ -109,7 +113,7 @@ class AttachedCluster:
             counts[placement.host] = counts.get(placement.host, 0) + 1
         hosts = ", ".join(f"{host} {count}" for host, count in counts.items())
         lines = [f"attached to {len(self.placements)} engines on {len(counts)} hosts ({hosts}); `%fsdp status`"]
-        if why := self.unsteerable(None):
+        if why := self.unsteerable():
             lines.append(f"warning: {why}")
         return lines
 
@@ -119,8 +123,8 @@ class AttachedCluster:
         """Where the cells' run control files go: a directory the hosts share, if they do (``unsteerable``)."""
         return self._private_dir
 
-    def unsteerable(self, world: World | None) -> str | None:
-        """Why a cell in ``world`` cannot be steered mid-run: hosts of its ranks that do not see ``private_dir``."""
+    def unsteerable(self) -> str | None:
+        """Why a cell cannot be steered mid-run: the hosts that do not see ``private_dir``."""
         blind = sorted({p.host for p in self.placements if not self._sees_private_dir.get(p.engine_id)})
         if not blind:
             return None

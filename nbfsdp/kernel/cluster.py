@@ -154,7 +154,7 @@ class Cluster(Protocol):
     def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
     def reuses_world(self, world_size: int, timeout: float) -> bool: ...
     def ensure_world(self, world_size: int, timeout: float) -> World: ...
-    def unsteerable(self, world: World) -> str | None: ...
+    def unsteerable(self) -> str | None: ...
     def device_type(self, world_size: int) -> str:
         """Where a world of ``world_size`` runs: "cuda" (a GPU a rank, NCCL) or "cpu" (gloo)."""
 
@@ -262,8 +262,8 @@ class FSDPCluster:
         for rank in ranks:
             self.world.processes[rank].signal(signum)
 
-    def unsteerable(self, world: World) -> str | None:
-        """Why a cell in ``world`` could not be steered mid-run: never, every rank is on this machine."""
+    def unsteerable(self) -> str | None:
+        """Why a cell could not be steered mid-run: never, every rank is on this machine."""
         return None
 
     def device_type(self, world_size: int) -> str:

@@ -26,7 +26,7 @@ LINE_ACTIONS = (
     "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "save", "load", "checkpoints", "export",
     "attach", "detach",
 )  # fmt: skip
-WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU)."
+WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU; attached: every engine)."
 
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
 SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in ("ignored", "why")), "world_size")

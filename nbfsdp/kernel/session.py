@@ -160,7 +160,7 @@ class Session:
         if self.pending_save is not None and not self.cluster.reuses_world(world_size, timeout):
             self.pending_save.wait()  # replacing the world would end its write
         world = self.cluster.ensure_world(world_size, timeout)
-        unsteerable = self.cluster.unsteerable(world)
+        unsteerable = self.cluster.unsteerable()
         if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
             raise UsageError(f"--save-interval: {unsteerable}")  # the ranks agree on each save through files there
         if world.generation != self._models_generation:  # a new world holds no models, nor anything else
