@@ -13,11 +13,11 @@ TCPStore on rank 0's host address, gloo over each host's ``eth0``.
   netns exec``), gloo on ``eth0``. B: the ``%%fsdp`` cell in the attached kernel (``nbfsdp.log`` each
   step, the dashboard on). Rounds in ``in_turn``'s order, each side with nothing of the other running:
   during torchrun's turn every process of the attached session is stopped (``SIGSTOP``, then ``SIGCONT``):
-  engines, nannies, controller, kernel, and ipyparallel's SSH launchers' waits (one per engine for the
-  cluster's own launcher, as ``ipcluster`` has, and one per engine for the kernel's, since ``%fsdp
-  attach`` reads the cluster with ``Cluster.from_file``; each a Python on the engine's host waiting on its
-  pid, started again over ssh every minute; new ones are stopped as they appear). The cluster stays up,
-  as an attached one does, but takes no CPU. Figure: the median over rounds of each side's per-round
+  engines, nannies, controller, kernel, and ipyparallel's SSH launcher's waits (one per engine, as
+  ``ipcluster`` has: a Python on the engine's host waiting on its pid, started again over ssh every
+  minute; new ones are stopped as they appear; the kernel starts none, ``%fsdp attach`` reading the
+  connection files rather than ``Cluster.from_file``, and the idle row counts them to show it). The
+  cluster stays up, as an attached one does, but takes no CPU. Figure: the median over rounds of each side's per-round
   median, B/A (target at most 1.05), with rank 0's CPU per step and loss parity as in ``step_time``;
   beside it, the cores other processes of the shared machine took during each turn, and the ratio over
   the rounds they left alone.
@@ -111,9 +111,9 @@ def _session_processes(machines: namespace_hosts.Hosts, cluster, kernel: Kernel)
     """What the attached session runs, by part. ``engines``: the processes inside the hosts that the SSH
     launcher left (engines, nannies: no longer below this process). ``waiters``: the remote halves of
     ipyparallel's SSH launchers' waits, one per engine for each ``Cluster`` that knows it (the one that
-    started the cluster, as ``ipcluster`` would be, and the kernel's, made by ``%fsdp attach``'s
-    ``Cluster.from_file``): a Python on each host, through sshd, waiting on its engine's pid (idle: a
-    pidfd) and started again every minute; ``ssh``: their local halves, the ssh clients.
+    started the cluster, as ``ipcluster`` would be; a kernel that restored the cluster with
+    ``Cluster.from_file`` would add its own): a Python on each host, through sshd, waiting on its engine's
+    pid (idle: a pidfd) and started again every minute; ``ssh``: their local halves, the ssh clients.
     ``controller``: the controller and its schedulers; ``kernel``: the kernel and everything below it
     (its drawing worker, its launchers' ssh clients). Not sshd itself, nor torchrun's nodes and ranks
     (below this process, and no sshd between)."""
@@ -500,7 +500,7 @@ def _idle_row(idle: dict) -> Measurement:
         value=sum(cores.values()),
         unit="cores",
         note=f"no target; over {idle['seconds']:.0f} s: {parts}. The SSH waits: "
-        f"{idle['ssh_waits_of_the_kernel']} of the kernel's (`%fsdp attach`'s Cluster.from_file), "
+        f"{idle['ssh_waits_of_the_kernel']} of the kernel's (`%fsdp attach` reads connection files), "
         f"{idle['ssh_waits_of_the_cluster']} of the cluster's own launcher, each a Python on the engine's host "
         "waiting on its pid, started again over ssh every minute (a new connection and a Python start-up, "
         "~0.3 s of CPU each: a window of a minute or more sees one restart of each)",
