@@ -79,6 +79,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _orphans(before: set[int]) -> list[psutil.Process]:
+    """Processes of this interpreter, not among the pids ``before``, that outlived their parents (a controller's
+    schedulers, a nanny): no longer below this process, so ``children`` misses them. A few seconds' grace
+    for those still ending."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "ppid"]):
+        info = process.info
+        if process.pid not in before and info["ppid"] == 1 and (info["cmdline"] or [""])[0] == sys.executable:
+            found.append(process)
+    return psutil.wait_procs(found, timeout=5)[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     chosen = [name for name in RUN_ORDER if not args.only or name in args.only]
@@ -86,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(quick=args.quick)
     results: dict[str, dict] = {}
     timings: dict[str, float] = {}
-    started = time.perf_counter()
+    started, pids_before = time.perf_counter(), set(psutil.pids())
     try:
         for name in chosen:
             if name not in SHARE_WARM_KERNEL:
@@ -102,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
     finally:
         ctx.close_warm_kernel()
-    children = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in psutil.Process().children(recursive=True)]
+    children = [
+        f"{p.pid} {' '.join(p.cmdline())[:120]}"
+        for p in [*psutil.Process().children(recursive=True), *_orphans(pids_before)]
+    ]
     extra = {
         "quick": args.quick,
         "seconds": {**timings, "total": time.perf_counter() - started},

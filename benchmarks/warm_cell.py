@@ -12,12 +12,14 @@ Run alone: ``python -m benchmarks --only warm_cell``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
 
 import ipyparallel as ipp
+import psutil
 
 from benchmarks.context import Context
 from benchmarks.measurement import Measurement, median
@@ -42,8 +44,22 @@ class RawCluster:
         return time.perf_counter() - started
 
     def stop(self) -> None:
+        """Stop the cluster and every process it made. ipyparallel's stop ends the controller and engines it
+        launched, but schedulers the controller forked outlive a controller that had to be killed (seen: five
+        of them, orphaned, 40 minutes after a loaded test run), and a nanny may linger: end them here."""
+        tree = []  # the controller, the schedulers it forked, the engines (their nannies) and what they started
+        launchers = [self.cluster.controller, *(e for s in self.cluster.engines.values() for e in s.launchers.values())]
+        for launcher in launchers:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(launcher.pid)
+                tree += [process, *process.children(recursive=True)]
         self.client.close()
         self.cluster.stop_cluster_sync()
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=10)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
