@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -92,7 +93,7 @@ def hosts(count: int, directory: Path, hostname: str | None = None, hidden: tupl
     ssh_config = directory / "ssh_config"
     ssh_config.write_text(
         f"Host *\n  User root\n  IdentityFile {key}\n  IdentitiesOnly yes\n  BatchMode yes\n"
-        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  ConnectTimeout 5\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  ConnectTimeout 60\n"
     )
     result = Hosts([], f"{subnet}.1", ssh_config, directory)
     try:
@@ -163,23 +164,48 @@ def ssh_cluster(machines: Hosts, engines_per_host: int, python: str, profile: st
     config.SSHLauncher.ssh_args = ["-F", str(machines.ssh_config)]
     config.SSHLauncher.scp_args = ["-F", str(machines.ssh_config)]
     config.SSHLauncher.remote_python = python  # a bare python3 over ssh would be another interpreter
-    cluster = ipp.Cluster(
-        controller_ip=machines.bridge_address,
-        engines="ssh",
-        n=engines_per_host * len(machines.hosts),
-        config=config,
-        **({"profile": profile} if profile else {"profile_dir": str(machines.directory / "profile")}),
-        log_level=40,
-        engine_timeout=240,  # ssh and an engine's imports on a busy 2-core machine: well past the default 60 s
-    )
-    client = cluster.start_and_connect_sync()
+    engines = engines_per_host * len(machines.hosts)
+    for attempt in range(1, STARTS + 1):
+        cluster = ipp.Cluster(
+            controller_ip=machines.bridge_address,
+            engines="ssh",
+            n=engines,
+            config=config,
+            **({"profile": profile} if profile else {"profile_dir": str(machines.directory / "profile")}),
+            log_level=40,
+            engine_timeout=120,  # ssh and an engine's imports on a busy 2-core machine: past the default 60 s
+        )
+        try:
+            client = cluster.start_and_connect_sync()
+            break
+        except TimeoutError as error:
+            # ipyparallel's hub can drop an engine whose registration completed on the engine's side, when
+            # its heart monitor never reports the engine's heart (ipyparallel#700): seen in 2 of 4 fresh-clone
+            # test runs here, one engine of 4 (its log: "Completed registration with id 3"). Not nbfsdp's to
+            # mend: the fixture stops that cluster and starts another
+            _stop(cluster)
+            if attempt == STARTS:
+                raise
+            print(f"tests/hosts.py: {error}; starting the cluster once more", file=sys.stderr)
+        except BaseException:
+            _stop(cluster)  # nothing outlives the fixture, not even to ipyparallel's stop at exit
+            raise
     try:
-        client.wait_for_engines(engines_per_host * len(machines.hosts), timeout=120)
+        client.wait_for_engines(engines, timeout=120)
         yield cluster
     finally:
         client.close()
-        try:
-            cluster.stop_cluster_sync()
-        except subprocess.CalledProcessError:  # a host the test killed cannot be reached to stop its engines
-            cluster.engines.clear()  # the hosts' teardown ends them (and nothing is left to try again at exit)
-            cluster.stop_controller_sync()
+        _stop(cluster)
+
+
+#: How many times ``ssh_cluster`` starts a cluster whose engines do not all register (see there).
+STARTS = 2
+
+
+def _stop(cluster) -> None:
+    """Stop an ipyparallel cluster of the hosts, engines and controller."""
+    try:
+        cluster.stop_cluster_sync()
+    except subprocess.CalledProcessError:  # a host the test killed cannot be reached to stop its engines
+        cluster.engines.clear()  # the hosts' teardown ends them (and nothing is left to try again at exit)
+        cluster.stop_controller_sync()
