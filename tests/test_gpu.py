@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import os
+import subprocess
+import sys
 import time
 
+import ipyparallel as ipp
 import pytest
 import torch
+from IPython.core.error import UsageError
 
 import nbfsdp
-from tests.conftest import gpu, run_ok
+from tests.conftest import gpu, one_process_losses, run_failing, run_ok
 from tests.test_fsdp_code import printed_code_against_the_cell
 
 pytestmark = [gpu, pytest.mark.timeout(180)]
@@ -62,9 +68,75 @@ for step in range(40):
 """,
     )
     time.sleep(1.0)
-    shell.run_line_magic("fsdp", "set mixed_precision=PURE")
-    shell.run_line_magic("fsdp", "wait")
+    try:
+        shell.run_line_magic("fsdp", "set mixed_precision=PURE")
+        shell.run_line_magic("fsdp", "wait")
+    finally:
+        nbfsdp._magics.session.panel.clear()  # `%fsdp set` is the next cells' default too: not the next test's
     dtypes = shell.user_ns["dtypes"]
     switched = dtypes.index("torch.bfloat16")
     assert switched > 0 and set(dtypes[switched:]) == {"torch.bfloat16"}, dtypes
     assert nbfsdp.last_run().ok
+
+
+@pytest.mark.timeout(300)
+def test_an_attached_cluster_over_hosts_runs_nccl_from_each_hosts_local_gpu(shell, tiny_model, tmp_path, capsys):
+    """The multi-host GPU path on one GPU: two engines of a cluster the user started, each told it is on a host
+    of its own (``NBFSDP_HOST_ID`` for nbfsdp, ``NCCL_HOSTID`` for NCCL, which then connects them over its
+    network transport as it would two machines). Each takes GPU ``LOCAL_RANK`` (0), the world runs NCCL over
+    the interface toward the controller, and training is the same as one process (to 1e-4: GPU against CPU).
+    A third host whose engine sees no GPU is named in a UsageError, and ``--world-size 2`` leaves it out."""
+    reference = copy.deepcopy(tiny_model)
+    before = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(tmp_path / "ipython")
+    cluster = ipp.Cluster(profile="gpus", n=0, log_level=40)
+    engines: list[subprocess.Popen] = []
+    try:
+        cluster.start_controller_sync()
+        argv = [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={cluster.profile_dir}"]
+        argv.append(f"--cluster-id={cluster.cluster_id}")
+        client = cluster.connect_client_sync()
+        # engines 0 and 1 on hosts with a GPU, then engine 2 on a host without one (registered last)
+        for count, (host, gpus) in enumerate((("gpu-host-a", "0"), ("gpu-host-b", "0"), ("cpu-host-c", "")), 1):
+            environment = dict(os.environ, NBFSDP_HOST_ID=host, NCCL_HOSTID=host, CUDA_VISIBLE_DEVICES=gpus)
+            engines.append(subprocess.Popen(argv, env=environment))
+            client.wait_for_engines(count, timeout=120)
+        client.close()
+        run_ok(shell, f"%fsdp attach --profile gpus --cluster-id {cluster.cluster_id}")
+        assert "attached to 3 engines on 3 hosts" in capsys.readouterr().out
+        error, _ = run_failing(shell, "%%fsdp\nx = 1")  # every engine: the third host has no GPU
+        assert isinstance(error, UsageError), error
+        assert str(error).startswith("every rank needs a GPU of its own") and "1 ranks and 0 GPUs" in str(error)
+        run_ok(
+            shell,
+            """%%fsdp --world-size 2 --mixed-precision FULL --wrap-cls Block
+import os
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(4):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+mine = (str(device), os.environ["LOCAL_RANK"], os.environ["NCCL_SOCKET_IFNAME"], torch.distributed.get_backend())
+seen = [None] * world_size
+torch.distributed.all_gather_object(seen, mine)
+""",
+        )
+        assert shell.user_ns["seen"] == [("cuda:0", "0", "lo", "nccl")] * 2
+        run = nbfsdp.last_run()
+        assert run.world_size == 2 and run.metrics[0]["cuda_allocated"] > 0
+        sharded = [sum(run.metric("loss", rank=r)[step] for r in range(2)) / 2 for step in range(4)]
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        expected = one_process_losses(shell, reference, opt, 2, 4)
+        torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+        for trained, wanted in zip(tiny_model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(trained.cpu(), wanted, rtol=1e-4, atol=1e-4)
+    finally:
+        nbfsdp._magics.session.detach()
+        for process in engines:
+            process.kill()
+        cluster.stop_controller_sync()
+        if before is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = before

@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from nbfsdp.engines import hosts as engine_hosts
-from nbfsdp.kernel.hosts import place
+from nbfsdp.kernel.hosts import device_type, place
 from nbfsdp.shared.protocol import HostIdentity
 from tests import hosts as namespace_hosts
 
 
-def _engine(hostname: str, key: str | None = None, pid: int = 1) -> HostIdentity:
-    return HostIdentity(hostname=hostname, key=key or hostname, pid=pid)
+def _engine(hostname: str, key: str | None = None, pid: int = 1, gpus: int = 0) -> HostIdentity:
+    return HostIdentity(hostname=hostname, key=key or hostname, pid=pid, gpus=gpus)
 
 
 def test_ranks_go_host_by_host_whatever_order_the_engines_registered_in():
@@ -42,6 +42,19 @@ def test_a_subset_fills_hosts_one_after_another():
 def test_hosts_that_share_a_hostname_are_told_apart_by_name_too():
     engines = {0: _engine("node", "k1"), 1: _engine("node", "k2"), 2: _engine("node", "k1")}
     assert [(p.engine_id, p.host) for p in place(engines, 3)] == [(0, "node"), (2, "node"), (1, "node#2")]
+
+
+def test_every_rank_takes_a_gpu_of_its_host_or_none_does_and_hosts_short_of_gpus_are_named():
+    def engines(a: int, b: int) -> dict[int, HostIdentity]:
+        return {i: _engine("a" if i < 2 else "b", gpus=a if i < 2 else b) for i in range(4)}
+
+    assert device_type(place(engines(2, 2), 4), engines(2, 2)) == "cuda"
+    assert device_type(place(engines(0, 0), 4), engines(0, 0)) == "cpu"
+    assert device_type(place(engines(8, 0), 2), engines(8, 0)) == "cuda"  # the ranks fill host a only
+    with pytest.raises(ValueError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPUs$"):
+        device_type(place(engines(2, 1), 4), engines(2, 1))
+    with pytest.raises(ValueError, match=r"none has one: b has 2 ranks and 0 GPUs$"):
+        device_type(place(engines(4, 0), 4), engines(4, 0))
 
 
 def test_the_environment_names_the_host_outright(monkeypatch):

@@ -29,7 +29,7 @@ from IPython.paths import get_ipython_dir
 
 from nbfsdp.engines import engine, hosts
 from nbfsdp.kernel.cluster import ENGINE_START_TIMEOUT, World, cpu_threads_per_rank, wait_for_death
-from nbfsdp.kernel.hosts import Placement, place
+from nbfsdp.kernel.hosts import Placement, device_type, place
 from nbfsdp.kernel.lifelines import Lifelines
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.protocol import HostIdentity
@@ -170,22 +170,12 @@ class AttachedCluster:
         return [p.host for p in self.placements] if self.world else []
 
     def device_type(self, world_size: int) -> str:
-        """``cuda`` (NCCL) where every rank of a world this size has a GPU of its own (its host's GPU number
-        LOCAL_RANK, as under torchrun), ``cpu`` (gloo) where no engine sees one; hosts short of GPUs for their
-        ranks beside hosts with enough are named in a UsageError."""
-        placements = self.placements_for(world_size)
-        gpus = {p.engine_id: self._identities[p.engine_id].gpus for p in placements}
-        if not any(gpus.values()):
-            return "cpu"
-        short = {
-            p.host: (p.local_world_size, gpus[p.engine_id])
-            for p in placements
-            if gpus[p.engine_id] < p.local_world_size
-        }
-        if not short:
-            return "cuda"
-        listed = ", ".join(f"{host} has {ranks} ranks and {gpus} GPUs" for host, (ranks, gpus) in short.items())
-        raise UsageError(f"every rank needs a GPU of its own, or none has one: {listed}")
+        """``cuda`` or ``cpu`` for a world this size (``nbfsdp.kernel.hosts.device_type``); hosts short of GPUs
+        beside hosts with enough are a UsageError naming each."""
+        try:
+            return device_type(self.placements_for(world_size), self._identities)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
 
     def host_replicas(self, world_size: int) -> int:
         """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.

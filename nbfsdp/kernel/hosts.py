@@ -59,6 +59,22 @@ def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
     return placements
 
 
+def device_type(placements: list[Placement], engines: dict[int, HostIdentity]) -> str:
+    """``cuda`` (NCCL) where every rank has a GPU of its own (its host's GPU number ``LOCAL_RANK``, as under
+    torchrun), ``cpu`` (gloo) where no engine sees one. Hosts short of GPUs for their ranks beside hosts
+    with enough: a ValueError naming each, with its ranks and GPUs."""
+    gpus = {p.engine_id: engines[p.engine_id].gpus for p in placements}
+    if not any(gpus.values()):
+        return "cpu"
+    short = {
+        p.host: (p.local_world_size, gpus[p.engine_id]) for p in placements if gpus[p.engine_id] < p.local_world_size
+    }
+    if not short:
+        return "cuda"
+    listed = ", ".join(f"{host} has {ranks} ranks and {count} GPUs" for host, (ranks, count) in short.items())
+    raise ValueError(f"every rank needs a GPU of its own, or none has one: {listed}")
+
+
 def _host_names(hostnames: dict[str, str]) -> dict[str, str]:
     """A name per host key: its hostname, with ``#2``, ``#3`` ... where hosts share one."""
     names: dict[str, str] = {}
