@@ -314,6 +314,39 @@ def test_a_cell_across_hosts_is_cancelled_on_every_rank_at_one_step(shell, two_h
     assert len({run.metric("step", rank=r)[-1] for r in range(4)}) == 1  # every rank stopped at the same step
 
 
+LIVE = """%%fsdp --async --wrap-cls Block --mixed-precision FULL
+import time
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+dtypes = []
+for step in range(150):
+    x, y = batch_for(rank, step)
+    out = model(x)
+    dtypes.append(str(out.dtype))
+    loss_fn(out.float(), y).backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step)
+    time.sleep(0.01)
+every_rank = [None] * world_size
+torch.distributed.all_gather_object(every_rank, dtypes)
+"""
+
+
+def test_a_live_change_across_hosts_switches_every_rank_at_one_step(shell, tiny_model, two_hosts):
+    run_ok(shell, "%fsdp attach --profile gpus")
+    before = nbfsdp.last_run()
+    run_ok(shell, LIVE)
+    _wait_for_steps(before)
+    try:
+        shell.run_line_magic("fsdp", "set mixed_precision=PURE")  # through the directory every host sees
+        shell.run_line_magic("fsdp", "wait")
+    finally:
+        nbfsdp._magics.session.panel.clear()  # `%fsdp set` is the next cells' default too: not the next test's
+    assert nbfsdp.last_run().ok
+    every_rank = shell.user_ns["every_rank"]
+    assert all(dtypes == every_rank[0] for dtypes in every_rank), every_rank  # both hosts switched at one step
+    switched = every_rank[0].index("torch.bfloat16")
+    assert switched >= 5 and set(every_rank[0][switched:]) == {"torch.bfloat16"}, every_rank[0]
+
+
 def test_hosts_that_do_not_see_the_shared_directory_are_named_and_the_cells_still_run(shell, two_hosts, capsys):
     machines, _ = two_hosts
     run_ok(shell, f"%fsdp attach --profile gpus --shared-dir {machines.kernel_only}\nimport torch")
