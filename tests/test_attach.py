@@ -176,8 +176,11 @@ def test_hybrid_shard_shards_inside_each_host_and_replicates_across(shell, tiny_
 
 
 def test_a_rank_error_is_named_with_its_host_and_the_next_cell_runs(shell, two_hosts):
-    machines, _ = two_hosts
-    run_ok(shell, "%fsdp attach --profile gpus")
+    machines, cluster = two_hosts
+    error, _ = run_failing(shell, "%fsdp attach --profile gpus --cluster-id nope")
+    assert isinstance(error, UsageError), error
+    assert "no running ipyparallel cluster in profile gpus with cluster id 'nope'" in str(error), error
+    run_ok(shell, f"%fsdp attach --profile gpus --cluster-id {cluster.cluster_id}\nimport torch")  # the profile's one
     failing = "%%fsdp\nif rank == 2:\n    raise ValueError('bad batch')\ntorch.distributed.barrier()"
     error, elapsed = run_failing(shell, failing)
     assert isinstance(error, RankError), error
