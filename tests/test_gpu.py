@@ -106,7 +106,7 @@ def test_an_attached_cluster_over_hosts_runs_nccl_from_each_hosts_local_gpu(shel
         assert "attached to 3 engines on 3 hosts" in capsys.readouterr().out
         error, _ = run_failing(shell, "%%fsdp\nx = 1")  # every engine: the third host has no GPU
         assert isinstance(error, UsageError), error
-        assert str(error).startswith("every rank needs a GPU of its own") and "1 ranks and 0 GPUs" in str(error)
+        assert str(error).startswith("every rank needs a GPU of its own") and "has 1 rank and 0 GPUs" in str(error)
         run_ok(
             shell,
             """%%fsdp --world-size 2 --mixed-precision FULL --wrap-cls Block

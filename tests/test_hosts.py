@@ -51,7 +51,7 @@ def test_every_rank_takes_a_gpu_of_its_host_or_none_does_and_hosts_short_of_gpus
     assert device_type(place(engines(2, 2), 4), engines(2, 2)) == "cuda"
     assert device_type(place(engines(0, 0), 4), engines(0, 0)) == "cpu"
     assert device_type(place(engines(8, 0), 2), engines(8, 0)) == "cuda"  # the ranks fill host a only
-    with pytest.raises(ValueError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPUs$"):
+    with pytest.raises(ValueError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPU$"):
         device_type(place(engines(2, 1), 4), engines(2, 1))
     with pytest.raises(ValueError, match=r"none has one: b has 2 ranks and 0 GPUs$"):
         device_type(place(engines(4, 0), 4), engines(4, 0))

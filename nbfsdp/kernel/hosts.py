@@ -71,8 +71,14 @@ def device_type(placements: list[Placement], engines: dict[int, HostIdentity]) -
     }
     if not short:
         return "cuda"
-    listed = ", ".join(f"{host} has {ranks} ranks and {count} GPUs" for host, (ranks, count) in short.items())
+    listed = ", ".join(
+        f"{host} has {_count(ranks, 'rank')} and {_count(count, 'GPU')}" for host, (ranks, count) in short.items()
+    )
     raise ValueError(f"every rank needs a GPU of its own, or none has one: {listed}")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _host_names(hostnames: dict[str, str]) -> dict[str, str]:
