@@ -8,6 +8,7 @@ they are for (engines forked by the fork server, stopped and reported by ipypara
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import subprocess
@@ -76,10 +77,12 @@ def test_an_adopted_process_is_signalled_stopped_and_reported_with_our_exit_code
 def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
     cluster = ipp.Cluster(profile_dir=str(tmp_path), controller_ip="127.0.0.1", log_level=logging.ERROR)
     pids: list[int] = []
+    forked: list[psutil.Process] = []
     try:
         cluster.start_controller_sync()
         cluster.start_engines_sync(1)
         pids = ipyparallel_private.launched_pids(cluster)
+        forked = [c for pid in pids for c in psutil.Process(pid).children(recursive=True)]
         children = {child.pid: child.cmdline() for child in psutil.Process().children()}
         assert len(pids) == 2 and set(pids) <= set(children)  # the processes this cluster started
         controller, engine = pids
@@ -87,4 +90,9 @@ def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
         assert "ipyparallel.engine" in children[engine]
     finally:
         cluster.stop_cluster_sync()
+        # the schedulers the controller forked outlive a controller that ipyparallel's stop had to kill (seen
+        # in a loaded full run: seven, orphaned for the rest of it): not what this test checks, so end them
+        for process in psutil.wait_procs(forked, timeout=10)[1]:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
     assert left_behind(pids, 10) == []
