@@ -80,21 +80,22 @@ for step in range(40):
 
 
 @pytest.mark.timeout(300)
-def test_an_attached_cluster_over_hosts_runs_nccl_from_each_hosts_local_gpu(shell, tiny_model, tmp_path, capsys):
+def test_an_attached_cluster_over_hosts_runs_nccl_from_each_hosts_local_gpu(
+    shell, tiny_model, tmp_path, capsys, monkeypatch
+):
     """The multi-host GPU path on one GPU: two engines of a cluster the user started, each told it is on a host
     of its own (``NBFSDP_HOST_ID`` for nbfsdp, ``NCCL_HOSTID`` for NCCL, which then connects them over its
     network transport as it would two machines). Each takes GPU ``LOCAL_RANK`` (0), the world runs NCCL over
     the interface toward the controller, and training is the same as one process (to 1e-4: GPU against CPU).
     A third host whose engine sees no GPU is named in a UsageError, and ``--world-size 2`` leaves it out."""
     reference = copy.deepcopy(tiny_model)
-    before = os.environ.get("IPYTHONDIR")
-    os.environ["IPYTHONDIR"] = str(tmp_path / "ipython")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     cluster = ipp.Cluster(profile="gpus", n=0, log_level=40)
     engines: list[subprocess.Popen] = []
     try:
         cluster.start_controller_sync()
-        argv = [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={cluster.profile_dir}"]
-        argv.append(f"--cluster-id={cluster.cluster_id}")
+        profile = [f"--profile-dir={cluster.profile_dir}", f"--cluster-id={cluster.cluster_id}"]
+        argv = [sys.executable, "-m", "ipyparallel.engine", *profile]
         client = cluster.connect_client_sync()
         # engines 0 and 1 on hosts with a GPU, then engine 2 on a host without one (registered last)
         for count, (host, gpus) in enumerate((("gpu-host-a", "0"), ("gpu-host-b", "0"), ("cpu-host-c", "")), 1):
@@ -136,7 +137,3 @@ torch.distributed.all_gather_object(seen, mine)
         for process in engines:
             process.kill()
         cluster.stop_controller_sync()
-        if before is None:
-            os.environ.pop("IPYTHONDIR", None)
-        else:
-            os.environ["IPYTHONDIR"] = before

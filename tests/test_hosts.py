@@ -45,16 +45,18 @@ def test_hosts_that_share_a_hostname_are_told_apart_by_name_too():
 
 
 def test_every_rank_takes_a_gpu_of_its_host_or_none_does_and_hosts_short_of_gpus_are_named():
-    def engines(a: int, b: int) -> dict[int, HostIdentity]:
-        return {i: _engine("a" if i < 2 else "b", gpus=a if i < 2 else b) for i in range(4)}
+    def device(gpus_a: int, gpus_b: int, world_size: int = 4) -> str:
+        """Two engines on host a and two on host b, each engine seeing its host's GPUs."""
+        engines = {i: _engine("a" if i < 2 else "b", gpus=gpus_a if i < 2 else gpus_b) for i in range(4)}
+        return device_type(place(engines, world_size), engines)
 
-    assert device_type(place(engines(2, 2), 4), engines(2, 2)) == "cuda"
-    assert device_type(place(engines(0, 0), 4), engines(0, 0)) == "cpu"
-    assert device_type(place(engines(8, 0), 2), engines(8, 0)) == "cuda"  # the ranks fill host a only
+    assert device(2, 2) == "cuda"
+    assert device(0, 0) == "cpu"
+    assert device(8, 0, world_size=2) == "cuda"  # the ranks fill host a only
     with pytest.raises(ValueError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPU$"):
-        device_type(place(engines(2, 1), 4), engines(2, 1))
+        device(2, 1)
     with pytest.raises(ValueError, match=r"none has one: b has 2 ranks and 0 GPUs$"):
-        device_type(place(engines(4, 0), 4), engines(4, 0))
+        device(4, 0)
 
 
 def test_the_environment_names_the_host_outright(monkeypatch):
