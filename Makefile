@@ -18,7 +18,7 @@ FLOOR_BIN   := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
-.PHONY: lab test test-floor check browser sshd lint clean bench docs
+.PHONY: lab test test-floor test-gpu check browser sshd lint clean bench docs
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -69,6 +69,13 @@ test: $(STAMP) browser sshd
 ## oldest torch, ipyparallel and ipykernel pyproject.toml allows, in .venv-floor (1.5 min on 2 cores; the first build about 1.5 min more)
 test-floor: $(FLOOR_STAMP)
 	NBFSDP_PREWARM=0 $(FLOOR_BIN)/python -m pytest -m floor -p no:cacheprovider $(FLOOR_TESTS)
+
+## Every GPU test and every course notebook with its ranks on GPUs (NBFSDP_DEVICE=cuda: ranks share the GPUs there
+## are), one summary line at the end; without a GPU it says so and exits 0. Runs with .venv's Python where there is
+## one, else with python3 (a GPU machine with torch and the wheels CONTRIBUTING names on PYTHONPATH)
+GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+test-gpu:
+	$(GPU_PYTHON) -m tests.gpu_suite
 
 ## The fast loop before a commit (under 5 min on 2 cores): lint, then the tests not marked slow, no notebooks
 check: $(STAMP)

@@ -12,6 +12,8 @@ Benchmarks (each module's docstring says what it measures and how):
 5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
+   ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
+                    ``%%fsdp --world-size 1`` and ``--world-size 2 --device cuda`` on one GPU; skipped without one
 8. ``checkpoint``   ``%fsdp save`` / ``load`` vs ``dcp.save`` / ``load`` direct on the same engines, vs the
                     disk's write speed, and the engines' peak memory while saving, ws 2
 9. ``hosts``        2 hosts x 2 ranks (network namespaces, an SSH-launched cluster ``%fsdp attach``-ed): the
@@ -39,6 +41,7 @@ from benchmarks import (
     cold_start,
     dataloader,
     gpu,
+    gpu_loop,
     hosts,
     log_overhead,
     machine,
@@ -52,7 +55,18 @@ from benchmarks.context import Context
 #: Report order (the issue's numbering).
 BENCHMARKS = {
     m.NAME: m
-    for m in (step_time, dataloader, warm_cell, cold_start, model_transfer, log_overhead, gpu, checkpoint, hosts)
+    for m in (
+        step_time,
+        dataloader,
+        warm_cell,
+        cold_start,
+        model_transfer,
+        log_overhead,
+        gpu,
+        gpu_loop,
+        checkpoint,
+        hosts,
+    )  # fmt: skip
 }
 #: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
 #: world each round anyway), then those with kernels of their own.
@@ -66,6 +80,7 @@ RUN_ORDER = (
     "checkpoint",
     "hosts",
     "gpu",
+    "gpu_loop",
 )
 SHARE_WARM_KERNEL = {"log_overhead", "step_time", "dataloader", "warm_cell"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -42,6 +42,15 @@ def torchrun(nproc: int, module: str, args: list[str], cpu_only: bool, timeout: 
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", module, *args,
     ]  # fmt: skip
+    return _run(command, f"torchrun {module} on {nproc} processes", cpu_only, timeout)
+
+
+def python_module(module: str, args: list[str], cpu_only: bool, timeout: float = 300) -> float:
+    """Run ``module`` in one plain process (no torchrun, no process group); its wall time in seconds."""
+    return _run([sys.executable, "-m", module, *args], f"python -m {module}", cpu_only, timeout)
+
+
+def _run(command: list[str], what: str, cpu_only: bool, timeout: float) -> float:
     # torchrun makes a log directory under the temporary directory at each launch and leaves it there
     with tempfile.TemporaryDirectory(prefix="nbfsdp-bench-torchrun-") as scratch:
         env = {**torchrun_env(cpu_only), "TMPDIR": scratch}
@@ -50,7 +59,7 @@ def torchrun(nproc: int, module: str, args: list[str], cpu_only: bool, timeout: 
         elapsed = time.perf_counter() - started
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
-        raise RuntimeError(f"torchrun {module} on {nproc} processes failed ({done.returncode}):\n{tail}")
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{tail}")
     return elapsed
 
 

@@ -14,9 +14,9 @@ them: in the notebook one loader of the global batch, which nbfsdp splits
 
 Sharding is pinned on both sides rather than left to defaults: every ``Block``
 is its own FSDP unit (``--wrap-cls Block``; torchrun: ``fully_shard`` on each
-``Block``, then on the root), mixed precision as ``MIXED_PRECISION`` says
-(nbfsdp's default ``DEFAULT`` is fp32 parameters with bf16 gradient
-reduction), implicit backward prefetch, no forward prefetch.
+``Block``, then on the root), mixed precision as the sizes say (the CPU loops:
+``FULL``, nbfsdp's default on CPU; the GPU loops: ``PURE``), implicit backward
+prefetch, no forward prefetch.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def batch_for(rank, step, device):
 #: Every Block is an FSDP unit on both sides (the root is always one).
 WRAP_CLS = "Block"
 #: nbfsdp's mixed-precision names -> FSDP2's (param_dtype, reduce_dtype), as nbfsdp maps them (bf16).
-MIXED_PRECISION_DTYPES = {"FULL": ("float32", "float32"), "DEFAULT": ("float32", "bfloat16")}
+MIXED_PRECISION_DTYPES = {"FULL": ("float32", "float32"), "DEFAULT": ("bfloat16", "float32")}
 MIXED_PRECISION_DTYPES["PURE"] = ("bfloat16", "bfloat16")
 
 
@@ -82,7 +82,7 @@ class LoopSizes:
     """Leading steps left out of the median (FSDP's lazy init, AdamW's state allocation)."""
     seed: int = 0
     lr: float = 1e-3
-    mixed_precision: str = "DEFAULT"
+    mixed_precision: str = "FULL"
     from_loader: bool = False
     """Read the batches from a DataLoader over ``dataset_source``'s data rather than make them each step."""
 
@@ -144,7 +144,8 @@ def loop_source(sizes: LoopSizes) -> str:
     return _LOOP_SOURCE.format(batches=_MADE_BATCHES)
 
 
-#: ~100 ms a step at world size 2 on the project's 2-core CPU machine (1 thread a rank).
+#: ~100 ms a step at world size 2 on the project's 2-core CPU machine (1 thread a rank). FULL, what a CPU cell
+#: runs by default (until issue 35 these loops ran Composer 0.11's DEFAULT, fp32 compute with bf16 reduction).
 CPU_FULL = LoopSizes(width=256, depth=4, tokens=192, steps=40, warmup=8)
 CPU_QUICK = LoopSizes(width=128, depth=3, tokens=128, steps=8, warmup=3)
 #: One GPU, bf16 compute (PURE): ~270M parameters, 8192 tokens a step.

@@ -35,8 +35,10 @@ def start_world(kernel: Kernel, world_size: int, sizes: loops.LoopSizes) -> None
 
 
 def stop_world(kernel: Kernel) -> bool:
-    """Stop nbfsdp's engines, controller and fork server (the kernel stays); whether none is left running."""
-    kernel.execute("%fsdp stop")
+    """Stop nbfsdp's engines, controller and fork server (the kernel stays); whether none is left running.
+    In a fresh kernel (the GPU benchmark's first round runs torchrun first) the extension loads first: it
+    starts nothing, so there is nothing to stop."""
+    kernel.execute("%load_ext nbfsdp\n%fsdp stop")
     return not kernel.execute("import nbfsdp as _nbfsdp\nprint(int(_nbfsdp._magics.session.cluster.running))").json()
 
 

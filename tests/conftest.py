@@ -7,8 +7,13 @@ leave a working one behind.
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -32,6 +37,23 @@ def shell():
     ip.run_line_magic("unload_ext", "nbfsdp")
 
 
+@pytest.fixture(autouse=True)
+def leave_the_shared_shell_clean(request):
+    """After each test that used the shared shell, pass or fail: a cell still running there is ended and
+    the cluster stopped with it (the next cell starts one), and the controls' defaults are cleared, so one
+    test's failure is not the next test's "a cell is running" or another default precision."""
+    yield
+    if "shell" not in request.fixturenames or nbfsdp._magics is None:
+        return
+    session = nbfsdp._magics.session
+    if session.active is not None:
+        with contextlib.suppress(BaseException):
+            session.stop()
+        session.active = None
+    session.panel.clear()
+    session.panel_world_size = None
+
+
 @pytest.fixture(scope="session")
 def cluster(shell):
     """The running FSDPCluster behind ``%%fsdp`` (for pids and world state)."""
@@ -53,6 +75,37 @@ def run_failing(shell, code: str) -> tuple[BaseException, float]:
     error = result.error_in_exec or result.error_before_exec
     assert error is not None, "the cell was expected to fail"
     return error, elapsed
+
+
+@dataclass
+class Interrupt:
+    """What ``interrupt_main_when`` did: whether its condition held, and when it interrupted."""
+
+    held: bool = False
+    at: float | None = None
+    """``time.monotonic()`` at the interrupt."""
+
+    def seconds_since(self) -> float:
+        assert self.at is not None, "not interrupted yet"
+        return time.monotonic() - self.at
+
+
+def interrupt_main_when(ready: Callable[[], bool], within: float) -> Interrupt:
+    """Interrupt the main thread (what the notebook's interrupt button does to a kernel) once ``ready()``
+    holds, or after ``within`` seconds whether it holds or not: a cell that never gets ready is still
+    ended, rather than left running into the next test."""
+    interrupt = Interrupt()
+
+    def watch() -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not interrupt.held:
+            interrupt.held = ready()
+            time.sleep(0.05)
+        interrupt.at = time.monotonic()
+        _thread.interrupt_main()
+
+    threading.Thread(target=watch, name="interrupt-main", daemon=True).start()
+    return interrupt
 
 
 def gone(pid: int) -> bool:
@@ -117,7 +170,17 @@ def tiny_model(shell):
     return shell.user_ns["model"]
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: A test that needs a CUDA GPU: skipped without one (``pytest_collection_modifyitems``); ``make test-gpu``
+#: selects them by this marker (``-m gpu``).
+gpu = pytest.mark.gpu
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 def one_process_losses(shell, model, optimizer, world_size: int, steps: int, **batch_args) -> list[float]:

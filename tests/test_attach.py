@@ -8,7 +8,6 @@ detaches, leaving the cluster running; ``%fsdp stop`` refuses to stop it.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import copy
 import os
@@ -26,7 +25,7 @@ import nbfsdp
 from nbfsdp.kernel.runner import RankError
 from nbfsdp.shared.checkpoints import list_checkpoints
 from tests import hosts as namespace_hosts
-from tests.conftest import one_process_losses, run_failing, run_ok
+from tests.conftest import interrupt_main_when, one_process_losses, run_failing, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -111,6 +110,11 @@ def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, 
     # the controller listens on the bridge without CurveZMQ: one line says so, and how to turn it on
     warning = [line for line in said.err.splitlines() if "IPP_ENABLE_CURVE=1" in line]
     assert len(warning) == 1 and machines.bridge_address in warning[0], said.err
+    run_ok(shell, "%fsdp status")  # before any cell: the engines, with the ranks a cell would give them
+    status = capsys.readouterr().out.splitlines()
+    assert status[0].startswith("attached to 4 engines on 2 hosts (profile gpus); no world yet"), status
+    rows = [line.split()[:3] for line in status[2:6]]
+    assert rows == [["0", names[0], "0"], ["1", names[0], "1"], ["2", names[1], "0"], ["3", names[1], "1"]], status
     run_ok(shell, TRAIN)  # no --world-size: every engine of the attached cluster
     assert nbfsdp.last_run().ok and nbfsdp.last_run().world_size == 4
     assert shell.user_ns["where"] == [
@@ -168,7 +172,10 @@ def test_hybrid_shard_shards_inside_each_host_and_replicates_across(shell, tiny_
     run_ok(shell, "%fsdp explain --wrap-cls Block --sharding-strategy HYBRID_SHARD model")
     out = capsys.readouterr().out
     h0, h1 = (h.name for h in two_hosts[0].hosts)
-    assert "FSDP plan at world size 4: HYBRID_SHARD" in out and "one replica per host (2 hosts)" in out, out
+    assert (
+        "FSDP plan at world size 4, 4 ranks on the CPU (gloo): HYBRID_SHARD" in out
+        and "one replica per host (2 hosts)" in out
+    ), out
     assert f"shard groups inside each host ({h0}: ranks 0-1; {h1}: ranks 2-3)" in out, out
     assert "all-gather: inside each host" in out and "all-reduce: crosses hosts" in out, out
     run_ok(shell, "%fsdp detach")
@@ -214,20 +221,13 @@ def test_interrupt_reaches_the_ranks_on_every_host(shell, two_hosts, capsys):
     run_ok(shell, "%fsdp attach --profile gpus")
     run_ok(shell, "%%fsdp\nwarm = rank")
     previous = nbfsdp.last_run()
-
-    def interrupt_once_every_rank_runs() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            run = nbfsdp.last_run()
-            if run is not previous and len(run.metrics) == 4:
-                _thread.interrupt_main()  # what the notebook's interrupt button does to the kernel
-                return
-            time.sleep(0.05)
-
-    threading.Thread(target=interrupt_once_every_rank_runs, daemon=True).start()
-    error, elapsed = run_failing(shell, "%%fsdp\nimport time\nnbfsdp.log(running=1)\nwhile True:\n    time.sleep(0.01)")
+    interrupt = interrupt_main_when(
+        lambda: nbfsdp.last_run() is not previous and len(nbfsdp.last_run().metrics) == 4, within=60
+    )
+    error, _ = run_failing(shell, "%%fsdp\nimport time\nnbfsdp.log(running=1)\nwhile True:\n    time.sleep(0.01)")
     assert isinstance(error, KeyboardInterrupt), error
-    assert elapsed < 30
+    assert interrupt.held, "the ranks had not all logged within 60 s (interrupted all the same)"
+    assert interrupt.seconds_since() < 30  # a hang guard: the interrupt ends the cell within seconds
     capsys.readouterr()
     run_ok(shell, "%%fsdp\nprint('back', rank)")
     out = capsys.readouterr().out

@@ -20,13 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import gpt2_loop, gpu_loop, loops, step_time
+from benchmarks.context import CPU_ONLY, NO_PREWARM
+from benchmarks.kernel import Kernel
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
 from tests import hosts as namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
-    "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu", "checkpoint", "hosts",
+    "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "log_overhead", "gpu", "gpu_loop", "checkpoint",
+    "hosts",
 )  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -72,7 +76,7 @@ def test_every_benchmark_reports_numeric_medians(bench):
     _, results, _ = bench
     assert set(results["benchmarks"]) == set(BENCHMARKS)
     for name, result in results["benchmarks"].items():
-        if name == "gpu" and not torch.cuda.is_available():
+        if name in ("gpu", "gpu_loop") and not torch.cuda.is_available():
             assert result == {"skipped": "no GPU"}
             continue
         if name == "hosts" and namespace_hosts.why_not():
@@ -293,3 +297,33 @@ def test_table_says_when_the_interval_spans_the_target():
     assert f"{undecided.value:.3f}x (95%: {low:.3f}x to {high:.3f}x)" in rows["| undecided"]
     assert rows["| undecided"].endswith("| **NO**, but the 95% interval spans the target |")
     assert rows["| clear"].endswith("| yes |")
+
+
+def test_a_comparison_starts_from_a_kernel_that_has_not_loaded_nbfsdp():
+    """What the GPU benchmark does (on the CPU here): its kernel is fresh, and round 0 runs torchrun first,
+    which stops nbfsdp's world; that must not need the extension loaded already."""
+    kernel = Kernel(env={**NO_PREWARM, **CPU_ONLY})
+    try:
+        sizes = loops.CPU_QUICK
+        result = step_time.compare(kernel, 1, sizes, rounds=1, device="cpu")
+    finally:
+        assert kernel.shutdown() == []
+    assert result["world_stopped_for_torchrun"] == [True] and result["loss_max_abs_diff"] <= 1e-5
+    assert len(result["step_times_fsdp_s"]) == len(result["step_times_torchrun_s"]) == sizes.steps
+
+
+def test_the_gpt2_loop_runs_the_same_math_four_ways():
+    """gpu-loop's four sides on the CPU, tiny: torchrun FSDP2 and %%fsdp at world size 1 are the same loop at
+    the same settings (the same units, losses within its tolerance); the shared-device side runs 2 ranks."""
+    left: list[str] = []
+    result = gpu_loop.compare(gpt2_loop.QUICK, "cpu", 1, lambda kernel: left.extend(kernel.shutdown()))
+    assert left == []
+    steps = gpt2_loop.QUICK.steps
+    assert all(len(result[side]["losses"]) == steps for side in gpu_loop.SIDES)
+    assert result["torchrun"]["units"] == result["fsdp_ws1"]["units"] == ["transformer.h.0", "transformer.h.1", ""]
+    assert result["fsdp_ws1"]["mixed_precision"] == "DEFAULT"
+    assert result["fsdp_ws2"]["devices"] == "2 ranks on the CPU (gloo)"
+    rows = {m.what.split(": ", 1)[1]: m for m in gpu_loop.measurements(result, "cpu")}
+    parity = next(m for what, m in rows.items() if what.startswith("rank-0 losses"))
+    assert parity.ok, parity.value
+    assert all(m.value > 0 for m in rows.values() if m.unit == "x")

@@ -9,6 +9,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
+from nbfsdp.shared.config import COMPOSER_0_11_DEFAULT
 from tests.conftest import one_process_losses, run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
@@ -103,7 +104,7 @@ seen.update(reduce=str(reduce), buffer=str(model.blocks[0].norm.weight.dtype))
     ("preset", "param", "reduce"),
     [
         ("FULL", "torch.float32", "torch.float32"),
-        ("DEFAULT", "torch.float32", "torch.bfloat16"),
+        ("DEFAULT", "torch.bfloat16", "torch.float32"),
         ("PURE", "torch.bfloat16", "torch.bfloat16"),
     ],
 )
@@ -228,13 +229,13 @@ def test_a_module_reached_by_two_paths_is_a_clear_error(shell, tiny_model):
         del tiny_model.shared
 
 
-@pytest.mark.parametrize("preset", ["DEFAULT", "PURE"])
+@pytest.mark.parametrize("preset", ["DEFAULT", "PURE", "COMPOSER_0_11_DEFAULT"])
 def test_low_precision_loss_stays_within_bf16_tolerance_of_a_reference_with_the_same_casts(shell, tiny_model, preset):
     master = copy.deepcopy(tiny_model)
-    run_ok(
-        shell,
-        f"%%fsdp --world-size 2 --wrap-cls Block --mixed-precision {preset}\n" + TRAIN.format(steps=STEPS, per_rank=4),
-    )
+    shell.user_ns["composer_0_11"] = {"mixed_precision": COMPOSER_0_11_DEFAULT}
+    flags = "--config composer_0_11" if preset == "COMPOSER_0_11_DEFAULT" else f"--mixed-precision {preset}"
+    run_ok(shell, f"%%fsdp --world-size 2 --wrap-cls Block {flags}\n" + TRAIN.format(steps=STEPS, per_rank=4))
+    del shell.user_ns["composer_0_11"]
     run = nbfsdp.last_run()
     measured = [(run.metric("loss", 0)[s] + run.metric("loss", 1)[s]) / 2 for s in range(STEPS)]
 
@@ -244,13 +245,13 @@ def test_low_precision_loss_stays_within_bf16_tolerance_of_a_reference_with_the_
     for step in range(STEPS):
         batches = [ns["batch_for"](rank, step, per_rank=4) for rank in range(2)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        if preset == "PURE":  # forward and backward on a bf16 copy; fp32 master weights step
+        if preset != "COMPOSER_0_11_DEFAULT":  # forward and backward on a bf16 copy; fp32 master weights step
             low = copy.deepcopy(master).to(torch.bfloat16)
             loss = ns["loss_fn"](low(x.to(torch.bfloat16)).float(), y)
             loss.backward()
             for param, low_param in zip(master.parameters(), low.parameters(), strict=True):
                 param.grad = low_param.grad.float()
-        else:  # fp32 compute; gradients averaged in bf16
+        else:  # Composer 0.11's DEFAULT: fp32 compute; gradients averaged in bf16
             loss = ns["loss_fn"](master(x), y)
             loss.backward()
             for param in master.parameters():

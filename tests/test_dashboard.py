@@ -15,6 +15,7 @@ import torch.nn as nn
 import nbfsdp
 from nbfsdp.kernel import renderer
 from nbfsdp.shared.config import FSDPConfig, for_device
+from nbfsdp.shared.devices import Devices, on_gpus
 from nbfsdp.ui import dashboard as dashboard_module
 from nbfsdp.ui.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
@@ -154,8 +155,8 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
 
 def _dashboard(predicted: list[dict[str, int]] | None = None) -> LiveDashboard:
     """A 2-rank CPU dashboard with default settings, fed by hand."""
-    settings = {**dataclasses.asdict(for_device(FSDPConfig(), "cpu")), "world_size": 2}
-    return LiveDashboard(2, "cpu", predicted, settings, lambda change: "", lambda: None)
+    settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 2))), "world_size": 2}
+    return LiveDashboard(2, Devices("cpu", 2), predicted, settings, lambda change: "", lambda: None)
 
 
 def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffers(shell):
@@ -181,10 +182,10 @@ def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffer
 def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell):
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
     plan = nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], wrap_cls="Linear")
-    settings = {**dataclasses.asdict(for_device(FSDPConfig(), "cpu")), "world_size": 4}
+    settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 4))), "world_size": 4}
     dashboard = LiveDashboard(
         4,
-        "cpu",
+        Devices("cpu", 4),
         plan.memory,
         settings,
         lambda change: "",
@@ -335,3 +336,13 @@ def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):
     # a core idle again: set, not measured, as whether one is idle now depends on what else the machine runs
     dashboard._idle_cores = 1.0
     assert dashboard._pause() < busy_pause
+
+
+def test_ranks_that_share_a_gpu_are_said_to_share_it_above_their_rows(shell):
+    settings = {**dataclasses.asdict(for_device(FSDPConfig(), on_gpus(4, 1))), "world_size": 4}
+    dashboard = LiveDashboard(4, on_gpus(4, 1), None, settings, lambda change: "", lambda: None)
+    table = dashboard._status.value
+    assert "<div>4 ranks on 1 GPU (shared)</div>" in table
+    assert all(f"<tr><td>{rank}</td><td></td><td></td><td>cuda:0</td>" in table for rank in range(4)), table
+    assert dashboard.controls.values()["device"] == "cuda"
+    assert "<div>2 ranks on the CPU (gloo)</div>" in _dashboard()._status.value

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import nbfsdp
-from nbfsdp.shared.config import FSDPConfig, for_device
+from nbfsdp.shared.config import COMPOSER_0_11_DEFAULT, FSDPConfig, for_device
+from nbfsdp.shared.devices import Devices
 from tests.conftest import TINY_MODEL, run_ok
 from tests.test_config import DTYPES_SEEN
 from tests.test_kernel import Kernel
@@ -63,8 +64,8 @@ def test_low_precision_asked_by_name_is_bf16_on_cpu_by_flag_dict_and_set(shell, 
     try:
         seen, config = _seen_after(shell, "--mixed-precision DEFAULT")
         assert (seen["param"], seen["reduce"], config["mixed_precision"]) == (
-            "torch.float32",
             "torch.bfloat16",
+            "torch.float32",
             "DEFAULT",
         )
         seen, config = _seen_after(shell, "--config composer")
@@ -75,11 +76,15 @@ def test_low_precision_asked_by_name_is_bf16_on_cpu_by_flag_dict_and_set(shell, 
         )
         shell.run_line_magic("fsdp", "set mixed_precision=DEFAULT")
         seen, config = _seen_after(shell, "")
-        assert (seen["reduce"], config["mixed_precision"]) == ("torch.bfloat16", "DEFAULT")
+        assert (seen["param"], seen["reduce"], config["mixed_precision"]) == (
+            "torch.bfloat16",
+            "torch.float32",
+            "DEFAULT",
+        )
         assert "mixed_precision" not in config["why"]  # asked for: nothing to explain
         session.panel.clear()
         seen, config = _seen_after(shell, "")
-        assert (seen["reduce"], config["mixed_precision"]) == ("torch.float32", "FULL")
+        assert (seen["param"], seen["reduce"], config["mixed_precision"]) == ("torch.float32", "torch.float32", "FULL")
     finally:
         session.panel.clear()
         del shell.user_ns["composer"]
@@ -95,7 +100,8 @@ def test_explain_and_the_run_record_say_what_applied_and_why(shell, tiny_model, 
 
     shell.run_line_magic("fsdp", "explain --mixed-precision DEFAULT --backward-prefetch BACKWARD_POST model")
     out, err = capsys.readouterr()
-    assert "mixed precision DEFAULT (params float32, reduce bfloat16" in out and "mixed precision DEFAULT:" not in out
+    assert "mixed precision DEFAULT (params bfloat16, reduce float32, buffers float32)" in out
+    assert "mixed precision DEFAULT:" not in out
     assert "backward prefetch BACKWARD_PRE: BACKWARD_POST asked, which FSDP2 does not have" in out
     assert POST_LINE.match(err.strip()) and len(err.splitlines()) == 1, err
 
@@ -106,16 +112,27 @@ def test_explain_and_the_run_record_say_what_applied_and_why(shell, tiny_model, 
     }
 
 
-def test_gpu_keeps_composers_default_and_so_does_a_precision_given_on_cpu():
-    """Where the device is known: no GPU needed to check what one would get."""
-    on_gpu = for_device(FSDPConfig(), "cuda")
-    assert (on_gpu.mixed_precision, on_gpu.dtypes()[1]) == ("DEFAULT", torch.bfloat16)
-    assert on_gpu.why["mixed_precision"] == "not given; Composer's default on GPU: gradients reduced in bf16"
-    asked = for_device(FSDPConfig(precision="fp16"), "cpu")  # Composer's precision is no longer fp32
-    assert (asked.mixed_precision, asked.dtypes()[1]) == ("DEFAULT", torch.float16)
-    assert asked.why["mixed_precision"].endswith("once a precision is given: gradients reduced in fp16")
-    assert for_device(FSDPConfig(mixed_precision="PURE"), "cuda").why.keys() == {"backward_prefetch"}
-    assert for_device(FSDPConfig(backward_prefetch="NONE"), "cpu").why.keys() == {"mixed_precision"}
+def test_gpu_keeps_composers_fsdp2_default_and_so_does_a_precision_given_on_cpu():
+    """Where the device is known: no GPU needed to check what one would get. DEFAULT is Composer's FSDP2 code's
+    (``get_mixed_precision``) and torchtitan's: low-precision parameters, fp32 reduction, fp32 buffers."""
+    on_gpu = for_device(FSDPConfig(), Devices("cuda", 2, 2))
+    assert (on_gpu.mixed_precision, on_gpu.dtypes()) == ("DEFAULT", (torch.bfloat16, torch.float32, torch.float32))
+    assert on_gpu.why["mixed_precision"] == (
+        "not given; Composer's default on GPU: bf16 parameters (the compute), gradients reduced in fp32"
+    )
+    assert on_gpu.device == "cuda"
+    asked = for_device(FSDPConfig(precision="fp16"), Devices("cpu", 2))  # Composer's precision is no longer fp32
+    assert (asked.mixed_precision, asked.dtypes()) == ("DEFAULT", (torch.float16, torch.float32, torch.float32))
+    assert asked.why["mixed_precision"].endswith(
+        "once a precision is given: fp16 parameters (the compute), gradients reduced in fp32"
+    )
+    assert for_device(FSDPConfig(mixed_precision="PURE"), Devices("cuda", 2, 2)).why.keys() == {"backward_prefetch"}
+    assert for_device(FSDPConfig(backward_prefetch="NONE"), Devices("cpu", 2)).why.keys() == {"mixed_precision"}
+    # FULL and PURE unchanged; Composer 0.11's documented DEFAULT is a dict away
+    assert for_device(FSDPConfig(mixed_precision="FULL"), Devices("cuda", 1, 1)).dtypes() == (torch.float32,) * 3
+    assert for_device(FSDPConfig(mixed_precision="PURE"), Devices("cuda", 1, 1)).dtypes() == (torch.bfloat16,) * 3
+    old = for_device(FSDPConfig(mixed_precision=COMPOSER_0_11_DEFAULT), Devices("cuda", 1, 1))
+    assert old.dtypes() == (torch.float32, torch.bfloat16, torch.float32)
 
 
 def test_explicit_backward_post_is_one_plain_line_from_a_dict_or_set(shell, tiny_model, capsys):

@@ -44,7 +44,10 @@ def test_the_plan_shows_units_checkpointing_precision_prefetch_and_communication
     )
     out = capsys.readouterr().out
     assert len(nbfsdp.runs()) == runs_before  # nothing ran
-    assert "FSDP plan at world size 4: SHARD_GRAD_OP, mixed precision PURE (params bfloat16, reduce bfloat16" in out
+    assert (
+        "FSDP plan at world size 4, 4 ranks on the CPU (gloo): SHARD_GRAD_OP, mixed precision PURE "
+        "(params bfloat16, reduce bfloat16"
+    ) in out
     assert "activation checkpointing: blocks.0, blocks.1, blocks.2" in out
     assert "forward order: (root) -> blocks.0 -> blocks.1 -> blocks.2" in out
     assert "blocks.0 prefetches blocks.1, blocks.1 prefetches blocks.2" in out

@@ -226,8 +226,9 @@ def test_everything_listens_on_loopback_and_files_are_private(shell, cluster, ti
 
 
 @gpu
-def test_more_ranks_than_gpus_falls_back_to_cpu_with_a_warning(shell, cluster, capsys):
-    too_many = torch.cuda.device_count() + 1
-    run_ok(shell, f"%%fsdp --world-size {too_many}\nwhere = str(device)\n")
+def test_auto_with_more_ranks_than_gpus_runs_on_the_cpu_and_says_why(shell, cluster, capsys):
+    gpus = torch.cuda.device_count()
+    run_ok(shell, f"%%fsdp --world-size {gpus + 1} --device auto\nwhere = str(device)\n")
     assert shell.user_ns["where"] == "cpu"
-    assert f"only {torch.cuda.device_count()} GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"nbfsdp: {gpus + 1} ranks and {gpus} GPU" in err and "--device cuda puts the ranks on the" in err, err

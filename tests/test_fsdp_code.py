@@ -83,7 +83,7 @@ def test_the_code_says_each_setting(shell, tiny_model):
     )
     code = plan.code
     assert 'init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))' in code
-    assert "MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)" in code
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in code
     assert "offload_policy = CPUOffloadPolicy(pin_memory=False)" in code
     assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh, reshard_after_forward=True" in code
     assert "set_modules_to_forward_prefetch" not in code and "checkpoint(" not in code

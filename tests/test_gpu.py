@@ -1,4 +1,5 @@
-"""The GPU path: one engine per GPU, NCCL, CUDA memory figures. Skipped without a GPU."""
+"""The GPU path: one engine per GPU, ranks sharing GPUs (``--device cuda``), NCCL, CUDA memory figures.
+Skipped without a GPU; ``make test-gpu`` runs them (with the course) where there is one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from tests.conftest import gpu, one_process_losses, run_failing, run_ok
+from tests.conftest import gpu, interrupt_main_when, one_process_losses, run_failing, run_ok
 from tests.test_fsdp_code import printed_code_against_the_cell
 
 pytestmark = [gpu, pytest.mark.timeout(180)]
@@ -44,18 +45,20 @@ nbfsdp.log(step=0)
 
 
 def test_printed_fsdp2_code_on_gpus_trains_like_the_cell(shell, tiny_model, capsys):
-    """On GPUs the code says cuda and Composer's GPU default (DEFAULT: bf16 gradient reduction); same training."""
+    """On GPUs the code says cuda and Composer's GPU default (DEFAULT: bf16 compute, fp32 reduction); same
+    training."""
     printed = printed_code_against_the_cell(shell, capsys, "--wrap-cls Block", torch.cuda.device_count())
     assert 'init_device_mesh("cuda"' in printed
-    assert "MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)" in printed
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in printed
 
 
 def test_a_live_change_applies_on_gpus(shell, tiny_model):
-    """On GPUs too the ranks switch at the start of a forward (every parameter sharded then), here to PURE bf16."""
-    world_size = torch.cuda.device_count()
+    """On GPUs too the ranks switch at the start of a forward (every parameter sharded then), here to PURE bf16;
+    with one rank more than there are GPUs, so two ranks share one."""
+    world_size = torch.cuda.device_count() + 1
     run_ok(
         shell,
-        f"""%%fsdp --world-size {world_size} --wrap-cls Block --async
+        f"""%%fsdp --world-size {world_size} --device cuda --mixed-precision FULL --wrap-cls Block --async
 import time
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 dtypes = []
@@ -74,6 +77,7 @@ for step in range(40):
     finally:
         nbfsdp._magics.session.panel.clear()  # `%fsdp set` is the next cells' default too: not the next test's
     dtypes = shell.user_ns["dtypes"]
+    assert dtypes[0] == "torch.float32"  # FULL until the change
     switched = dtypes.index("torch.bfloat16")
     assert switched > 0 and set(dtypes[switched:]) == {"torch.bfloat16"}, dtypes
     assert nbfsdp.last_run().ok
@@ -105,12 +109,14 @@ def test_an_attached_cluster_over_hosts_runs_nccl_from_each_hosts_local_gpu(
         client.close()
         run_ok(shell, f"%fsdp attach --profile gpus --cluster-id {cluster.cluster_id}")
         assert "attached to 3 engines on 3 hosts" in capsys.readouterr().out
-        error, _ = run_failing(shell, "%%fsdp\nx = 1")  # every engine: the third host has no GPU
+        error, _ = run_failing(shell, "%%fsdp --device auto\nx = 1")  # every engine: the third host has no GPU
         assert isinstance(error, UsageError), error
         assert str(error).startswith("every rank needs a GPU of its own") and "has 1 rank and 0 GPUs" in str(error)
+        error, _ = run_failing(shell, "%%fsdp --device cuda\nx = 1")
+        assert isinstance(error, UsageError) and str(error) == "--device cuda: cpu-host-c has 1 rank and 0 GPUs"
         run_ok(
             shell,
-            """%%fsdp --world-size 2 --mixed-precision FULL --wrap-cls Block
+            """%%fsdp --world-size 2 --device auto --mixed-precision FULL --wrap-cls Block
 import os
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 for step in range(4):
@@ -137,3 +143,121 @@ torch.distributed.all_gather_object(seen, mine)
         for process in engines:
             process.kill()
         cluster.stop_controller_sync()
+
+
+PARITY = """%%fsdp --world-size {world_size} --device cuda --mixed-precision FULL --wrap-cls Block
+import os, torch.distributed as dist
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(4):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+mine = (str(device), os.environ["CUDA_VISIBLE_DEVICES"], os.environ.get("NCCL_HOSTID"), dist.get_backend(), os.getpid())
+seen = [None] * world_size
+dist.all_gather_object(seen, mine)
+"""
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_sharing_the_gpus_train_as_one_process_each_on_its_own_allocator(shell, tiny_model, capsys, world_size):
+    """``--device cuda``: rank r on GPU r mod G, each rank a process of its own, ranks of one GPU told apart for
+    NCCL by NCCL_HOSTID; the same training as one process (to 1e-4: GPU against CPU), and each rank's memory
+    read from its own allocator (its shards, as explain predicts them)."""
+    gpus = torch.cuda.device_count()
+    reference = copy.deepcopy(tiny_model)
+    run_ok(shell, PARITY.format(world_size=world_size))
+    seen = shell.user_ns["seen"]
+    assert [s[1] for s in seen] == [str(rank % gpus) for rank in range(world_size)]
+    assert all(s[0] == "cuda:0" and s[3] == "nccl" for s in seen) and len({s[4] for s in seen}) == world_size
+    for gpu_index in range(min(gpus, world_size)):
+        sharing = [s[2] for rank, s in enumerate(seen) if rank % gpus == gpu_index]
+        assert len(set(sharing)) == len(sharing), seen  # NCCL sees the ranks of one GPU on different hosts
+    run = nbfsdp.last_run()
+    shared = " (shared)" if world_size > gpus else ""
+    where = f"{world_size} ranks on {min(gpus, world_size)} GPU{'s' if min(gpus, world_size) > 1 else ''}{shared}"
+    assert (run.config["devices"], run.config["backend"]) == (where, "nccl")
+    capsys.readouterr()
+    shell.run_line_magic("fsdp", "status")
+    assert f"backend nccl, collective timeout 30s: {where}" in capsys.readouterr().out
+
+    sharded = [sum(run.metric("loss", rank=r)[step] for r in range(world_size)) / world_size for step in range(4)]
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = one_process_losses(shell, reference, opt, world_size, 4)
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    for trained, wanted in zip(tiny_model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(trained.cpu(), wanted, rtol=1e-4, atol=1e-4)
+
+    planned = nbfsdp.explain(tiny_model, world_size=world_size, device="cuda", mixed_precision="FULL", wrap_cls="Block")
+    assert planned.devices == where
+    for rank in range(world_size):
+        record = [m for m in run.metrics if m["rank"] == rank][-1]
+        assert record["cuda_max_allocated"] >= record["cuda_allocated"] > 0, record
+        assert abs(record["mem_params"] - planned.memory[rank]["params"]) <= 0.05 * planned.memory[rank]["params"]
+
+
+def test_an_interrupt_ends_a_cell_of_ranks_sharing_a_gpu_and_the_next_cell_runs(shell, tiny_model, capsys):
+    world_size = torch.cuda.device_count() + 1
+    run_ok(shell, f"%%fsdp --world-size {world_size} --device cuda\nwarm = rank")
+    previous = nbfsdp.last_run()
+    interrupt = interrupt_main_when(
+        lambda: nbfsdp.last_run() is not previous and len(nbfsdp.last_run().metrics) == world_size, within=60
+    )
+    error, _ = run_failing(
+        shell,
+        f"%%fsdp --world-size {world_size} --device cuda\nimport time\nnbfsdp.log(running=1)\n"
+        "while True:\n    time.sleep(0.01)",
+    )
+    assert isinstance(error, KeyboardInterrupt), error
+    assert interrupt.held, "the ranks had not all logged within 60 s (interrupted all the same)"
+    assert interrupt.seconds_since() < 30  # a hang guard: the interrupt ends the cell within seconds
+    capsys.readouterr()
+    run_ok(shell, f"%%fsdp --world-size {world_size} --device cuda\nprint('back', rank, device)")
+    out = capsys.readouterr().out
+    assert all(f"[rank {r}] back {r} cuda:0" in out for r in range(world_size)), out
+
+
+def test_a_rank_sharing_a_gpu_that_dies_is_named_and_the_next_cell_restarts_on_the_gpu(shell, cluster):
+    world_size = torch.cuda.device_count() + 1
+    run_ok(shell, f"%%fsdp --world-size {world_size} --device cuda\npass")
+    old_pids = list(cluster.world.pids)
+    started = time.monotonic()
+    error, _ = run_failing(
+        shell,
+        f"%%fsdp --world-size {world_size} --device cuda\nimport os, time\n"
+        "if rank == 1:\n    os.kill(os.getpid(), 9)\ntorch.distributed.barrier()\ntime.sleep(60)",
+    )
+    assert str(error).startswith("rank 1: engine died: killed by SIGKILL"), str(error)
+    assert time.monotonic() - started < 30  # a hang guard: the others wait in NCCL, the kernel does not
+    run_ok(
+        shell, f"%%fsdp --world-size {world_size} --device cuda\nwhere = (str(device), torch.distributed.get_backend())"
+    )
+    assert shell.user_ns["where"] == ("cuda:0", "nccl")
+    assert not set(cluster.world.pids) & set(old_pids)  # a fresh set of engines
+
+
+def test_a_checkpoint_of_ranks_sharing_a_gpu_saves_and_loads_every_shard(shell, tiny_model, tmp_path):
+    world_size = torch.cuda.device_count() + 1
+    train = f"""%%fsdp --world-size {world_size} --device cuda --wrap-cls Block
+for step in range(3):
+    x, y = batch_for(rank, step)
+    loss_fn(model(x.to(device)), y.to(device)).backward(); opt.step(); opt.zero_grad()
+"""
+    run_ok(shell, "opt = torch.optim.AdamW(model.parameters(), lr=1e-2)")
+    run_ok(shell, train)
+    saved = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    path = tmp_path / "shared-gpu"
+    run_ok(shell, f"%fsdp save {path}")
+    assert sorted(p.name for p in path.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(world_size)]
+    run_ok(shell, train)  # the weights move on
+    assert not torch.equal(next(tiny_model.parameters()), next(iter(saved.values())))
+    run_ok(shell, f"%fsdp load {path}")
+    assert nbfsdp._magics.session.cluster.world.devices.type == "cuda"  # loaded into the running GPU world
+    for name, p in tiny_model.named_parameters():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    run_ok(
+        shell,
+        f"%%fsdp --world-size {world_size} --device cuda --wrap-cls Block --no-gather\n"
+        "first = next(model.parameters()).full_tensor().cpu()",
+    )
+    torch.testing.assert_close(shell.user_ns["first"], next(iter(saved.values())), rtol=0, atol=0)

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from nbfsdp.engines import hosts as engine_hosts
-from nbfsdp.kernel.hosts import device_type, place
+from nbfsdp.kernel.hosts import devices, place
+from nbfsdp.shared.config import ConfigError
+from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import HostIdentity
 from tests import hosts as namespace_hosts
 
@@ -45,18 +47,30 @@ def test_hosts_that_share_a_hostname_are_told_apart_by_name_too():
 
 
 def test_every_rank_takes_a_gpu_of_its_host_or_none_does_and_hosts_short_of_gpus_are_named():
-    def device(gpus_a: int, gpus_b: int, world_size: int = 4) -> str:
+    def device(gpus_a: int, gpus_b: int, world_size: int = 4, requested: str | None = None) -> Devices:
         """Two engines on host a and two on host b, each engine seeing its host's GPUs."""
         engines = {i: _engine("a" if i < 2 else "b", gpus=gpus_a if i < 2 else gpus_b) for i in range(4)}
-        return device_type(place(engines, world_size), engines)
+        return devices(place(engines, world_size), engines, requested)
 
-    assert device(2, 2) == "cuda"
-    assert device(0, 0) == "cpu"
-    assert device(8, 0, world_size=2) == "cuda"  # the ranks fill host a only
-    with pytest.raises(ValueError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPU$"):
+    assert device(2, 2) == Devices("cuda", 4, 4, rank_gpus=(0, 1, 0, 1))
+    assert device(0, 0) == Devices("cpu", 4)
+    assert device(8, 0, world_size=2) == Devices("cuda", 2, 2, rank_gpus=(0, 1))  # the ranks fill host a only
+    with pytest.raises(ConfigError, match=r"GPU of its own, or none has one: b has 2 ranks and 1 GPU$"):
         device(2, 1)
-    with pytest.raises(ValueError, match=r"none has one: b has 2 ranks and 0 GPUs$"):
+    with pytest.raises(ConfigError, match=r"none has one: b has 2 ranks and 0 GPUs$"):
         device(4, 0)
+    assert device(2, 2, requested="cpu") == Devices("cpu", 4)
+
+
+def test_device_cuda_shares_a_hosts_gpus_among_its_ranks_each_gpu_an_nccl_host_of_its_own():
+    engines = {i: _engine("a" if i < 2 else "b", gpus=2 if i < 2 else 1) for i in range(4)}
+    chosen = devices(place(engines, 4), engines, "cuda")
+    assert (chosen.type, chosen.gpus, chosen.rank_gpus) == ("cuda", 3, (0, 1, 0, 0))
+    # host b's two ranks share its GPU: NCCL must see them on different hosts; a's ranks keep one host
+    assert chosen.nccl_hosts == ("a-0", "a-0", "b-0", "b-1") and str(chosen) == "4 ranks on 3 GPUs (shared)"
+    without = {i: _engine("a" if i < 2 else "b", gpus=2 if i < 2 else 0) for i in range(4)}
+    with pytest.raises(ConfigError, match=r"^--device cuda: b has 2 ranks and 0 GPUs$"):
+        devices(place(without, 4), without, "cuda")
 
 
 def test_the_environment_names_the_host_outright(monkeypatch):

@@ -53,16 +53,17 @@ class TinyGPT(nn.Module):
 
 
 def batch_for(
-    rank: int, step: int, size: int = 32, vocab: int = 16, seq: int = 12
+    rank: int, step: int, size: int = 32, vocab: int = 16, seq: int = 12, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s part of step ``step``'s global batch: counting sequences (each token the last plus one).
 
     Seeded by (step, rank) alone, so one process can rebuild the global batch of any step
-    (``torch.cat([batch_for(r, step)[0] for r in range(N)])``) and check parity with N ranks.
+    (``torch.cat([batch_for(r, step)[0] for r in range(N)])``) and check parity with N ranks. Drawn on the
+    CPU, then moved to ``device`` (a rank passes its own): the same numbers on every device.
     """
     g = torch.Generator().manual_seed(10_000 * step + rank)
     start = torch.randint(0, vocab, (size, 1), generator=g)
-    tokens = (start + torch.arange(seq + 1)) % vocab
+    tokens = ((start + torch.arange(seq + 1)) % vocab).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -99,8 +100,11 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def rotation_batch(rank: int, step: int, size: int = 64, features: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s part of step ``step``'s batch for the MLP: random features, the target them rotated by one."""
+def rotation_batch(
+    rank: int, step: int, size: int = 64, features: int = 32, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s part of step ``step``'s batch for the MLP: random features, the target them rotated by one
+    (drawn on the CPU, then moved to ``device``)."""
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    x = torch.randn(size, features, generator=g)
+    x = torch.randn(size, features, generator=g).to(device)
     return x, x.roll(1, dims=1)

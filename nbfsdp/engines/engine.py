@@ -83,6 +83,7 @@ def setup(
     generation: int,
     rendezvous: tuple[str, int] | None = None,
     environment: dict[str, str] | None = None,
+    gpu: int | None = None,
 ) -> EngineInfo:
     """Join a new world: a fresh process group on a fresh store, a fresh namespace.
 
@@ -90,18 +91,19 @@ def setup(
     client's private directory, so nothing listens on the network. Over several hosts (``rendezvous``:
     rank 0's address and port, ``nbfsdp.engines.hosts.open_rendezvous``) the store is a TCPStore on
     rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
-    user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables.
+    user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables, and
+    ``NCCL_HOSTID`` where ranks share a GPU. ``gpu``: the index of this rank's GPU among those the engine sees
+    (NCCL), None on the CPU (gloo).
     """
     global _world
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.set_num_threads(threads)
     os.environ.update(environment or {})
-    if backend == "nccl":
-        # nbfsdp's own engines see one GPU each; an attached host's engines see them all and take their
-        # LOCAL_RANK's, as under torchrun
-        local = int((environment or {}).get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
-        device = torch.device("cuda", local)
+    if gpu is not None:
+        # nbfsdp's own engines see one GPU each (0); an attached host's engines see them all and take
+        # LOCAL_RANK's, modulo the GPUs where ranks share them
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

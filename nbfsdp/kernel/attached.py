@@ -28,9 +28,17 @@ from IPython.core.profiledir import ProfileDir, ProfileDirError
 from IPython.paths import get_ipython_dir
 
 from nbfsdp.engines import engine, hosts
-from nbfsdp.kernel.cluster import ENGINE_START_TIMEOUT, World, cpu_threads_per_rank, wait_for_death
-from nbfsdp.kernel.hosts import Placement, device_type, place
+from nbfsdp.kernel.cluster import (
+    ENGINE_START_TIMEOUT,
+    World,
+    cpu_threads_per_rank,
+    nccl_host_environment,
+    wait_for_death,
+)
+from nbfsdp.kernel.hosts import Placement, devices, place
 from nbfsdp.kernel.lifelines import Lifelines
+from nbfsdp.shared.config import ConfigError
+from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.protocol import HostIdentity
 
@@ -149,8 +157,8 @@ class AttachedCluster:
         lost = self._lifelines.lost()
         return sorted(i for i in self.client.ids if i not in lost)
 
-    def reuses_world(self, world_size: int, timeout: float) -> bool:
-        return bool(self.world and self.world.serves(world_size, timeout))
+    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
+        return bool(self.world and self.world.serves(world_size, timeout, self.devices(world_size, device)))
 
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
@@ -166,16 +174,18 @@ class AttachedCluster:
             self._identities[engine_id], self._sees_private_dir[engine_id] = result.get(timeout=ENGINE_START_TIMEOUT)
         return place(self._identities, world_size)
 
+    def identities(self) -> dict[int, HostIdentity]:
+        """What each engine said of itself when it checked in (its host, pid and GPUs), by engine id."""
+        return dict(self._identities)
+
     def rank_hosts(self) -> list[str]:
         return [p.host for p in self.placements] if self.world else []
 
-    def device_type(self, world_size: int) -> str:
-        """``cuda`` or ``cpu`` for a world this size (``nbfsdp.kernel.hosts.device_type``); hosts short of GPUs
-        beside hosts with enough are a UsageError naming each."""
-        try:
-            return device_type(self.placements_for(world_size), self._identities)
-        except ValueError as error:
-            raise UsageError(str(error)) from None
+    def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
+        """Where a world this size runs, from the GPUs each engine sees (``nbfsdp.kernel.hosts.devices``);
+        hosts that cannot have the device asked are a ConfigError naming each (``planning`` too: the engines
+        are there to ask)."""
+        return devices(self.placements_for(world_size), self._identities, device)
 
     def host_replicas(self, world_size: int) -> int:
         """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.
@@ -191,12 +201,15 @@ class AttachedCluster:
             )
         return len(counts)
 
-    def ensure_world(self, world_size: int, timeout: float) -> World:
-        """A world of ``world_size`` of the cluster's engines, host by host."""
-        if self.reuses_world(world_size, timeout):
+    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
+        """A world of ``world_size`` of the cluster's engines, host by host, on ``device`` (None: not given)."""
+        if self.reuses_world(world_size, timeout, device):
             return self.world
         self.placements = self.placements_for(world_size)
-        backend = "nccl" if self.device_type(world_size) == "cuda" else "gloo"
+        try:
+            chosen = self.devices(world_size, device)
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
         first = self.placements[0].engine_id
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1
@@ -206,13 +219,17 @@ class AttachedCluster:
                 engine.setup,
                 rank=p.rank,
                 world_size=world_size,
-                backend=backend,
+                backend=chosen.backend,
                 store_path=None,
                 timeout=timeout,
                 threads=threads,
                 generation=self._generation,
                 rendezvous=tuple(rendezvous),
-                environment=p.environment(world_size),
+                environment={
+                    **p.environment(world_size),
+                    **nccl_host_environment(chosen, p.rank, self._private_dir),
+                },
+                gpu=chosen.rank_gpus[p.rank] if chosen.type == "cuda" else None,
             )
             for p in self.placements
         ]
@@ -222,7 +239,9 @@ class AttachedCluster:
             RegisteredEngine(self, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
         ]
         engine_ids = [p.engine_id for p in self.placements]
-        self.world = World(world_size, backend, timeout, self._generation, engine_ids, infos, processes=processes)
+        self.world = World(
+            world_size, chosen.backend, timeout, self._generation, engine_ids, chosen, infos, processes=processes
+        )
         return self.world
 
     def dead_ranks(self) -> dict[int, str]:

@@ -13,6 +13,7 @@ back into the notebook's objects in place when it ends, as a cell's do.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -296,9 +297,10 @@ def load_with(
             f"nbfsdp: saved at world size {manifest.world_size}, loading at {world_size}: RNG states and data "
             "positions do not carry over (models, optimizers and schedulers do)"
         )
-    if config is None:
+    if config is None:  # the saved settings, on the device the running world has (any, with none running)
         first = next(iter(manifest.models.values()))
-        config = FSDPConfig(**{**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"])})
+        saved = {**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"]), "device": None}
+        config = _on_running_device(FSDPConfig(**saved), running)
     cell = (
         '__import__("nbfsdp.engines.checkpointing", fromlist=["load_into"]).load_into('
         f"{str(directory)!r}, {{{', '.join(f'{n!r}: {n}' for n in models)}}}, "
@@ -334,6 +336,13 @@ def load_with(
     )
     session.resume_step = manifest.step or 0  # the next cell's resume_step
     return manifest
+
+
+def _on_running_device(config: FSDPConfig, running: World | None) -> FSDPConfig:
+    """``config``, on the running world's device where it names none: a load goes into the world there is."""
+    if config.device is not None or running is None or running.broken:
+        return config
+    return dataclasses.replace(config, device=running.devices.type)
 
 
 def load_file_with(
@@ -375,7 +384,7 @@ def load_file_with(
     )
     if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
         try:
-            config = resolve_settings(None, {}, session.panel)
+            config = _on_running_device(resolve_settings(None, {}, session.panel), running if alive else None)
         except ConfigError as error:
             raise UsageError(str(error)) from None
     session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)

@@ -6,11 +6,13 @@ ipykernel once; it is never the notebook's process, so CUDA used in the
 notebook is harmless. ``start_fork_server`` starts it, and ``%load_ext`` calls
 that before its own imports, which the server's then overlap. A restart
 (another world size, a rank that died) forks the new engines from the same
-server, so only ``stop`` (``%fsdp stop``) pays its imports again. With at least N
-GPUs visible, each of N engine sets sees exactly one GPU and the world uses
-NCCL; otherwise the world is CPU and gloo, and each engine gets ``cores // N``
-torch threads so N engines share the cores without oversubscription (torchrun
-sets ``OMP_NUM_THREADS`` for the same reason).
+server, so only ``stop`` (``%fsdp stop``) pays its imports again. Where the
+ranks run is ``nbfsdp.shared.devices.choose``'s decision: on GPUs, each engine
+sees exactly one (rank r GPU r mod G, ``CUDA_VISIBLE_DEVICES``) and the world
+uses NCCL, ranks that share a GPU told apart for NCCL by ``NCCL_HOSTID``; on
+the CPU the world uses gloo. Either way each engine gets ``cores // N`` torch
+threads so N engines share the cores without oversubscription (torchrun sets
+``OMP_NUM_THREADS`` for the same reason).
 
 Everything stays on this machine and private to its user: the controller
 listens on 127.0.0.1, connection files live in a fresh 0700 directory, and the
@@ -42,7 +44,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -55,6 +56,7 @@ import psutil
 
 from nbfsdp.kernel import ipyparallel_private, reaping
 from nbfsdp.shared import processes
+from nbfsdp.shared.devices import Devices, choose
 from nbfsdp.shared.processes import ProcessRef
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ MAX_WORLD_SIZE = 64
 #: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
 HEARTBEAT_MS = 500
 HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
+#: The rank an engine on a GPU was started for (its engine set's environment), so ranks find their engines.
+_RANK_VARIABLE = "NBFSDP_RANK"
 #: How often a wait for the background start lets a KeyboardInterrupt through.
 _JOIN_SLICE_SECONDS = 0.1
 
@@ -82,6 +86,7 @@ class World:
     timeout: float
     generation: int
     engine_ids: list[int]  # by rank
+    devices: Devices
     engines: list[EngineInfo] = field(default_factory=list)  # by rank
     broken: bool = False
     processes: list[ProcessRef] = field(default_factory=list)
@@ -91,9 +96,19 @@ class World:
     def pids(self) -> list[int]:
         return [e.pid for e in self.engines]
 
-    def serves(self, world_size: int, timeout: float) -> bool:
-        """A cell of this world size and timeout can run in it as it is."""
-        return not self.broken and self.world_size == world_size and self.timeout == timeout
+    def serves(self, world_size: int, timeout: float, devices: Devices) -> bool:
+        """A cell of this world size, timeout and devices can run in it as it is."""
+        return (
+            not self.broken
+            and self.world_size == world_size
+            and self.timeout == timeout
+            and _layout(self.devices) == _layout(devices)
+        )
+
+
+def _layout(devices: Devices) -> tuple[str, int, tuple[int, ...]]:
+    """What the engines of a world depend on: where they run, not why."""
+    return devices.type, devices.world_size, devices.rank_gpus
 
 
 def wait_for_death(dead_ranks: Callable[[], dict[int, str]], rank: int, within: float) -> str | None:
@@ -113,9 +128,19 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def device_type(world_size: int) -> str:
-    """Where a world of ``world_size`` ranks runs: one GPU a rank when there are enough, else the CPU."""
-    return "cuda" if visible_gpus() >= world_size else "cpu"
+def devices_here(world_size: int, requested: str | None, *, planning: bool = False) -> Devices:
+    """Where ``world_size`` ranks started from this kernel run, asked ``requested`` (None: not given);
+    ``planning``: a plan for GPUs this machine may not have (``%fsdp explain --device cuda``)."""
+    return choose(requested, world_size, visible_gpus(), planning=planning)
+
+
+def nccl_host_environment(devices: Devices, rank: int, key: str) -> dict[str, str]:
+    """What a rank sets before ``init_process_group`` so that NCCL accepts ranks that share a GPU: an
+    ``NCCL_HOSTID`` per "host" of ``Devices.nccl_hosts``, made unique to this cluster by ``key`` (NCCL
+    hashes it with nothing else). Nothing where every rank has a GPU of its own."""
+    if not devices.shared:
+        return {}
+    return {"NCCL_HOSTID": f"nbfsdp-{os.path.basename(key)}-{devices.nccl_hosts[rank]}"}
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
@@ -152,11 +177,13 @@ class Cluster(Protocol):
     @property
     def starting(self) -> tuple[int, float] | None: ...
     def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
-    def reuses_world(self, world_size: int, timeout: float) -> bool: ...
-    def ensure_world(self, world_size: int, timeout: float) -> World: ...
+    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool: ...
+    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World: ...
     def unsteerable(self) -> str | None: ...
-    def device_type(self, world_size: int) -> str:
-        """Where a world of ``world_size`` runs: "cuda" (a GPU a rank, NCCL) or "cpu" (gloo)."""
+    def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
+        """Where a world of ``world_size`` runs, asked ``device`` (``--device``; None: not given): on GPUs
+        (NCCL) or the CPU (gloo). A device it cannot have raises ``ConfigError``, unless ``planning`` (a plan,
+        nothing run) where it can plan for it."""
 
     def rank_hosts(self) -> list[str]:
         """The running world's host per rank (names unique per host, even where hostnames are not)."""
@@ -183,7 +210,7 @@ class FSDPCluster:
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
         self._fork_server: ForkServer | None = None
-        self._engine_layout: tuple[int, bool] | None = None  # (engines, one GPU each)
+        self._engine_layout: tuple[str, int, tuple[int, ...]] | None = None  # the devices' ``_layout``
         self._generation = 0
         self._background: _BackgroundStart | None = None
         self._reaper: psutil.Popen | None = None
@@ -214,28 +241,23 @@ class FSDPCluster:
             return None
         return background.world_size, time.monotonic() - background.since
 
-    def reuses_world(self, world_size: int, timeout: float) -> bool:
+    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
         """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
-        return bool(self.world and self.world.serves(world_size, timeout))
+        return bool(self.world and self.world.serves(world_size, timeout, self.devices(world_size, device)))
 
-    def ensure_world(self, world_size: int, timeout: float) -> World:
-        """A healthy world of ``world_size`` ranks, reusing what already runs."""
+    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
+        """A healthy world of ``world_size`` ranks on ``device`` (None: not given), reusing what already runs."""
         self._wait_for_background()
         self.background_error = None  # this start replaces a failed one
-        if self.reuses_world(world_size, timeout):
+        if self.reuses_world(world_size, timeout, device):
             return self.world
         world = self.world
         if self._cluster is None and self._fork_server is None:
             self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
-        gpus = visible_gpus()
-        use_gpus = gpus >= world_size
-        if 0 < gpus < world_size:
-            print(
-                f"nbfsdp: {world_size} ranks but only {gpus} GPU(s) visible: running on CPU with gloo", file=sys.stderr
-            )
-        if self._engine_layout != (world_size, use_gpus) or (world and self.dead_ranks()):
-            self._start_engines(world_size, use_gpus)
-        return self._setup_world(world_size, "nccl" if use_gpus else "gloo", timeout)
+        devices = self.devices(world_size, device)
+        if self._engine_layout != _layout(devices) or (world and self.dead_ranks()):
+            self._start_engines(devices)
+        return self._setup_world(devices, timeout)
 
     @property
     def client(self) -> ipp.Client:
@@ -266,8 +288,8 @@ class FSDPCluster:
         """Why a cell could not be steered mid-run: never, every rank is on this machine."""
         return None
 
-    def device_type(self, world_size: int) -> str:
-        return device_type(world_size)
+    def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
+        return devices_here(world_size, device, planning=planning)
 
     def rank_hosts(self) -> list[str]:
         """The running world's host per rank: this machine's, for all."""
@@ -366,16 +388,18 @@ class FSDPCluster:
             if client is not None:
                 client.close()
 
-    def _start_engines(self, world_size: int, use_gpus: bool) -> None:
+    def _start_engines(self, devices: Devices) -> None:
         if self._cluster is not None:
             # a restart (another size, a rank died) keeps the fork server: it has imported everything once
             self._stop_engines_and_controller()
         if self._fork_server is None or not self._fork_server.running:
             self.start_fork_server()
+        world_size = devices.world_size
         threads = str(cpu_threads_per_rank(world_size))
-        if use_gpus:  # one engine set per GPU, so each engine sees exactly one
+        if devices.type == "cuda":  # one engine set per rank, so each engine sees exactly its GPU
             engine_sets = [
-                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads}) for gpu in range(world_size)
+                (1, {"CUDA_VISIBLE_DEVICES": str(gpu), _RANK_VARIABLE: str(rank), "OMP_NUM_THREADS": threads})
+                for rank, gpu in enumerate(devices.rank_gpus)
             ]
         else:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
@@ -410,37 +434,41 @@ class FSDPCluster:
         import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
 
         self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
-        self._engine_layout = (world_size, use_gpus)
+        self._engine_layout = _layout(devices)
 
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
         self._wait_for_background()
         return [self._fork_server.pid, *ipyparallel_private.launched_pids(self._cluster)]
 
-    def _rank_order(self, use_gpus: bool) -> list[int]:
+    def _rank_order(self, devices: Devices) -> list[int]:
+        """Engine ids by rank: on GPUs each engine was started for its rank (and that rank's GPU)."""
         ids = sorted(self.client.ids)
-        if not use_gpus:
+        if devices.type == "cpu":
             return ids
-        visible = self.client[ids].apply_sync(lambda: __import__("os").environ["CUDA_VISIBLE_DEVICES"])
-        return [engine_id for _, engine_id in sorted(zip((int(v) for v in visible), ids, strict=True))]
+        ranks = self.client[ids].apply_sync(lambda name: int(__import__("os").environ[name]), _RANK_VARIABLE)
+        return [engine_id for _, engine_id in sorted(zip(ranks, ids, strict=True))]
 
-    def _setup_world(self, world_size: int, backend: str, timeout: float) -> World:
+    def _setup_world(self, devices: Devices, timeout: float) -> World:
         from nbfsdp.engines import engine  # torch: imported by the first world, not by importing this module
 
         self._generation += 1
+        world_size = devices.world_size
         store_path = os.path.join(self._private_dir, f"store-{self._generation}")
-        engine_ids = self._rank_order(backend == "nccl")
+        engine_ids = self._rank_order(devices)
         threads = cpu_threads_per_rank(world_size)
         results = [
             self.client[engine_id].apply_async(
                 engine.setup,
                 rank=rank,
                 world_size=world_size,
-                backend=backend,
+                backend=devices.backend,
                 store_path=store_path,
                 timeout=timeout,
                 threads=threads,
                 generation=self._generation,
+                gpu=0 if devices.type == "cuda" else None,  # the one GPU the engine sees
+                environment=nccl_host_environment(devices, rank, self._private_dir),
             )
             for rank, engine_id in enumerate(engine_ids)
         ]
@@ -448,7 +476,9 @@ class FSDPCluster:
         with ThreadPoolExecutor(len(results)) as pool:
             engines = list(pool.map(lambda r: r.get(timeout=max(1.0, deadline - time.monotonic())), results))
         processes = [self._engine_process(engine.pid) for engine in engines]
-        self.world = World(world_size, backend, timeout, self._generation, engine_ids, engines, processes=processes)
+        self.world = World(
+            world_size, devices.backend, timeout, self._generation, engine_ids, devices, engines, processes=processes
+        )
         return self.world
 
     def _engine_process(self, pid: int) -> ProcessRef:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, wrap_units
 
 _DTYPE_NAMES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
@@ -68,8 +69,10 @@ def _statements(model: nn.Module, paths: list[str], call: str) -> list[str]:
     return lines
 
 
-def render(model: nn.Module, config: FSDPConfig, world_size: int, device_type: str) -> str:
-    """FSDP2 code equivalent to ``config`` (validated for the device) for ``model`` at ``world_size``."""
+def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devices) -> str:
+    """FSDP2 code equivalent to ``config`` (validated for the device) for ``model`` at ``world_size`` on
+    ``devices``."""
+    device_type = devices.type
     names = {id(m): n for n, m in model.named_modules()}
     units = wrap_units(model, config)
     replicas, shards = config.mesh_shape(world_size)
@@ -79,9 +82,18 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, device_type: s
         imports.insert(0, "CPUOffloadPolicy")
     lines = [
         f"# FSDP2 code for {config.sharding_strategy}, mixed precision {config.mixed_precision}, "
-        f"world size {world_size} ({device_type}): what %%fsdp runs on each rank.",
+        f"world size {world_size} ({devices}): what %%fsdp runs on each rank.",
         "# Run it on every rank after torch.distributed.init_process_group, with `model` the same full",
         "# model on every rank (same seed or same weights): each rank keeps its own shards.",
+        *(
+            [
+                "# Ranks share GPUs: before init_process_group each rank set NCCL_HOSTID so that NCCL takes the",
+                "# ranks of one GPU for different hosts (it refuses two ranks of a communicator on one device),",
+                "# and torch.cuda.set_device(rank % torch.cuda.device_count()).",
+            ]
+            if devices.shared
+            else []
+        ),
         "import torch",
         "from torch.distributed.device_mesh import init_device_mesh",
         f"from torch.distributed.fsdp import {', '.join(imports)}",

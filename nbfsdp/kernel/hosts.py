@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbfsdp.shared.config import ConfigError
+from nbfsdp.shared.devices import Devices, plural, requested_device
 from nbfsdp.shared.protocol import HostIdentity
 
 
@@ -59,26 +61,39 @@ def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
     return placements
 
 
-def device_type(placements: list[Placement], engines: dict[int, HostIdentity]) -> str:
-    """``cuda`` (NCCL) where every rank has a GPU of its own (its host's GPU number ``LOCAL_RANK``, as under
-    torchrun), ``cpu`` (gloo) where no engine sees one. Hosts short of GPUs for their ranks beside hosts
-    with enough: a ValueError naming each, with its ranks and GPUs."""
+def devices(placements: list[Placement], engines: dict[int, HostIdentity], requested: str | None) -> Devices:
+    """Where the ranks of these placements run, asked ``requested`` (``--device``; None: not given).
+
+    ``auto``: on GPUs (NCCL) where every rank has one of its own (its host's GPU ``LOCAL_RANK``, as under
+    torchrun), on the CPU (gloo) where no engine sees one; hosts short of GPUs beside hosts with enough are
+    a ConfigError naming each, with its ranks and GPUs. ``cuda``: every rank on a GPU of its host, local rank
+    ``l`` on GPU ``l mod G`` (several to a GPU where the host has fewer GPUs than ranks); a host without any
+    is a ConfigError naming it. ``cpu``: gloo."""
+    world_size = len(placements)
+    requested = requested_device(requested)
     gpus = {p.engine_id: engines[p.engine_id].gpus for p in placements}
-    if not any(gpus.values()):
-        return "cpu"
+    if requested == "cpu" or (requested == "auto" and not any(gpus.values())):
+        return Devices("cpu", world_size)
     short = {
-        p.host: (p.local_world_size, gpus[p.engine_id]) for p in placements if gpus[p.engine_id] < p.local_world_size
+        p.host: (p.local_world_size, gpus[p.engine_id])
+        for p in placements
+        if gpus[p.engine_id] < (p.local_world_size if requested == "auto" else 1)
     }
-    if not short:
-        return "cuda"
-    listed = ", ".join(
-        f"{host} has {_count(ranks, 'rank')} and {_count(count, 'GPU')}" for host, (ranks, count) in short.items()
+    if short:
+        listed = ", ".join(
+            f"{host} has {plural(ranks, 'rank')} and {plural(count, 'GPU')}" for host, (ranks, count) in short.items()
+        )
+        rule = "every rank needs a GPU of its own, or none has one" if requested == "auto" else "--device cuda"
+        raise ConfigError(f"{rule}: {listed}")
+    per_host = {p.host: min(gpus[p.engine_id], p.local_world_size) for p in placements}
+    shared = any(p.local_world_size > per_host[p.host] for p in placements)
+    return Devices(
+        "cuda",
+        world_size,
+        sum(per_host.values()),
+        rank_gpus=tuple(p.local_rank % per_host[p.host] for p in placements),
+        nccl_hosts=tuple(f"{p.host}-{p.local_rank // per_host[p.host]}" for p in placements) if shared else (),
     )
-    raise ValueError(f"every rank needs a GPU of its own, or none has one: {listed}")
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _host_names(hostnames: dict[str, str]) -> dict[str, str]:

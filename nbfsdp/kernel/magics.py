@@ -13,12 +13,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import Image, display
 
 from nbfsdp.kernel import comparison
-from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, device_type, visible_gpus
+from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.session import Session
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
 from nbfsdp.shared.collectives import size_text
+from nbfsdp.shared.devices import requested_device
 from nbfsdp.ui.panel import SettingsPanel
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -26,7 +27,10 @@ LINE_ACTIONS = (
     "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "save", "load", "checkpoints", "export",
     "attach", "detach",
 )  # fmt: skip
-WORLD_SIZE_HELP = "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU; attached: every engine)."
+WORLD_SIZE_HELP = (
+    "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
+    "attached: every engine)."
+)
 
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
 SETTABLE = (*(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in ("ignored", "why")), "world_size")
@@ -41,6 +45,13 @@ def _switch(flag: str, help_text: str):
 _CONFIG_ARGUMENTS = [
     argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
     argument(
+        "--device",
+        choices=config.DEVICE_CHOICES,
+        help="cuda: every rank on a GPU, rank r on GPU r mod G (several ranks share one where there are fewer GPUs; "
+        "NCCL between them goes over sockets); cpu: gloo; auto (default, or $NBFSDP_DEVICE): a GPU a rank where "
+        "there are enough, else the CPU.",
+    ),
+    argument(
         "--sharding-strategy",
         choices=config.SHARDING_STRATEGIES,
         help="FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD.",
@@ -49,8 +60,8 @@ _CONFIG_ARGUMENTS = [
     argument(
         "--mixed-precision",
         choices=config.MIXED_PRECISIONS,
-        help="FULL: fp32 (default on CPU); DEFAULT: low-precision gradient reduction (default on GPU); "
-        "PURE: low precision throughout.",
+        help="FULL: fp32 (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient "
+        "reduction, fp32 buffers (default on GPU; Composer's FSDP2 meaning); PURE: low precision throughout.",
     ),
     argument(
         "--precision",
@@ -191,17 +202,18 @@ class FSDPMagics(Magics):
         requested = args.world_size if args.world_size is not None else self.session.panel_world_size
         if requested is None and self.session.attached:
             requested = self.session.cluster.engines  # every engine of the attached cluster
-        world_size = _world_size(requested)
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         settings = self._settings(args)
+        world_size = _world_size(requested, settings.device)
         settings = self._replica_per_host(settings, world_size)
         saving = self._checkpointing(args)
         if saving.loads:
             from nbfsdp.kernel import checkpoints
 
             ast.parse(cell)  # a cell that cannot run fails before the load, not after
-            config.validate(settings, world_size, self.session.cluster.device_type(world_size), quiet=True)
+            devices = self.session.cluster.devices(world_size, settings.device)
+            config.validate(settings, world_size, devices, quiet=True)
             checkpoints.load_before_cell(self.session, saving, world_size, args.timeout, settings)
         self.session.run_cell(
             cell,
@@ -309,14 +321,17 @@ class FSDPMagics(Magics):
             print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
             return
         world = cluster.world
+        if world is None and self.session.attached:
+            self._attached_status()
+            return
         if world is None:
             failed = cluster.background_error
             why = f" (the background start failed: {failed}; the next cell starts again)" if failed else ""
             print(f"nbfsdp: no cluster running{why}")
             return
         print(
-            f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s"
-            f"{' (broken: restarts on the next cell)' if world.broken else ''}"
+            f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s: "
+            f"{world.devices}{' (broken: restarts on the next cell)' if world.broken else ''}"
         )
         if (saving := self.session.pending_save) is not None:
             print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
@@ -333,6 +348,23 @@ class FSDPMagics(Magics):
                 f"{rank:>4}  {hosts[rank]:<{width}}  {local:>5}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}"
                 f"  {info.device}"
             )
+
+    def _attached_status(self) -> None:
+        """An attached cluster before its first cell: its engines, each with the rank, host and local rank a
+        cell using every engine would give it."""
+        cluster = self.session.cluster
+        placements = cluster.placements_for(cluster.engines)
+        engines = cluster.identities()
+        hosts = len({p.host for p in placements})
+        print(
+            f"attached to {len(placements)} engines on {hosts} hosts (profile {cluster.profile}); no world yet: the "
+            "next cell starts one"
+        )
+        width = max(len("host"), *(len(p.host) for p in placements))
+        print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'gpus':>4}")
+        for p in placements:
+            info = engines[p.engine_id]
+            print(f"{p.rank:>4}  {p.host:<{width}}  {p.local_rank:>5}  {p.engine_id:>6}  {info.pid:>7}  {info.gpus:>4}")
 
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")
@@ -352,14 +384,15 @@ class FSDPMagics(Magics):
         requested = args.world_size
         if requested is None and attached:
             requested = self.session.cluster.engines  # as %%fsdp: every engine of the attached cluster
-        world_size = _world_size(requested)
         settings = self._settings(args)
+        world_size = _world_size(requested, settings.device)
         hosts = None
         if attached:  # the ranks' hosts, to say which collectives cross between them
             hosts = [p.host for p in self.session.cluster.placements_for(world_size)]
             settings = self._replica_per_host(settings, world_size)
-        settings = config.validate(settings, world_size, device_type(world_size))
-        planned = plan(model, settings, world_size, hosts)
+        devices = self.session.cluster.devices(world_size, settings.device, planning=True)
+        settings = config.validate(settings, world_size, devices)
+        planned = plan(model, settings, world_size, hosts, devices)
         print(planned.code if args.code else planned, end="" if args.code else "\n")
 
     def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
@@ -499,7 +532,7 @@ class FSDPMagics(Magics):
             model = self.shell.user_ns.get(words[0])
             if not isinstance(model, nn.Module):
                 raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
-        world_size = _world_size(self.session.panel_world_size)
+        world_size = _world_size(self.session.panel_world_size, self.session.panel.get("device"))
         display(SettingsPanel(self.session, model, world_size).box)
 
     def stop(self) -> None:
@@ -508,8 +541,11 @@ class FSDPMagics(Magics):
         self.session.stop()
 
 
-def _world_size(requested: int | None) -> int:
-    world_size = requested if requested is not None else (visible_gpus() or 2)
+def _world_size(requested: int | None, device: str | None = None) -> int:
+    """The world size asked, or by default a rank per GPU (2 on the CPU)."""
+    if requested is None:
+        requested = 2 if requested_device(device) == "cpu" else (visible_gpus() or 2)
+    world_size = requested
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
     return world_size

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nbfsdp.kernel.cluster import device_type
+from nbfsdp.kernel.cluster import devices_here
 from nbfsdp.kernel.fsdp_code import render
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
-from nbfsdp.shared.config import ConfigError, FSDPConfig, for_device, resolve
+from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
+from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.units import activation_modules, forward_order, wrap_rule, wrap_units
 
 
@@ -54,6 +55,8 @@ class Plan:
     world_size: int
     config: dict[str, Any]
     units: list[UnitPlan]
+    devices: str = ""
+    """Where the ranks run, in words: "4 ranks on 1 GPU (shared)", "2 ranks on the CPU (gloo)"."""
     """In forward order: the root first."""
     wrap_rule: dict[str, Any]
     """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words."""
@@ -85,7 +88,7 @@ class Plan:
         name = lambda n: n or "(root)"  # noqa: E731
         c = self.config
         lines = [
-            f"FSDP plan at world size {self.world_size}: {c['sharding_strategy']}, "
+            f"FSDP plan at world size {self.world_size}, {self.devices}: {c['sharding_strategy']}, "
             f"mixed precision {c['mixed_precision']} (params {self.dtypes['param_dtype']}, "
             f"reduce {self.dtypes['reduce_dtype']}, buffers {self.dtypes['buffer_dtype']})",
             *(f"{key.replace('_', ' ')} {c[key]}: {why}" for key, why in c["why"].items()),
@@ -205,8 +208,18 @@ def _host_out(groups: list[list[int]], hosts: list[str], sent: int) -> dict[str,
     return out
 
 
-def plan(model: nn.Module, config: FSDPConfig, world_size: int, hosts: list[str] | None = None) -> Plan:
-    """The plan; ``hosts`` names each rank's host, to say which collectives cross between hosts."""
+def plan(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    hosts: list[str] | None = None,
+    devices: Devices | None = None,
+) -> Plan:
+    """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
+    collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
+    planned for GPUs it does not have."""
+    if devices is None:
+        devices = devices_here(world_size, config.device, planning=True)
     if hosts is not None and len(hosts) != world_size:
         raise ConfigError(f"hosts: {len(hosts)} given for world size {world_size}; one per rank")
     units = wrap_units(model, config)
@@ -302,7 +315,8 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int, hosts: list[str]
         memory=memory,
         communication=communication,
         wire=wire,
-        code=render(model, config, world_size, device_type(world_size)),
+        code=render(model, config, world_size, devices),
+        devices=str(devices),
         mesh=(replicas, shards),
         hosts=list(hosts) if several else [],
         cross_host=cross_host,
@@ -311,10 +325,14 @@ def plan(model: nn.Module, config: FSDPConfig, world_size: int, hosts: list[str]
 
 @as_usage_errors
 def explain(model: nn.Module, world_size: int = 2, hosts: list[str] | None = None, **settings: Any) -> Plan:
-    """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys, ``hosts`` each
-    rank's host (to see which collectives cross between hosts).
+    """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys (``device="cuda"``
+    plans for GPUs, from a kernel without one too), ``hosts`` each rank's host (to see which collectives
+    cross between hosts).
 
     >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
+    >>> nbfsdp.explain(model, world_size=4, device="cuda")  # bf16 compute, fp32 reduction: Composer's DEFAULT
     >>> nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], sharding_strategy="HYBRID_SHARD", replicas=2)
     """
-    return plan(model, for_device(resolve(settings, {}), device_type(world_size)), world_size, hosts)
+    config = resolve(settings, {})
+    devices = devices_here(world_size, config.device, planning=True)
+    return plan(model, validate(config, world_size, devices, quiet=True), world_size, hosts, devices)

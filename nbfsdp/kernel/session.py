@@ -141,7 +141,7 @@ class Session:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
-        config = validate(config, world_size, self.cluster.device_type(world_size))
+        config = validate(config, world_size, self.cluster.devices(world_size, config.device))
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
@@ -153,13 +153,16 @@ class Session:
             name: (transfer.model_fingerprint(model, skeletons[name]), _settings_key(config))
             for name, model in models.items()
         }
-        kept = self._kept_objects(others, models, fingerprints, world_size, timeout)
+        kept = self._kept_objects(others, models, fingerprints, world_size, timeout, config.device)
         values, sent = self._pack_inputs(others, models, kept)
         plans = self._loaders.plan(sent, world_size, per_rank_batches)
 
-        if self.pending_save is not None and not self.cluster.reuses_world(world_size, timeout):
+        replaced = not self.cluster.reuses_world(world_size, timeout, config.device)
+        if self.pending_save is not None and replaced:
             self.pending_save.wait()  # replacing the world would end its write
-        world = self.cluster.ensure_world(world_size, timeout)
+        if replaced and "device" in config.why:  # auto chose the CPU where there is a GPU: said once a world
+            print(f"nbfsdp: {config.why['device']}", file=sys.stderr)
+        world = self.cluster.ensure_world(world_size, timeout, config.device)
         unsteerable = self.cluster.unsteerable()
         if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
             raise UsageError(f"--save-interval: {unsteerable}")  # the ranks agree on each save through files there
@@ -335,11 +338,10 @@ class Session:
             return None
         hosts = self.cluster.rank_hosts()
         planned = plan(next(iter(models.values())), config, world.world_size, hosts) if models else None
-        device = "cuda" if world.backend == "nccl" else "cpu"
         settings = {**dataclasses.asdict(config), "world_size": world.world_size}
         return LiveDashboard(
             world.world_size,
-            device,
+            world.devices,
             planned.memory if planned else None,
             settings,
             self.change_settings,
@@ -387,13 +389,14 @@ class Session:
         fingerprints: dict[str, tuple],
         world_size: int,
         timeout: float,
+        device: str,
     ) -> set[str]:
         """The optimizers and schedulers the cell reads that need not be sent: the running world holds
         them as the notebook does (their fingerprint is the one taken when a cell brought their state
         back), and the models they point at stay on the ranks as they are. An optimizer goes with its
         schedulers: one sent while the other stays would be bound to a copy."""
         world = self.cluster.world
-        if not self.cluster.reuses_world(world_size, timeout) or world.generation != self._models_generation:
+        if not self.cluster.reuses_world(world_size, timeout, device) or world.generation != self._models_generation:
             return set()
         held = {
             id(p)
@@ -436,7 +439,8 @@ class Session:
         return {
             "world_size": world.world_size,
             "backend": world.backend,
-            "device": "cuda" if world.backend == "nccl" else "cpu",
+            "device": world.devices.type,
+            "devices": str(world.devices),
             "timeout": timeout,
             "gather": gather,
             **config.as_dict(),

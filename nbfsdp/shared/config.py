@@ -13,9 +13,12 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nbfsdp.shared.devices import Devices
 
 
 class ConfigError(ValueError):
@@ -27,6 +30,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
 PRECISIONS = ("bf16", "fp16")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -36,6 +40,19 @@ _DTYPES = {
     "float16": torch.float16,
 }
 _MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+#: Each name as (param, reduce, buffer) dtypes, "low" being ``precision`` (bf16 unless fp16 is asked).
+#: DEFAULT is Composer's FSDP2 code's (``get_mixed_precision``, used by ``prepare_distributed``) and
+#: torchtitan's default: compute in low precision, reduce gradients in fp32. Composer also asks for low
+#: buffers, which FSDP2's ``MixedPrecisionPolicy`` has no field for; nbfsdp leaves buffers in fp32 under
+#: DEFAULT, as FSDP2 and torchtitan do (a RoPE table or BatchNorm statistics in bf16 lose precision that
+#: the compute does not need to lose), and casts them only under PURE or where a dict asks.
+MIXED_PRECISION = {
+    "FULL": ("fp32", "fp32", "fp32"),
+    "DEFAULT": ("low", "fp32", "fp32"),
+    "PURE": ("low", "low", "low"),
+}
+#: Composer 0.11's documented DEFAULT (fp32 compute, low-precision reduction), as a ``--config`` dict.
+COMPOSER_0_11_DEFAULT = {"param_dtype": "fp32", "reduce_dtype": "bf16", "buffer_dtype": "fp32"}
 #: Settings a running cell can switch at a step boundary; the others need another mesh or placement.
 LIVE_SETTINGS = (
     "sharding_strategy", "mixed_precision", "precision", "backward_prefetch", "forward_prefetch",
@@ -67,7 +84,8 @@ class FSDPConfig:
     mixed_precision: str | dict | None = None
     """FULL, DEFAULT, PURE, or a dict of param_dtype / reduce_dtype / buffer_dtype; None (not given) is
     Composer's default for the device: FULL on CPU, where its precision is fp32 unless ``precision``
-    is given, DEFAULT on GPU."""
+    is given, DEFAULT on GPU. DEFAULT is Composer's FSDP2 meaning (``get_mixed_precision``, torchtitan's
+    default too): low-precision parameters, fp32 gradient reduction; buffers stay fp32 (``MIXED_PRECISION``)."""
     precision: str | None = None
     """The low precision of DEFAULT and PURE: bf16 or fp16; None (not given) is bf16."""
     backward_prefetch: str | None = None
@@ -89,6 +107,10 @@ class FSDPConfig:
     """HYBRID_SHARD: number of replica groups (Composer's data_parallel_replicate_degree)."""
     sync_module_states: bool = False
     """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards."""
+    device: str | None = None
+    """Where the ranks run: cuda (a GPU each, rank r on GPU r mod G, so several may share one), cpu (gloo),
+    or auto: a GPU a rank where there are enough, else the CPU. None (not given) is ``$NBFSDP_DEVICE``, else
+    auto; a validated config holds the device chosen, cuda or cpu (``nbfsdp.shared.devices``)."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
     why: dict[str, str] = field(default_factory=dict)
@@ -97,12 +119,11 @@ class FSDPConfig:
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(param, reduce, buffer) dtypes of the mixed-precision setting."""
         if self.mixed_precision is None or self.precision is None:
-            raise ValueError("settings not given: validate(config, world_size, device_type) fills them in")
+            raise ValueError("settings not given: validate(config, world_size, devices) fills them in")
         if isinstance(self.mixed_precision, dict):
             return tuple(_DTYPES[self.mixed_precision.get(k, "fp32")] for k in _MIXED_PRECISION_KEYS)
         low = _DTYPES[self.precision]
-        fp32 = torch.float32
-        return {"FULL": (fp32, fp32, fp32), "DEFAULT": (fp32, low, fp32), "PURE": (low, low, low)}[self.mixed_precision]
+        return tuple(low if dtype == "low" else _DTYPES[dtype] for dtype in MIXED_PRECISION[self.mixed_precision])
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) degrees of the device mesh."""
@@ -148,6 +169,12 @@ def _mixed_precision(value: Any) -> str | dict:
     return _choice("mixed_precision", value, MIXED_PRECISIONS)
 
 
+def _device(value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in DEVICE_CHOICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {value!r}")
+    return value.lower()
+
+
 def _positive_int(key: str, value: Any) -> int:
     try:
         number = int(float(value))
@@ -159,6 +186,7 @@ def _positive_int(key: str, value: Any) -> int:
 
 
 _CONVERTERS = {
+    "device": lambda v: _device(v),
     "sharding_strategy": lambda v: _choice("sharding_strategy", v, SHARDING_STRATEGIES),
     "mixed_precision": _mixed_precision,
     "precision": lambda v: _choice("precision", str(v).lower(), tuple(p.upper() for p in PRECISIONS)).lower(),
@@ -204,36 +232,46 @@ _DEFAULT_PREFETCH = (
 _POST_ASKED = "BACKWARD_POST asked, which FSDP2 does not have (it can prefetch the wrong unit, pytorch#108190)"
 
 
-def for_device(config: FSDPConfig, device_type: str) -> FSDPConfig:
-    """``config`` with the settings not given filled in as Composer would on ``device_type``, saying why."""
+def for_device(config: FSDPConfig, devices: Devices) -> FSDPConfig:
+    """``config`` with the settings not given filled in as Composer would on ``devices``, saying why; its
+    ``device`` is the one chosen."""
     why = dict(config.why)
     mixed_precision, backward_prefetch = config.mixed_precision, config.backward_prefetch
     precision = config.precision or "bf16"
-    if mixed_precision is None and device_type == "cpu" and config.precision is None:
+    if devices.why:
+        why["device"] = devices.why
+    if mixed_precision is None and devices.type == "cpu" and config.precision is None:
         mixed_precision, why["mixed_precision"] = "FULL", _FULL_ON_CPU
     elif mixed_precision is None:  # Composer's DEFAULT wherever its precision is low: on GPU, or asked for
-        where = "on GPU" if device_type == "cuda" else "once a precision is given"
+        where = "on GPU" if devices.type == "cuda" else "once a precision is given"
         mixed_precision = "DEFAULT"
-        why["mixed_precision"] = f"not given; Composer's default {where}: gradients reduced in {precision}"
+        why["mixed_precision"] = (
+            f"not given; Composer's default {where}: {precision} parameters (the compute), gradients reduced in fp32"
+        )
     if backward_prefetch is None:
         backward_prefetch, why["backward_prefetch"] = "BACKWARD_PRE", _DEFAULT_PREFETCH
     elif backward_prefetch == "BACKWARD_POST":
         why["backward_prefetch"] = f"{_POST_ASKED}: FSDP2's own backward prefetch runs"
-    chosen = {"mixed_precision": mixed_precision, "precision": precision, "backward_prefetch": backward_prefetch}
+    chosen = {
+        "device": devices.type,
+        "mixed_precision": mixed_precision,
+        "precision": precision,
+        "backward_prefetch": backward_prefetch,
+    }
     return dataclasses.replace(config, **chosen, why=why)
 
 
-def validate(config: FSDPConfig, world_size: int, device_type: str, *, quiet: bool = False) -> FSDPConfig:
+def validate(config: FSDPConfig, world_size: int, devices: Devices, *, quiet: bool = False) -> FSDPConfig:
     """Checks that need the world (mesh shape, what the device can run); the config the ranks run.
 
     An explicit BACKWARD_POST is said in one line on stderr unless ``quiet`` (a plan shows it anyway).
     """
-    config = for_device(config, device_type)
+    config = for_device(config, devices)
     if config.sharding_strategy == "HYBRID_SHARD":
         replicas = config.replicas
         if not replicas or world_size % replicas or not 1 <= replicas <= world_size:
             raise ConfigError(f"HYBRID_SHARD needs --replicas R dividing the world size {world_size}; got {replicas}")
-    if device_type == "cpu" and torch.float16 in config.dtypes():
+    if devices.type == "cpu" and torch.float16 in config.dtypes():
         raise ConfigError("fp16 needs a GPU; on CPU use --precision bf16 (or mixed_precision FULL)")
     if config.backward_prefetch == "BACKWARD_POST" and not quiet:
         print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
-from nbfsdp.shared.config import BACKWARD_PREFETCHES, MIXED_PRECISIONS, SHARDING_STRATEGIES
+from nbfsdp.shared.config import BACKWARD_PREFETCHES, DEVICE_CHOICES, MIXED_PRECISIONS, SHARDING_STRATEGIES
 
 #: A mixed_precision dict (param/reduce/buffer dtypes) is shown as this choice.
 CUSTOM_PRECISION = "custom"
@@ -33,7 +33,7 @@ def _checkbox(description: str) -> widgets.Checkbox:
 
 
 class SettingsControls:
-    """Sharding, mixed precision, prefetch, checkpointing, CPU offload and world size, as widgets."""
+    """Sharding, mixed precision, prefetch, checkpointing, CPU offload, device and world size, as widgets."""
 
     def __init__(self, values: dict[str, Any], on_change: Callable[[dict[str, Any]], object]) -> None:
         precision = values["mixed_precision"]
@@ -45,6 +45,7 @@ class SettingsControls:
             "forward_prefetch": _checkbox("forward prefetch"),
             "activation_checkpointing": _checkbox("activation checkpointing"),
             "cpu_offload": _checkbox("CPU offload"),
+            "device": _dropdown("device", DEVICE_CHOICES),
             "world_size": widgets.BoundedIntText(
                 min=1,
                 max=MAX_WORLD_SIZE,

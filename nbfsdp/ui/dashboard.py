@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 
 from nbfsdp.kernel import renderer
 from nbfsdp.shared import figures
+from nbfsdp.shared.devices import Devices
 from nbfsdp.ui.controls import SettingsControls
 from nbfsdp.ui.widget_events import answer_while_cells_run
 
@@ -58,7 +59,7 @@ class LiveDashboard:
     def __init__(
         self,
         world_size: int,
-        device: str,
+        devices: Devices,
         predicted: list[dict[str, int]] | None,
         settings: dict[str, Any],
         on_change: Callable[[dict[str, Any]], str],
@@ -67,7 +68,8 @@ class LiveDashboard:
         hosts: list[str] | None = None,
         across_hosts: list[str] | None = None,
     ) -> None:
-        """``hosts``: each rank's host, a column where there are several; ``across_hosts``: the plan's lines on
+        """``devices``: where the ranks run, said above them ("4 ranks on 1 GPU (shared)") and per rank;
+        ``hosts``: each rank's host, a column where there are several; ``across_hosts``: the plan's lines on
         the mesh over those hosts and what crosses between them (``Plan.hosts_lines``), shown above the ranks."""
         self.world_size = world_size
         self._hosts = hosts if hosts and len(set(hosts)) > 1 else None
@@ -87,7 +89,7 @@ class LiveDashboard:
         renderer.start()
         self._states = ["running"] * world_size
         self._notes: list[str] = []
-        self._device = device
+        self._devices = devices
         self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
         self._stop = widgets.Button(description="Stop", button_style="danger", tooltip="end at the next step")
         self._stop.on_click(lambda _: on_stop())
@@ -222,14 +224,18 @@ class LiveDashboard:
             step = record["step"] if record else ""
             step_time = f"{record['step_time'] * 1000:.0f} ms" if record else ""
             rows += (
-                f"<tr><td>{rank}</td>{host(rank)}<td>{step}</td><td>{step_time}</td><td>{self._device}</td>"
+                f"<tr><td>{rank}</td>{host(rank)}<td>{step}</td><td>{step_time}</td><td>{self._rank_device(rank)}</td>"
                 f"<td>{self._states[rank]}</td></tr>"
             )
         header = "<th>rank</th>" + ("<th>host</th>" if self._hosts else "")
-        mesh = "".join(f"<div>{html.escape(line)}</div>" for line in self._across_hosts)
+        mesh = "".join(f"<div>{html.escape(line)}</div>" for line in [str(self._devices), *self._across_hosts])
         return (
             f"{mesh}<table><tr>{header}<th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
         )
+
+    def _rank_device(self, rank: int) -> str:
+        """``cuda:0`` (the GPU as the rank's host numbers it) or ``cpu``."""
+        return f"cuda:{self._devices.rank_gpus[rank]}" if self._devices.type == "cuda" else "cpu"
 
     def figure(self) -> Figure:
         """The loss, memory and step-time figures of the records so far."""

@@ -1,0 +1,113 @@
+"""Where a world's ranks run: ``--device {auto,cuda,cpu}`` and the GPUs there are, as one decision.
+
+``cuda`` puts every rank on a GPU, rank ``r`` on GPU ``r mod G``, so 4 ranks share 1 GPU. Each rank stays
+its own process with its own CUDA context and allocator. NCCL refuses two ranks of one communicator on one
+device unless it takes them for different hosts, so the ranks that share a GPU get different
+``NCCL_HOSTID``s (``Devices.nccl_hosts``). Between those "hosts" NCCL uses its network transport, sockets
+over loopback, not NVLink: correct, and slow (``docs/guide/gpus.md``). ``cpu`` is gloo on the CPU.
+``auto`` (not given) takes a GPU a rank when there are enough and the CPU otherwise, saying why when GPUs
+were there.
+
+Decided in the kernel (nbfsdp's own cluster, ``%fsdp explain``, the panel) from the GPUs its machine has;
+an attached cluster decides from what its engines report (``nbfsdp.kernel.hosts``). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from nbfsdp.shared.config import DEVICE_CHOICES, ConfigError
+
+#: The default of ``--device`` when a cell, ``--config`` and the panel say nothing (``make test-gpu`` runs the
+#: course with it set to ``cuda``, so ranks share the GPUs there are).
+DEFAULT_DEVICE_VARIABLE = "NBFSDP_DEVICE"
+
+
+def plural(number: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Devices:
+    """The device of a world's ranks: which GPU each rank takes, and which ranks share one."""
+
+    type: str
+    """``cuda`` (NCCL) or ``cpu`` (gloo)."""
+    world_size: int
+    gpus: int = 0
+    """GPUs the ranks use, on all their hosts together; 0 on the CPU."""
+    rank_gpus: tuple[int, ...] = ()
+    """Each rank's GPU, numbered as its host numbers them (``torch.cuda.device_count()`` there); empty on
+    the CPU."""
+    nccl_hosts: tuple[str, ...] = ()
+    """Where ranks share a GPU, each rank's part of ``NCCL_HOSTID``: ranks with the same part are on
+    different GPUs, and ranks that share a GPU have different parts. Empty where no GPU is shared."""
+    why: str | None = None
+    """Why ``auto`` chose the CPU on a machine with a GPU (None otherwise)."""
+    planned: bool = False
+    """Planned for GPUs the deciding process does not see (``%fsdp explain --device cuda`` on a CPU kernel)."""
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.type == "cuda" else "gloo"
+
+    @property
+    def shared(self) -> bool:
+        """Several ranks on one GPU: NCCL must take them for different hosts."""
+        return bool(self.nccl_hosts)
+
+    def __str__(self) -> str:
+        ranks = plural(self.world_size, "rank")
+        if self.type == "cpu":
+            return f"{ranks} on the CPU (gloo)"
+        if self.planned:
+            return f"{ranks}, a GPU each (planned: this kernel sees no GPU)"
+        return f"{ranks} on {plural(self.gpus, 'GPU')}{' (shared)' if self.shared else ''}"
+
+
+def on_gpus(world_size: int, gpus: int, **extra: object) -> Devices:
+    """``world_size`` ranks on one machine's ``gpus`` GPUs: rank ``r`` on GPU ``r mod G``. Where they share,
+    ranks ``[k * G, (k + 1) * G)`` are NCCL's host ``k``: on different GPUs, so NCCL's own transports
+    (NVLink, PCIe) still connect them."""
+    used = min(gpus, world_size)
+    shared = tuple(str(rank // used) for rank in range(world_size)) if world_size > used else ()
+    return Devices("cuda", world_size, used, tuple(rank % used for rank in range(world_size)), shared, **extra)
+
+
+def requested_device(value: str | None) -> str:
+    """The ``device`` a cell asked for; not given, ``$NBFSDP_DEVICE`` or ``auto``."""
+    asked = value if value is not None else os.environ.get(DEFAULT_DEVICE_VARIABLE) or "auto"
+    if asked.lower() not in DEVICE_CHOICES:
+        source = "device" if value is not None else f"${DEFAULT_DEVICE_VARIABLE}"
+        raise ConfigError(f"{source} must be one of {', '.join(DEVICE_CHOICES)}; got {asked!r}")
+    return asked.lower()
+
+
+def choose(requested: str | None, world_size: int, gpus: int, *, planning: bool = False) -> Devices:
+    """Where ``world_size`` ranks run, asked ``requested`` (None: not given) on a machine with ``gpus`` GPUs.
+
+    ``cuda`` with no GPU is a ConfigError, unless ``planning``: a plan for GPUs this process does not have,
+    one GPU a rank."""
+    match requested_device(requested):
+        case "cpu":
+            return Devices("cpu", world_size)
+        case "cuda" if gpus:
+            return on_gpus(world_size, gpus)
+        case "cuda" if planning:
+            return on_gpus(world_size, world_size, planned=True)
+        case "cuda":
+            raise ConfigError(
+                "--device cuda: this machine has no GPU (torch.cuda.device_count() is 0); choose auto or cpu"
+            )
+        case _ if gpus >= world_size:
+            return on_gpus(world_size, gpus)
+        case _ if gpus:
+            why = (
+                f"{plural(world_size, 'rank')} and {plural(gpus, 'GPU')}: auto takes a GPU a rank only when there "
+                f"are enough, so the CPU (gloo); --device cuda puts the ranks on the {plural(gpus, 'GPU')}, shared"
+            )
+            return Devices("cpu", world_size, why=why)
+        case _:
+            return Devices("cpu", world_size)
