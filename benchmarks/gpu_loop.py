@@ -182,6 +182,6 @@ def run(ctx: Context) -> dict:
         return {"skipped": "transformers is not installed (the examples extra)"}
     device_name = torch.cuda.get_device_name(0)
     sizes = gpt2_loop.QUICK if ctx.quick else gpt2_loop.FULL
-    result = compare(sizes, "cuda", ctx.rounds(full=3, quick=1), ctx.shutdown)
+    result = compare(sizes, "cuda", ctx.rounds(full=2, quick=1), ctx.shutdown)
     label = f"gpu-loop GPT-2 {result['params'] / 1e6:.0f}M {sizes.batch}x{sizes.sequence} ({device_name})"
     return {"measurements": measurements(result, label), "device_name": device_name, **result}
