@@ -11,7 +11,7 @@ import torch
 import nbfsdp
 from nbfsdp.shared.config import COMPOSER_0_11_DEFAULT, FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices
-from tests.conftest import TINY_MODEL, run_ok
+from tests.conftest import TINY_MODEL, run_failing, run_ok
 from tests.test_config import DTYPES_SEEN
 from tests.test_kernel import Kernel
 
@@ -181,3 +181,19 @@ def test_in_a_kernel_a_default_cell_prints_nothing_and_an_explicit_backward_post
         assert len(streams["stderr"].splitlines()) == 1 and "Warning" not in streams["stderr"]
     finally:
         kernel.shutdown()
+
+
+def test_a_loss_against_fp32_targets_under_bf16_compute_says_what_to_do(shell, tiny_model):
+    """DEFAULT computes in bf16 (on GPU by default), and FSDP2 leaves the model's output in bf16: on a GPU an
+    MSE against fp32 targets fails in backward with the error raised here (as CUDA's mse_loss raised it on a
+    lent H100; the CPU kernel accepts the mix). The error says why and what to do."""
+    failing = "raise RuntimeError('Found dtype Float but expected BFloat16')\n"
+    error, _ = run_failing(shell, f"%%fsdp --world-size 2 --mixed-precision DEFAULT\n{failing}")
+    assert str(error).startswith("rank 0: RuntimeError: Found dtype Float but expected BFloat16; "), error
+    assert (
+        "under mixed precision DEFAULT the model computes in bf16 and its output stays bf16: compute the loss "
+        "in fp32 (loss_fn(model(x).float(), y)) or under torch.autocast, or run the cell with --mixed-precision "
+        "FULL" in str(error)
+    ), error
+    error, _ = run_failing(shell, f"%%fsdp --world-size 2 --mixed-precision FULL\n{failing}")
+    assert "computes in" not in str(error)  # fp32 compute: nothing to say about precision

@@ -20,7 +20,7 @@ LOOP = """
 opt = torch.optim.SGD({model}.parameters(), lr=0.1)
 for step in range(4):
     x, y = batch_for(rank, step)
-    loss = loss_fn({model}(x.to(device)), y.to(device))
+    loss = loss_fn({model}(x.to(device)).float(), y.to(device))  # bf16 under GPU's DEFAULT, the target fp32
     loss.backward(); opt.step(); opt.zero_grad()
     nbfsdp.log(step=step, loss=loss.item())
 """

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.floor, pytest.mark.timeout(180)]
 #: Categories nbfsdp does not follow on CPU (no allocator statistics there).
 UNTRACKED_ON_CPU = ("Temp", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Buffer", "Inputs")
 
-MEASURE = """%%fsdp --world-size 2
+MEASURE = """%%fsdp --world-size 2 --mixed-precision FULL
 import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 

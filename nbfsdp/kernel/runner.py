@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import signal
 import sys
 import threading
@@ -21,11 +22,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import ipyparallel as ipp
+import torch
 from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
 from nbfsdp.engines import engine
 from nbfsdp.kernel.cluster import Cluster
+from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
 
 #: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
@@ -50,6 +53,28 @@ class RankError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = [f"[{self.label}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
         return [*lines, f"RankError: {self}"]
+
+
+#: What PyTorch says when a low-precision model output meets an fp32 tensor in an op that needs one dtype
+#: (``mse_loss``'s backward, ``addmm``...).
+_DTYPE_MISMATCH = re.compile(
+    r"expected (?:scalar type |dtype )?(?:BFloat16|Half)"
+    r"|(?:BFloat16|Half) (?:and|!=) Float|Float (?:and|!=) (?:BFloat16|Half)"
+)
+
+
+def low_precision_hint(error: str, config: FSDPConfig) -> str:
+    """What to do, where a rank failed on fp32 meeting the low precision its model computes in (under
+    DEFAULT on GPU by default): FSDP2 leaves the model's output in ``param_dtype``."""
+    compute = config.dtypes()[0]
+    if compute == torch.float32 or not _DTYPE_MISMATCH.search(error):
+        return ""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
+    return (
+        f"; under mixed precision {config.mixed_precision} the model computes in {name} and its output stays "
+        f"{name}: compute the loss in fp32 (loss_fn(model(x).float(), y)) or under torch.autocast, or run the "
+        "cell with --mixed-precision FULL"
+    )
 
 
 class OutputSink(Protocol):
@@ -178,6 +203,7 @@ class RankRun:
     ) -> None:
         self.cluster = cluster
         self.world = cluster.world
+        self.config = spec.fsdp
         self.results = [
             cluster.client[engine_id].apply_async(engine.run_cell, spec, values, skeletons)
             for engine_id in self.world.engine_ids
@@ -216,7 +242,7 @@ class RankRun:
                 or failed
             )
             rank = min(primary)
-            message = primary[rank].error
+            message = primary[rank].error + low_precision_hint(primary[rank].error, self.config)
             same = [str(r) for r in sorted(primary) if r != rank and primary[r].error == message]
             others = [f"rank {r}: {o.error}" for r, o in primary.items() if r != rank and o.error != message]
             if same:
