@@ -237,6 +237,23 @@ def test_panel_settings_become_the_next_cells_defaults_and_flags_still_win(shell
         _session().panel.clear()
 
 
+def test_the_panels_device_control_plans_for_gpus_and_is_the_next_cells_default(shell, tiny_model):
+    """The device control shows what was asked (auto), not what auto chose; picking cuda plans for GPUs (this
+    kernel has none: the plan says so) and makes the next cell ask for them, which here fails before it runs."""
+    panel = SettingsPanel(_session(), tiny_model, 2)
+    assert panel.controls.widgets["device"].value == "auto" and "2 ranks on the CPU (gloo)" in panel.plan.value
+    try:
+        panel.controls.widgets["device"].value = "cuda"  # as a person picks it
+        assert "2 ranks, a GPU each (planned: this kernel sees no GPU)" in panel.plan.value
+        assert "params bfloat16, reduce float32" in panel.plan.value  # Composer's DEFAULT on GPU
+        error, _ = run_failing(shell, "%%fsdp --world-size 2\npass\n")
+        assert isinstance(error, UsageError) and str(error).startswith("--device cuda: this machine has no GPU")
+        run_ok(shell, "%%fsdp --world-size 2 --device cpu\npass\n")  # the flag wins over the panel
+        assert nbfsdp.last_run().config["devices"] == "2 ranks on the CPU (gloo)"
+    finally:
+        _session().panel.clear()
+
+
 def test_set_changes_an_async_run_mid_run(shell, tiny_model, capsys):
     run_ok(shell, TRAIN.format(flags="--async", steps=STEPS))
     while not nbfsdp.last_run().metrics:
