@@ -7,6 +7,7 @@ Every ``import`` of an nbfsdp module anywhere in a file counts (at the top, insi
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,12 @@ def test_importing_the_package_loads_no_torch_ipyparallel_or_widgets():
     code = f"import sys, nbfsdp; print(sorted(m for m in {heavy} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_load_ext_reads_its_prewarm_setting_without_torch():
+    """``%load_ext nbfsdp`` returns at once and torch loads behind it, in the background start's thread: what
+    the kernel's thread runs first (the world size to start, from the cluster's limits) must not import it."""
+    code = "import sys, nbfsdp; print(nbfsdp.prewarm_world_size(), 'torch' in sys.modules)"
+    env = {**os.environ, "NBFSDP_PREWARM": "2"}
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert loaded.split() == ["2", "False"]

@@ -331,7 +331,7 @@ def test_stop_or_unload_while_the_engines_start_waits_then_ends_them(kernels, ac
 
 
 def test_a_failed_background_start_prints_nothing_and_the_next_start_tries_again(monkeypatch, capfd):
-    def broken(self, world_size, use_gpus):
+    def broken(self, devices):
         raise RuntimeError("no engines today")
 
     real = FSDPCluster._start_engines

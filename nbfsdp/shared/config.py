@@ -13,24 +13,17 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from nbfsdp.shared.devices import Devices
-
-
-class ConfigError(ValueError):
-    """Settings that cannot be used; the message names the valid choices. The notebook shows it as IPython's
-    ``UsageError`` (``nbfsdp.kernel.usage_errors``); code shared with the engines does not import IPython."""
-
+from nbfsdp.shared.devices import DEVICE_CHOICES, Devices
+from nbfsdp.shared.errors import ConfigError
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
 PRECISIONS = ("bf16", "fp16")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
-DEVICE_CHOICES = ("auto", "cuda", "cpu")
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,

@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nbfsdp.shared.config import DEVICE_CHOICES, ConfigError
+from nbfsdp.shared.errors import ConfigError
+
+#: ``--device``'s choices.
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
 #: The default of ``--device`` when a cell, ``--config`` and the panel say nothing (``make test-gpu`` runs the
 #: course with it set to ``cuda``, so ranks share the GPUs there are).
