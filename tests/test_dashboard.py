@@ -10,10 +10,13 @@ import time
 
 import psutil
 import pytest
+import torch
 import torch.nn as nn
 
 import nbfsdp
+from nbfsdp.helpers import drawing
 from nbfsdp.kernel import renderer
+from nbfsdp.shared import figures
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices, on_gpus
 from nbfsdp.ui import dashboard as dashboard_module
@@ -177,6 +180,42 @@ def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffer
         assert [text.get_text() for text in axes.texts] == ["step 3: activation_checkpointing=True"]
         assert [line.get_xdata()[0] for line in axes.lines if line.get_linestyle() == ":"] == [3]
     assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]
+
+
+def test_each_ranks_predicted_peak_is_drawn_beside_its_measured_peak(shell):
+    """explain's traced peak (dashed) comes while the cell runs; the measured one is the highest ``mem_peak``
+    so far; a live figure in the drawing worker takes the prediction with its next drawing."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    planned = nbfsdp.explain(model, world_size=2, wrap_cls="Linear", batch=torch.empty(8, 16, device="meta"))
+    dashboard = _dashboard(planned.memory)
+    peaks = [rank["total"] for rank in planned.peak]
+    dashboard.predict_peaks(peaks, "8x16 float32 a rank")
+    assert "explain predicts a peak of" in dashboard._notes[-1] and "8x16 float32 a rank" in dashboard._notes[-1]
+    records = [
+        {"rank": r, "step": s, "step_time": 0.01, "mem_params": 1000, "mem_peak": (s + 1) * 2**20 * (r + 1)}
+        for s in range(3) for r in (0, 1)
+    ]  # fmt: skip
+    dashboard.add(records)
+    memory_axes = dashboard.figure().axes[1]
+    lines = {line.get_label(): line for line in memory_axes.lines}
+    assert {"peak (explain)", "peak so far (measured)"} <= set(lines)
+
+    def heights(style: str) -> list[float]:
+        return [
+            line.get_ydata()[0]
+            for line in memory_axes.lines
+            if line.get_color() == figures.PEAK_COLOR and line.get_linestyle() == style
+        ]
+
+    assert heights("--") == pytest.approx([peak / 2**20 for peak in peaks])
+    assert heights("-") == [3.0, 6.0]  # each rank's highest mem_peak, MiB
+    # the worker's live figure, made before the trace was done, draws the prediction once it comes
+    key = "predicted-peak-test"
+    drawing.draw(key, 2, planned.memory, records[:2], 0, False)
+    assert drawing._figures[key]._predicted_peaks == []
+    drawing.draw(key, 2, dashboard.predicted, records[2:], 2, False)
+    assert drawing._figures[key]._predicted_peaks == peaks
+    drawing._figures.pop(key)
 
 
 def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell):

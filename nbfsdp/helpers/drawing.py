@@ -86,5 +86,6 @@ def draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]
     drawing = _figures.get(key)
     if drawing is None or drawing.records != first:
         raise LostFigure(key)
+    drawing.predict_peaks(predicted or [])  # a peak traced while the cell ran comes with a later drawing
     png = drawing.add(records).png()
     return png, time.process_time() - started

@@ -12,8 +12,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import Image, display
 
-from nbfsdp.kernel import comparison
+from nbfsdp.kernel import comparison, fitting
 from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
+from nbfsdp.kernel.peak import Workload, autocast_dtype
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.session import Session
 from nbfsdp.kernel.usage_errors import as_usage_errors
@@ -370,9 +371,27 @@ class FSDPMagics(Magics):
     @argument("model", help="The name of an nn.Module in the notebook.")
     @argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
     @argument("--code", action="store_true", help="Print the plain FSDP2 code these settings amount to.")
+    @argument(
+        "--batch",
+        metavar="EXPR",
+        help="One step's global batch, a notebook expression (a tensor, a tuple, a dict of tensors, a DataLoader, "
+        "meta tensors): each rank's peak in a training step, traced on the meta device.",
+    )
+    @argument("--loss", metavar="NAME", help="With --batch: loss_fn(output, *target), where the output has no loss.")
+    @argument(
+        "--per-rank-batches", action="store_true", help="With --batch: the batch is each rank's, not the global one."
+    )
+    @argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        help="With --batch: forward and loss run under torch.autocast to this dtype, as the training loop does.",
+    )
+    @argument("--gpu", metavar="NAME", help="With --batch: does it fit this GPU (H100, A100 40GB, L4, ...)?")
+    @argument("--device-memory", metavar="SIZE", help="With --batch: does it fit this much memory (80GiB)?")
+    @argument("--suggest", action="store_true", help="With --gpu or --device-memory: the cheapest settings that fit.")
     @config_arguments
     def _explain_arguments(self, line: str) -> None:
-        """%fsdp explain [--code] [settings] [--world-size N] MODEL"""
+        """%fsdp explain [--code] [settings] [--world-size N] [--batch EXPR [--gpu NAME] [--suggest]] MODEL"""
 
     def _explain(self, line: str) -> None:
         args = parse_argstring(self._explain_arguments, line)
@@ -392,8 +411,33 @@ class FSDPMagics(Magics):
             settings = self._replica_per_host(settings, world_size)
         devices = self.session.cluster.devices(world_size, settings.device, planning=True)
         settings = config.validate(settings, world_size, devices)
-        planned = plan(model, settings, world_size, hosts, devices)
+        workload = self._workload(args)
+        memory = fitting.device_memory(args.gpu, args.device_memory)
+        if (memory is not None or args.suggest) and workload is None:
+            raise UsageError("--gpu, --device-memory and --suggest need --batch EXPR: the step whose peak they judge")
+        if args.suggest and memory is None:
+            raise UsageError("--suggest needs --gpu NAME or --device-memory SIZE: what the settings must fit")
+        planned = plan(
+            model, settings, world_size, hosts, devices, workload=workload, memory=memory, suggest=args.suggest
+        )
         print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+    def _workload(self, args) -> Workload | None:
+        """``--batch EXPR`` evaluated in the notebook, with ``--loss NAME`` and ``--per-rank-batches``."""
+        if args.batch is None:
+            if args.loss is not None or args.per_rank_batches or args.autocast is not None:
+                raise UsageError("--loss, --per-rank-batches and --autocast go with --batch EXPR")
+            return None
+        try:
+            batch = eval(args.batch, self.shell.user_ns)  # noqa: S307 (the user's own expression, in their notebook)
+        except Exception as error:
+            raise UsageError(f"--batch {args.batch}: {type(error).__name__}: {error}") from None
+        loss = None
+        if args.loss is not None:
+            loss = self.shell.user_ns.get(args.loss)
+            if not callable(loss):
+                raise UsageError(f"--loss {args.loss}: not a function in the notebook (loss_fn(output, target))")
+        return Workload(batch, loss, args.per_rank_batches, autocast=autocast_dtype(args.autocast))
 
     def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
         """HYBRID_SHARD without --replicas on an attached cluster: shard inside each host, replicate across."""

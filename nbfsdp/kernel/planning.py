@@ -17,15 +17,21 @@ FSDP2 code the settings amount to (``fsdp_code``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from nbfsdp.kernel import fitting, predicted
 from nbfsdp.kernel.cluster import devices_here
+from nbfsdp.kernel.fitting import DeviceMemory
 from nbfsdp.kernel.fsdp_code import render
+from nbfsdp.kernel.peak import Workload, autocast_dtype, rank_peaks
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
@@ -83,6 +89,30 @@ class Plan:
     cross_host: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per collective: the bytes each host sends to other hosts per step under the ring algorithms (its
     groups' total is ``wire[kind]["cross_host"]``); empty on one host."""
+    peak: list[dict[str, int]] = field(default_factory=list)
+    """With a batch: per rank, its bytes at its peak in a training step, traced on the meta device
+    (``nbfsdp.kernel.peak``): ``params``, ``grads``, ``optim``, ``activations``, ``temporaries``,
+    ``comm_buffers`` and their ``total``. Empty without a batch."""
+    peak_at: str = ""
+    """Where the peak falls: the unit, and forward, backward or the optimizer step."""
+    batch: str = ""
+    """The batch each rank traced with, in words."""
+    tokens: int = 0
+    """Tokens (rows, for a model of features) a rank computes per step: what recompute costs scale with."""
+    device_memory: dict[str, Any] = field(default_factory=dict)
+    """With a device: its ``name``, ``total`` bytes and the ``usable`` part (less the allocator's margin)."""
+    fits: bool | None = None
+    """Every rank's peak within the device's usable memory; None without a device or a batch."""
+    suggestions: list[Plan] = field(default_factory=list)
+    """With ``suggest``: plans of other settings that fit, cheapest first (``nbfsdp.kernel.fitting``)."""
+    change: str = ""
+    """A suggestion's change against the settings asked for."""
+    cost_seconds: float = 0.0
+    """A suggestion's added seconds per step (negative: saved), by ``nbfsdp.kernel.fitting``'s cost model."""
+    gpu_factor: float = 1.0
+    """A suggestion's ranks against those asked for."""
+    searched: bool = False
+    """Suggestions were asked for (an empty list then means none fits)."""
 
     def __str__(self) -> str:
         name = lambda n: n or "(root)"  # noqa: E731
@@ -124,7 +154,41 @@ class Plan:
             + ", ".join(f"{kind.replace('_', '-')} {size_text(w['sent'])}" for kind, w in wire.items())
             + f"; {size_text(sum(w['sent'] for w in wire.values()))} in all"
         )
-        return "\n".join(lines + self.hosts_lines())
+        return "\n".join(lines + self.hosts_lines() + self.peak_lines())
+
+    def peak_lines(self) -> list[str]:
+        """Each rank's traced peak, the verdict for the device, and the suggestions; none without a batch."""
+        if not self.peak:
+            return []
+        lines = [f"peak in a training step, traced on the meta device with {self.batch}:"]
+        shown = self.peak if len({tuple(p.items()) for p in self.peak}) > 1 else self.peak[:1]
+        for rank, p in enumerate(shown):
+            who = f"rank {rank}" if len(shown) > 1 else "every rank"
+            parts = ", ".join(f"{key.replace('_', ' ')} {size_text(p[key])}" for key in p if key != "total")
+            lines.append(f"  {who}: {size_text(p['total'])} ({parts}), at {self.peak_at}")
+        if self.device_memory:
+            top = max(p["total"] for p in self.peak)
+            usable = self.device_memory["usable"]
+            verdict = "fits" if self.fits else "does not fit"
+            lines.append(
+                f"on {self.device_memory['name']}: {verdict} ({size_text(top)} of {size_text(usable)} usable of "
+                f"{size_text(self.device_memory['total'])}; the rest is the CUDA context and the allocator's margin)"
+            )
+        if self.suggestions:
+            lines.append(
+                "settings that fit, cheapest first (seconds a step adds, by the cost model of nbfsdp.kernel.fitting):"
+            )
+            for s in self.suggestions:
+                top = max(p["total"] for p in s.peak)
+                cost = f"{s.cost_seconds * 1e3:+.1f} ms a step" + (
+                    f", {s.gpu_factor:g}x the GPUs" if s.gpu_factor != 1 else ""
+                )
+                lines.append(f"  {s.change}: peak {size_text(top)}; {cost}")
+        elif self.fits is False:
+            lines.append(
+                "no setting nbfsdp tries fits" if self.searched else "--suggest searches the settings that fit"
+            )
+        return lines
 
     def hosts_lines(self) -> list[str]:
         """The mesh over hosts and what each collective sends between them; none on one host."""
@@ -214,10 +278,85 @@ def plan(
     world_size: int,
     hosts: list[str] | None = None,
     devices: Devices | None = None,
+    *,
+    workload: Workload | None = None,
+    memory: DeviceMemory | None = None,
+    suggest: bool = False,
 ) -> Plan:
     """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
     collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
-    planned for GPUs it does not have."""
+    planned for GPUs it does not have. With a ``workload``, each rank's peak in a training step, traced
+    (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit.
+    A cell that trains ``model`` on no loader of its own predicts its peak with this ``workload``."""
+    if workload is not None:
+        predicted.remember(model, workload)
+    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest)
+
+
+def _traced(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    hosts: list[str] | None,
+    devices: Devices | None,
+    workload: Workload | None,
+    memory: DeviceMemory | None,
+    suggest: bool,
+) -> Plan:
+    planned = _plan(model, config, world_size, hosts, devices)
+    if workload is None:
+        return planned
+    peaks, inputs = rank_peaks(model, config, world_size, _devices_of(planned, devices, config), workload)
+    planned.peak = [p.as_dict() for p in peaks]
+    planned.peak_at = peaks[0].at
+    planned.batch = inputs.described
+    planned.tokens = inputs.tokens * workload.micro_batches
+    if memory is not None:
+        planned.device_memory = {"name": memory.name, "total": memory.total, "usable": memory.usable}
+        planned.fits = fitting.fits(planned, memory)
+    if suggest and memory is not None:
+        planned.searched = True
+        planned.suggestions = fitting.suggest(
+            planned, functools.partial(_replan, model, config, world_size, hosts, workload, memory)
+        )
+    return planned
+
+
+def _devices_of(planned: Plan, devices: Devices | None, config: FSDPConfig) -> Devices:
+    return devices if devices is not None else devices_here(planned.world_size, config.device, planning=True)
+
+
+def _replan(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    hosts: list[str] | None,
+    workload: Workload,
+    memory: DeviceMemory,
+    change: fitting.Change,
+) -> Plan | None:
+    """The plan of ``change`` applied to ``config`` (None where the settings cannot be)."""
+    settings = dict(change.settings)
+    size = settings.pop("world_size", world_size)
+    micro = settings.pop("micro_batches", 1)
+    changed = dataclasses.replace(config, **settings)
+    devices = devices_here(size, config.device, planning=True)
+    try:
+        changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
+        work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
+        return _traced(model, changed, size, hosts if size == world_size else None, devices, work, memory, False)
+    except ConfigError:
+        return None
+
+
+def _plan(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    hosts: list[str] | None = None,
+    devices: Devices | None = None,
+) -> Plan:
+    """The plan without a step: units, dtypes, the state's memory, communication, the code."""
     if devices is None:
         devices = devices_here(world_size, config.device, planning=True)
     if hosts is not None and len(hosts) != world_size:
@@ -324,15 +463,44 @@ def plan(
 
 
 @as_usage_errors
-def explain(model: nn.Module, world_size: int = 2, hosts: list[str] | None = None, **settings: Any) -> Plan:
+def explain(
+    model: nn.Module,
+    world_size: int = 2,
+    hosts: list[str] | None = None,
+    *,
+    batch: Any = None,
+    loss: Callable[..., torch.Tensor] | None = None,
+    per_rank_batches: bool = False,
+    autocast: str | torch.dtype | None = None,
+    gpu: str | None = None,
+    device_memory: str | int | None = None,
+    suggest: bool = False,
+    **settings: Any,
+) -> Plan:
     """The plan FSDP2 would follow for ``model``; ``settings`` are ``fsdp_config`` keys (``device="cuda"``
     plans for GPUs, from a kernel without one too), ``hosts`` each rank's host (to see which collectives
     cross between hosts).
 
+    With ``batch`` (one step's global batch, as one process would feed it: a tensor, a tuple, a dict of
+    tensors, a DataLoader, or meta tensors for shapes alone; each rank plans with its 1/N share, or the
+    whole of it with ``per_rank_batches``), ``Plan.peak`` holds each rank's peak in a training step,
+    traced on the meta device. The loss is the output's ``loss`` (Hugging Face's), else ``loss(output,
+    *target)``, else the output's sum; ``autocast`` (``"bf16"``) runs forward and loss under
+    ``torch.autocast``, as a loop that uses it on top of FSDP2's mixed precision does. With ``gpu`` (a
+    name, loosely: ``"H100"``) or ``device_memory`` (``"80GiB"``), ``Plan.fits`` says whether that fits;
+    with ``suggest``, ``Plan.suggestions`` the settings that do, cheapest first.
+
     >>> nbfsdp.explain(model, world_size=4, sharding_strategy="SHARD_GRAD_OP", wrap_cls="Block")
     >>> nbfsdp.explain(model, world_size=4, device="cuda")  # bf16 compute, fp32 reduction: Composer's DEFAULT
     >>> nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], sharding_strategy="HYBRID_SHARD", replicas=2)
+    >>> ids = torch.empty(16, 4096, dtype=torch.long, device="meta")
+    >>> nbfsdp.explain(llama, world_size=8, device="cuda", batch={"input_ids": ids, "labels": ids}, gpu="H100")
     """
     config = resolve(settings, {})
     devices = devices_here(world_size, config.device, planning=True)
-    return plan(model, validate(config, world_size, devices, quiet=True), world_size, hosts, devices)
+    if batch is None and (loss is not None or per_rank_batches or autocast is not None):
+        raise ConfigError("loss, per_rank_batches and autocast go with batch: the step they describe")
+    workload = None if batch is None else Workload(batch, loss, per_rank_batches, autocast=autocast_dtype(autocast))
+    memory = fitting.device_memory(gpu, device_memory)
+    validated = validate(config, world_size, devices, quiet=True)
+    return plan(model, validated, world_size, hosts, devices, workload=workload, memory=memory, suggest=suggest)

@@ -27,11 +27,12 @@ from IPython.core.interactiveshell import InteractiveShell
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from nbfsdp.kernel import history, loaders
+from nbfsdp.kernel import history, loaders, predicted
 from nbfsdp.kernel.cluster import Cluster, FSDPCluster, World
 from nbfsdp.kernel.control import RunControl
 from nbfsdp.kernel.delivery import deliver
 from nbfsdp.kernel.planning import plan
+from nbfsdp.kernel.predicted import PeakPrediction
 from nbfsdp.kernel.runner import RankRun
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, CheckpointSettings, FSDPConfig, resolve, validate
@@ -60,6 +61,9 @@ def _check_no_shared_modules(name: str, model: nn.Module) -> None:
 
 #: A cell's pickled inputs above this size get a warning naming the big ones.
 HUGE_INPUT_BYTES = 64 * 2**20
+#: At a cell's end, how long its predicted peak's trace may still take before the final figure is drawn
+#: without it (it still reaches ``last_run().predicted_peak`` when done).
+PREDICTION_WAIT_SECONDS = 2.0
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -80,6 +84,7 @@ class CellRun:
     skeletons: dict[str, bytes]
     tokens: dict[str, int]
     started: float
+    prediction: PeakPrediction | None = None
     thread: threading.Thread | None = None
     outcome: list[CellOutcome] | BaseException | None = None
     markers: str | None = None
@@ -240,6 +245,12 @@ class Session:
         for name, loader_plan in plans.items():
             print(loader_plan.line(name))
         dashboard = None if internal else self._dashboard(world, models, config, background)
+        prediction = None
+        if not internal:
+            read = [sent[name] for name in plans]
+            prediction = _predict_peak(
+                models, skeletons, read, per_rank_batches, cell, config, world, record, dashboard
+            )
         ranks = RankRun(
             self.cluster,
             spec,
@@ -249,7 +260,7 @@ class Session:
             sink=dashboard if background else None,
             on_records=functools.partial(_stream_into, record, dashboard),
         )
-        run = CellRun(ranks, record, control, dashboard, models, sent, skeletons, tokens, started)
+        run = CellRun(ranks, record, control, dashboard, models, sent, skeletons, tokens, started, prediction)
         run.markers = saves.markers if saves else None
         self.active = run
         if background:
@@ -326,6 +337,8 @@ class Session:
         record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
         record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
         record.cancelled = outcome[0].cancelled
+        if run.prediction is not None:  # a cell shorter than its trace: its final figure still shows the peak
+            run.prediction.wait(PREDICTION_WAIT_SECONDS)
         if run.dashboard:
             run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
         record.elapsed = time.perf_counter() - run.started
@@ -562,6 +575,37 @@ class Session:
         self._engine_models, self._engine_objects = {}, {}
         if failed is not None:
             raise failed
+
+
+def _predict_peak(
+    models: dict[str, nn.Module],
+    skeletons: dict[str, bytes],
+    loaders: list[Any],
+    per_rank_batches: bool,
+    cell: str,
+    config: FSDPConfig,
+    world: World,
+    record: history.RunRecord,
+    dashboard: LiveDashboard | None,
+) -> PeakPrediction | None:
+    """The cell's first model's peak, traced beside the cell where its batch is known (``predicted``)."""
+    if not models:
+        return None
+    name, model = next(iter(models.items()))
+    autocast = predicted.cell_autocast(cell, world.devices)
+    try:
+        workload = predicted.cell_workload(model, loaders, per_rank_batches, autocast)
+    except Exception:  # a loader that cannot give a batch fails on the ranks too, where the cell reports it
+        return None
+    if workload is None:
+        return None
+
+    def done(peaks: list[int], described: str) -> None:
+        record.predicted_peak = peaks
+        if dashboard is not None:
+            dashboard.predict_peaks(peaks, described)
+
+    return PeakPrediction(skeletons[name], config, world.world_size, world.devices, workload, done)
 
 
 def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:

@@ -30,6 +30,8 @@ from PIL import Image
 
 #: Memory categories drawn per rank, in stacking order.
 MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations")
+#: The peak's lines, measured (solid) and explain's (dashed): a colour no category's bar has.
+PEAK_COLOR = "C4"
 #: A live figure's limits leave this much room beyond its records (a share of their range): steps ahead,
 #: values above and below. The still picture is drawn again only when records leave the limits.
 STEPS_AHEAD = 0.5
@@ -92,6 +94,16 @@ class DashboardFigure:
         ]
         self._predicted_lines: list[Any] = []
         self._comm_buffers = self._predicted(predicted or [])
+        self._predicted_peaks: list[int] = []
+        self.predict_peaks(predicted or [])
+        self._peaks = [0.0] * world_size  # each rank's measured peak so far (MiB)
+        self._peak_lines = [
+            self._memory_axes.plot(
+                [rank - 0.45, rank + 0.45], [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
+                label="peak so far (measured)" if rank == 0 else None,
+            )[0]
+            for rank in ranks
+        ]  # fmt: skip
         # titles at a fixed height: placing them above the tick labels measured every axis at each drawing
         title_pad = 2 + MARKER_ROWS * MARKER_ROW_POINTS + 4
         self._loss_axes.set_title("loss", y=1.0, pad=title_pad)
@@ -112,6 +124,8 @@ class DashboardFigure:
         (not measurable on CPU) as a hatched bar on top of the measured ones. Returns those bars by rank."""
         axes, comm_buffers = self._memory_axes, {}
         for rank, expected in enumerate(predicted):
+            if "params" not in expected:  # only a traced peak (a model explain could not plan)
+                continue
             total = (expected["params"] + expected["grads"] + expected["optim"]) / 2**20
             label = "explain: params+grads+optim" if rank == 0 else None
             line = axes.plot([rank - 0.4, rank + 0.4], [total, total], color="black", linestyle="--", label=label)
@@ -122,6 +136,25 @@ class DashboardFigure:
                     label="comm buffers (explain)" if not comm_buffers else None,
                 ).patches[0]  # fmt: skip
         return comm_buffers
+
+    def predict_peaks(self, predicted: list[dict[str, int]]) -> None:
+        """Each rank's peak as explain traced it (``peak``, once its trace is done: a live figure takes it
+        when it comes), a dashed line beside the measured peak."""
+        peaks = [expected["peak"] for expected in predicted if "peak" in expected]
+        if not peaks or peaks == self._predicted_peaks:
+            return
+        self._predicted_peaks = peaks
+        for rank, peak in enumerate(peaks):
+            mib = peak / 2**20
+            line = self._memory_axes.plot(
+                [rank - 0.45, rank + 0.45], [mib, mib], color=PEAK_COLOR, linestyle="--", linewidth=1.5,
+                label="peak (explain)" if rank == 0 else None,
+            )  # fmt: skip
+            self._predicted_lines.extend(line)
+            if self._live:
+                line[0].set_animated(True)
+        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        self._still = None
 
     def add(self, records: list[dict[str, Any]]) -> DashboardFigure:
         """Take these records (in the order they were made) into the figures."""
@@ -189,6 +222,9 @@ class DashboardFigure:
             bottom += value
         if rank in self._comm_buffers:
             self._comm_buffers[rank].set_y(bottom)
+        if "mem_peak" in record:
+            self._peaks[rank] = max(self._peaks[rank], record["mem_peak"] / 2**20)
+            self._peak_lines[rank].set_ydata([self._peaks[rank]] * 2)
 
     def _mark(self, step: int, changed: str) -> None:
         for axes, labels in self._marker_labels.items():
@@ -253,7 +289,7 @@ class DashboardFigure:
         memory = self._memory_axes
         parts: list[tuple[Axes, Artist]] = [(memory, bar) for bars in self._bars for bar in bars]
         parts += [(memory, bar) for bar in self._comm_buffers.values()]
-        parts += [(memory, line) for line in self._predicted_lines]
+        parts += [(memory, line) for line in self._predicted_lines + self._peak_lines]
         parts += [(self._loss_axes, line) for line in self._loss] + [(self._time_axes, line) for line in self._time]
         for axes in (self._loss_axes, memory, self._time_axes):
             parts += [(axes, spine) for spine in axes.spines.values()]

@@ -110,6 +110,13 @@ class LiveDashboard:
             if "changed" in record and record["rank"] == 0:
                 self.note(f"step {record['step']}: {record['changed']} on every rank from this step")
 
+    def predict_peaks(self, peaks: list[int], described: str) -> None:
+        """explain's peak of each rank, traced while the cell runs (``nbfsdp.kernel.predicted``): drawn
+        beside the measured peak from the next drawing on, and said under the controls."""
+        memory = self.predicted or [{} for _ in peaks]
+        self.predicted = [{**expected, "peak": peak} for expected, peak in zip(memory, peaks, strict=True)]
+        self.note(f"explain predicts a peak of {max(peaks) / 2**20:,.0f} MiB a rank, traced with {described}")
+
     def rank_state(self, rank: int, state: str) -> None:
         self._states[rank] = state
 

@@ -1,0 +1,221 @@
+"""Does it fit? A device's memory, the margin kept for the allocator, and the cheapest settings that fit.
+
+``%fsdp explain MODEL --batch B --gpu H100`` (``nbfsdp.explain(..., gpu="H100")``) holds each rank's
+traced peak (``nbfsdp.kernel.peak``) against the GPU's memory less a margin: ``Plan.fits``. With
+``--suggest``, plans of other settings, each traced the same way, that fit, cheapest first by the cost
+model below. Runs in the kernel; nothing runs on the ranks.
+
+The margin is what a CUDA process needs beyond the tensors ``max_memory_allocated`` counts: its CUDA
+context and cuBLAS's workspace (``CONTEXT_BYTES``), and what the caching allocator reserves above what
+it has allocated, rounding and fragmentation (``ALLOCATOR_FRACTION`` of the peak). Their values and where
+they come from are in ``docs/guide/explain.md``.
+
+The cost model, per step and rank, in seconds at stated rates (``FLOPS``, ``NETWORK``, ``PCIE``): what
+a change adds against the settings asked for. Activation checkpointing recomputes the checkpointed
+modules' forward (2 FLOPs per parameter per token); FULL_SHARD gathers every unit once more than
+SHARD_GRAD_OP; more micro-batches gather every unit again per micro-batch; CPU offload copies each
+rank's fp32 shard up before every gather and its gradient down once, and steps AdamW on the CPU (16
+bytes a parameter read and written at ``CPU_BANDWIDTH``); bf16 reduction (PURE) halves the
+reduce-scatter (a saving, at the precision of the sum). More ranks cost GPUs, not time: they come last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nbfsdp.shared.config import ConfigError
+
+if TYPE_CHECKING:
+    from nbfsdp.kernel.planning import Plan
+
+#: Memory as ``torch.cuda.get_device_properties(0).total_memory`` / nvidia-smi report it (MiB), by family and
+#: size; the first size listed is a family's default when the name gives none.
+GPU_MEMORY_MIB: dict[str, dict[str, int]] = {
+    "h200": {"141gb": 143771},
+    "h100": {"80gb": 81559, "94gb": 95830, "96gb": 97871},
+    "gh200": {"96gb": 97871, "144gb": 146944},
+    "b200": {"180gb": 183359},
+    "a100": {"80gb": 81920, "40gb": 40960},
+    "l40s": {"48gb": 46068},
+    "l40": {"48gb": 46068},
+    "a10g": {"24gb": 23028},
+    "a10": {"24gb": 23028},
+    "l4": {"24gb": 23034},
+    "t4": {"16gb": 15360},
+    "v100": {"32gb": 32768, "16gb": 16384},
+    "rtx4090": {"24gb": 24564},
+    "rtx3090": {"24gb": 24576},
+}
+#: The CUDA context and cuBLAS's workspaces: what a process holds on the GPU before its first tensor.
+CONTEXT_BYTES = 768 * 2**20
+#: What the caching allocator reserves above its allocated peak (rounding, segments, fragmentation).
+ALLOCATOR_FRACTION = 0.08
+#: The cost model's rates: bf16 FLOP/s a GPU achieves, bytes/s between ranks, host-device bytes/s, host
+#: memory bytes/s for a CPU optimizer step.
+FLOPS, NETWORK, PCIE, CPU_BANDWIDTH = 400e12, 50e9, 25e9, 20e9
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """A device's memory, and what of it a training step may use."""
+
+    name: str
+    total: int
+
+    @property
+    def usable(self) -> int:
+        """``total`` less the CUDA context, and the allocator's share of what is left."""
+        return max(0, int((self.total - CONTEXT_BYTES) / (1 + ALLOCATOR_FRACTION)))
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.total / 2**30:.1f} GiB, {self.usable / 2**30:.1f} GiB for the step)"
+
+
+def _words(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def gpu_memory(name: str) -> DeviceMemory:
+    """A GPU by name, loosely: ``H100``, ``h100-80gb``, ``NVIDIA H100 80GB HBM3`` (what
+    ``torch.cuda.get_device_name`` prints). A name no entry matches is a ConfigError listing them."""
+    words = _words(name)
+    for family in sorted(GPU_MEMORY_MIB, key=len, reverse=True):  # l40s before l40 and l4
+        if family in words:
+            sizes = GPU_MEMORY_MIB[family]
+            size = next((s for s in sizes if s in words), next(iter(sizes)))
+            return DeviceMemory(f"{family.upper()} {size.upper()}", sizes[size] * 2**20)
+    known = ", ".join(f"{f.upper()} {s.upper()}" for f, sizes in GPU_MEMORY_MIB.items() for s in sizes)
+    raise ConfigError(f"gpu {name!r}: not a GPU nbfsdp knows; known: {known} (or give --device-memory 80GiB)")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def memory_size(value: str | int | float) -> DeviceMemory:
+    """``80GiB``, ``80 GB``, ``81559MiB`` or a number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return DeviceMemory(f"{value / 2**30:.1f} GiB", int(value))
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not found or found[2] not in _UNITS or float(found[1]) <= 0:
+        raise ConfigError(f"device memory must be a size such as 80GiB, 80GB or 81559MiB; got {value!r}")
+    total = int(float(found[1]) * _UNITS[found[2]])
+    return DeviceMemory(str(value).strip(), total)
+
+
+def device_memory(gpu: str | None, size: str | int | float | None) -> DeviceMemory | None:
+    """The memory to plan against: ``size`` (``--device-memory``) or the named ``gpu``; None for neither."""
+    if gpu is not None and size is not None:
+        raise ConfigError("give --gpu NAME or --device-memory SIZE, not both")
+    if size is not None:
+        return memory_size(size)
+    return gpu_memory(gpu) if gpu is not None else None
+
+
+def fits(plan: Plan, memory: DeviceMemory | None) -> bool | None:
+    """Every rank's traced peak within the memory's usable part; None without a device or a peak."""
+    if memory is None or not plan.peak:
+        return None
+    return max(rank["total"] for rank in plan.peak) <= memory.usable
+
+
+# -- what would make it fit
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One setting changed against the plan asked for, and what it costs."""
+
+    settings: dict[str, Any]
+    """fsdp_config keys to change (and ``world_size``, ``micro_batches``)."""
+    words: str
+
+
+def candidates(config: dict[str, Any], world_size: int) -> list[Change]:
+    """The changes the search tries alone: activation checkpointing, PURE, SHARD_GRAD_OP and FULL_SHARD,
+    HYBRID_SHARD, CPU offload, 2 and 4 micro-batches, 2x and 4x the ranks."""
+    single: list[Change] = []
+    if not config["activation_checkpointing"]:
+        single.append(Change({"activation_checkpointing": True}, "activation checkpointing"))
+    if config["mixed_precision"] != "PURE":
+        single.append(Change({"mixed_precision": "PURE"}, "PURE mixed precision"))
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if config["sharding_strategy"] != strategy:
+            single.append(Change({"sharding_strategy": strategy}, strategy))
+    for replicas in (2, 4):
+        if world_size % replicas == 0 and world_size // replicas > 1 and config["sharding_strategy"] != "HYBRID_SHARD":
+            single.append(
+                Change(
+                    {"sharding_strategy": "HYBRID_SHARD", "replicas": replicas}, f"HYBRID_SHARD, {replicas} replicas"
+                )
+            )
+    if not config["cpu_offload"]:
+        single.append(Change({"cpu_offload": True}, "CPU offload"))
+    for micro in (2, 4):
+        single.append(Change({"micro_batches": micro}, f"{micro} micro-batches with accumulation"))
+    for factor in (2, 4):
+        single.append(Change({"world_size": world_size * factor}, f"{world_size * factor} ranks"))
+    return single
+
+
+def pairs(single: list[Change], fitting_alone: set[str]) -> list[Change]:
+    """Two changes together, where neither fits alone (one that does is cheaper alone: costs add) and they
+    touch different settings; more ranks are not paired (they cost GPUs, not time)."""
+    return [
+        Change({**a.settings, **b.settings}, f"{a.words} and {b.words}")
+        for i, a in enumerate(single)
+        for b in single[i + 1 :]
+        if a.words not in fitting_alone
+        and b.words not in fitting_alone
+        and not set(a.settings) & set(b.settings)
+        and "world_size" not in {**a.settings, **b.settings}
+    ]
+
+
+def step_cost(plan: Plan, asked: Plan, tokens: int, micro_batches: int) -> float:
+    """Seconds a step of ``plan`` adds against ``asked`` (negative: saves), per the module's cost model."""
+    params = sum(u.params for u in plan.units)
+    recompute = sum(u.params for u in plan.units if u.name in plan.checkpointed) * 2 * tokens / FLOPS
+    recompute_asked = sum(u.params for u in asked.units if u.name in asked.checkpointed) * 2 * tokens / FLOPS
+    sent = sum(w["sent"] for w in plan.wire.values())
+    gathers = plan.wire["all_gather"]["sent"] * (micro_batches - 1)  # each micro-batch gathers every unit again
+    wire = (sent + gathers - sum(w["sent"] for w in asked.wire.values())) / NETWORK
+    offload = 0.0
+    if plan.config["cpu_offload"] and not asked.config["cpu_offload"]:
+        shard = plan.memory[0]["params"]
+        gathered = params * _BYTES[plan.dtypes["param_dtype"]]  # the model once, as the all-gathers carry it
+        gathers_per_step = plan.wire["all_gather"]["tensor"] / max(1, gathered)  # FULL_SHARD: forward, backward
+        copies = (shard * gathers_per_step * micro_batches + plan.memory[0]["grads"]) / PCIE
+        offload = copies + 16 * params / plan.mesh[1] / CPU_BANDWIDTH
+    return recompute - recompute_asked + wire + offload
+
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: At most this many suggestions are kept, the cheapest.
+MAX_SUGGESTIONS = 8
+
+
+def suggest(asked: Plan, replan: Any) -> list[Plan]:
+    """Plans that fit, of the changes ``candidates`` lists and their ``pairs``, cheapest first (more ranks
+    last); ``replan(change)`` makes the plan of one change (None where the change cannot apply)."""
+    found: list[Plan] = []
+    single = candidates(asked.config, asked.world_size)
+    for change in single:
+        _try(asked, replan, change, found)
+    fitting_alone = {p.change for p in found}
+    for pair in pairs(single, fitting_alone):
+        _try(asked, replan, pair, found)
+    return sorted(found, key=lambda p: (p.gpu_factor, p.cost_seconds))[:MAX_SUGGESTIONS]
+
+
+def _try(asked: Plan, replan: Any, change: Change, found: list[Plan]) -> None:
+    planned = replan(change)
+    if planned is None or not planned.fits:
+        return
+    cost = step_cost(planned, asked, planned.tokens, change.settings.get("micro_batches", 1))
+    factor = planned.world_size / asked.world_size
+    found.append(dataclasses.replace(planned, change=change.words, cost_seconds=cost, gpu_factor=factor))

@@ -1,0 +1,732 @@
+"""Each rank's peak memory in one training step, traced before anything runs: ``Plan.peak`` of ``%fsdp explain``.
+
+The step runs for real, on the **meta device**: a copy of the model with no storage (``transfer``'s skeleton)
+computes forward, backward and the optimizer's step on each rank's share of the batch, so every tensor an
+operator makes has its true shape and dtype and costs nothing. A dispatch mode counts the bytes of the
+storages operators make while they live (activations, temporaries, the unsharded gradients autograd
+accumulates), and a ledger driven by hooks on the FSDP units adds what FSDP2 allocates around them, as
+FSDP2 does it:
+
+- each rank's padded shards of the parameters (their own dtype) and AdamW's state (two fp32 tensors the
+  size of its unpadded shard, after the first step);
+- a unit's parameters unsharded in ``param_dtype`` from its pre-forward to its post-forward (FULL_SHARD;
+  the root and, under SHARD_GRAD_OP, every unit stay gathered into backward), and again from its
+  pre-backward to its post-backward, the next unit's with them where prefetch gathers it early; the
+  all-gather's output buffer (``param_dtype``, padded, the whole group's) while a gather is waited on;
+- after a unit's backward: its unsharded gradients (``param_dtype``, from autograd), the reduce-scatter's
+  input (``reduce_dtype``, padded) beside them while they are copied in, then the sharded gradient (its
+  own dtype), kept to ``zero_grad``. On a GPU a unit's reduce-scatter input stays until the next unit's
+  is issued (FSDP2's stream): one more unit's worth.
+
+The model computes in ``param_dtype`` (FSDP2 casts the gathered parameters and the root's floating
+inputs), so activations come out in it. Scaled dot-product attention runs the kernel the device would:
+flash attention (no ``s x s`` scores kept) on a GPU in bf16 or fp16, memory-efficient attention in fp32
+there, and on the CPU the kernel PyTorch picks for those shapes. The second training step is the one
+measured (the optimizer's state exists by then); the optimizer's own step runs on shard-sized meta
+tensors, foreach on a GPU as PyTorch's default is there, so its temporaries are counted too.
+
+Runs in the notebook's kernel; allocates nothing but Python objects (a 70B model's step traces in seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from nbfsdp.shared import transfer
+from nbfsdp.shared.config import ConfigError, FSDPConfig
+from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.units import activation_modules, forward_order, wrap_units
+
+#: ``Plan.peak``'s categories, in the order they are shown.
+CATEGORIES = ("params", "grads", "optim", "activations", "temporaries", "comm_buffers")
+
+
+@dataclass(kw_only=True, slots=True)
+class Peak:
+    """One rank's bytes at its peak, by category, and where in the step the peak fell."""
+
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    temporaries: int
+    comm_buffers: int
+    at: str
+    """``unit, phase``: the unit computing (or being gathered, or reduced) and forward, backward or the
+    optimizer step."""
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, key) for key in CATEGORIES)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{key: getattr(self, key) for key in CATEGORIES}, "total": self.total}
+
+
+@dataclass
+class _Live(TorchDispatchMode):
+    """Bytes of the storages operators made and that are still alive, by when they were made.
+
+    A storage counts once, from the operator that made it until it is freed (a finalizer on the storage);
+    views share their base's. Made in forward: ``activations`` (what forward leaves alive is what backward
+    needs); in backward or the optimizer's step: ``temporaries``; a gradient autograd accumulated into a
+    parameter: ``grads`` (FSDP2's unsharded gradient). FSDPMemTracker files them the same way. The caller's
+    ``on_change`` sees every operator (where a peak can be)."""
+
+    on_change: Callable[[], None]
+    live: dict[int, tuple[int, str]] = field(default_factory=dict)
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    kind: str = "activations"
+    held: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+    """Storages the ledger counts (parameters, buffers, the optimizer's tensors): an operator's view of one,
+    or an in-place update, makes nothing new."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.count(tensor, self.kind)
+        self.on_change()
+        return out
+
+    def hold(self, tensors: Iterator[torch.Tensor]) -> None:
+        """These tensors' storages are the ledger's: never counted here."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self.held[id(storage)] = storage
+
+    def count(self, tensor: torch.Tensor, kind: str) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.live or key in self.held:
+            return
+        size = storage.nbytes()
+        self.live[key] = (size, kind)
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + size
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        size, kind = self.live.pop(key)
+        self.bytes_by_kind[kind] -= size
+
+    def reclassify(self, tensor: torch.Tensor, kind: str) -> None:
+        """``tensor``'s storage is ``kind`` from now on (a gradient autograd accumulated)."""
+        key = id(tensor.untyped_storage())
+        if key in self.live:
+            size, old = self.live[key]
+            self.bytes_by_kind[old] -= size
+            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + size
+            self.live[key] = (size, kind)
+        else:
+            self.count(tensor, kind)
+
+    def split(self) -> dict[str, int]:
+        """Live bytes now: activations, temporaries, unsharded gradients."""
+        return {kind: self.bytes_by_kind.get(kind, 0) for kind in ("activations", "temporaries", "grads")}
+
+
+def _padded(param: torch.Tensor, shards: int) -> int:
+    """Elements of one rank's padded shard of ``param`` (FSDP2 pads every rank's shard to one size)."""
+    rows = param.shape[0] if param.dim() else 1
+    return -(-rows // shards) * (param.numel() // rows if rows else 0)
+
+
+def _owned(param: torch.Tensor, shards: int, shard: int) -> int:
+    """Elements rank ``shard`` owns of ``param``, unpadded (AdamW's state is this size)."""
+    rows = param.shape[0] if param.dim() else 1
+    per = -(-rows // shards)
+    return max(0, min(per, rows - shard * per)) * (param.numel() // rows if rows else 0)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One FSDP unit as the ledger sees it: its own parameters and what FSDP2 allocates for them."""
+
+    module: nn.Module
+    name: str
+    params: list[nn.Parameter]
+    shard: int
+    """Bytes of this rank's padded shards, in the parameters' own dtype (always held)."""
+    unsharded: int
+    """Bytes of the parameters gathered, in ``param_dtype``."""
+    all_gather: int
+    """The all-gather's output: every rank's padded shard, in ``param_dtype``."""
+    reduce_scatter: int
+    """The reduce-scatter's input: every rank's padded shard of the gradients, in ``reduce_dtype``."""
+    reshard_after_forward: bool
+    gathered: bool = False
+    pending: int = 0
+    """A prefetched gather's output buffer, until the unit's own pre-forward waits on it."""
+    reduced: int = 0
+    """Parameters whose gradient autograd has accumulated in this backward."""
+
+
+class _Step:
+    """One training step of one rank, traced on the meta device; ``peak`` is its peak, by category."""
+
+    def __init__(
+        self, model: nn.Module, config: FSDPConfig, shards: int, devices: Devices, autocast: torch.dtype | None = None
+    ) -> None:
+        """``autocast``: the step's forward and loss run under ``torch.autocast`` to this dtype."""
+        self.config, self.shards, self.on_gpu = config, shards, devices.type == "cuda"
+        self.autocast, self.device = autocast, devices.type
+        self.param_dtype, self.reduce_dtype, buffer_dtype = config.dtypes()
+        self.model = model
+        units = wrap_units(model, config)
+        ordered = forward_order(model, units)
+        names = {id(m): n for n, m in model.named_modules()}
+        owner: dict[int, nn.Module] = {}
+        for unit in reversed(ordered):  # the deepest unit takes a parameter first
+            for param in unit.parameters():
+                owner.setdefault(id(param), unit)
+        unique = list({id(p): p for p in model.parameters()}.values())
+        self.units = [
+            self._unit(u, names[id(u)], [p for p in unique if owner[id(p)] is u], u is model) for u in ordered
+        ]
+        self.params = sum(u.shard for u in self.units)
+        self.optim = 0
+        self.buffers = sum(
+            b.numel() * _size(buffer_dtype if b.is_floating_point() else b.dtype) for b in model.buffers()
+        )
+        for module in activation_modules(model, units, config):
+            _checkpoint(module, autocast, devices.type)
+        with torch.no_grad():  # the model computes in param_dtype: FSDP2 casts what it gathers
+            for param in unique:
+                if param.is_floating_point():
+                    param.data = param.data.to(self.param_dtype)
+        # the ledger, in bytes: what FSDP2 holds besides the shards and the optimizer's state
+        self.grads = 0
+        self.accumulating = False
+        self.gathered = 0
+        self.in_flight = 0
+        self.pending_reduce = 0
+        self.phase, self.where = "forward", ""
+        self.best: Peak | None = None
+        self.live = _Live(self._check)
+        self.live.hold([*unique, *model.buffers()])
+
+    def _unit(self, module: nn.Module, name: str, params: list[nn.Parameter], root: bool) -> _Unit:
+        padded = sum(_padded(p, self.shards) for p in params)
+        strategy = self.config.sharding_strategy
+        return _Unit(
+            module=module,
+            name=name or "(root)",
+            params=params,
+            shard=sum(_padded(p, self.shards) * p.element_size() for p in params),
+            unsharded=sum(p.numel() for p in params) * _size(self.param_dtype),
+            all_gather=padded * self.shards * _size(self.param_dtype) if self.shards > 1 else 0,
+            reduce_scatter=padded * self.shards * _size(self.reduce_dtype) if self.shards > 1 else 0,
+            # FSDP2 keeps the root gathered into backward, which needs it at once; SHARD_GRAD_OP keeps every unit
+            reshard_after_forward=strategy != "SHARD_GRAD_OP" and not root,
+        )
+
+    # -- the peak
+    def _check(self, where: str | None = None) -> None:
+        split = self.live.split()
+        comm = self.gathered + self.in_flight + self.pending_reduce + split["grads"]
+        peak = Peak(
+            params=self.params + self.buffers,
+            grads=self.grads,
+            optim=self.optim,
+            activations=split["activations"],
+            temporaries=split["temporaries"],
+            comm_buffers=comm,
+            at=where or f"{self.where}, {self.phase}",
+        )
+        if self.best is None or peak.total > self.best.total:
+            self.best = peak
+
+    # -- FSDP2's gathers and reductions
+    def _gather(self, unit: _Unit, prefetched: bool = False) -> None:
+        """All-gather ``unit``: its output buffer and the unsharded parameters copied out of it, both at once
+        until the copy is done (a prefetched unit's buffer waits for its own pre-hook)."""
+        if unit.gathered:
+            return
+        unit.gathered = True
+        self.in_flight += unit.all_gather
+        self.gathered += unit.unsharded
+        self._check(f"{unit.name}, all-gather in {self.phase}")
+        if not prefetched:
+            self.in_flight -= unit.all_gather
+
+    def _waited(self, unit: _Unit) -> None:
+        """A prefetched unit's gather is waited on where it runs: its output buffer goes."""
+        self.in_flight -= unit.pending
+        unit.pending = 0
+
+    def _reshard(self, unit: _Unit) -> None:
+        if unit.gathered:
+            unit.gathered = False
+            self.gathered -= unit.unsharded
+
+    def _reduce(self, unit: _Unit) -> None:
+        """After a unit's backward: its gradients cast and copied into the reduce-scatter's input, the
+        unsharded ones freed, the shard kept; the input stays until the next unit's reduction."""
+        self.in_flight += unit.reduce_scatter
+        self._check(f"{unit.name}, reduce-scatter in backward")
+        for param in unit.params:
+            param.grad = None
+        if not self.accumulating:  # accumulating, the reduced shard adds into the one held
+            self.grads += unit.shard
+        self.in_flight -= unit.reduce_scatter
+        # FSDP2 keeps the input (its reduce_scatter_state) until the next unit's reduction is issued, on the
+        # CPU too; on a GPU that is also how long the collective may run on its own stream
+        self.pending_reduce = unit.reduce_scatter
+        self._reshard(unit)
+        self._check(f"{unit.name}, after its reduce-scatter")
+
+    def _next(self, unit: _Unit, order: list[_Unit]) -> _Unit | None:
+        position = order.index(unit)
+        return order[position + 1] if position + 1 < len(order) else None
+
+    # -- hooks
+    def _hooks(self) -> Iterator[Any]:
+        # FSDP2 prefetches in backward by the reverse of the order the units' forwards *ended* in (a unit
+        # holding others ends after them): recorded as the forward runs
+        ended: list[_Unit] = []
+        prefetch_forward = self.config.forward_prefetch
+        prefetch_backward = self.config.effective_backward_prefetch != "NONE"
+        for unit in self.units:
+            module = unit.module
+
+            def pre_forward(module, args, kwargs, unit=unit):
+                self.where = unit.name
+                if self.phase == "backward":  # a checkpointed unit recomputing (gathered for its backward)
+                    self.live.kind = "activations"  # what it makes now is what its backward reads
+                    return None
+                self._waited(unit)
+                self._gather(unit)
+                following = self._next(unit, self.units)
+                if prefetch_forward and following is not None and following is not self.units[0]:
+                    self._gather(following, prefetched=True)
+                    following.pending = following.all_gather
+                if unit is self.units[0]:  # the root casts the floating inputs to param_dtype, as FSDP2's does
+                    cast = lambda t: t.to(self.param_dtype) if torch.is_floating_point(t) else t  # noqa: E731
+                    return tree_map(lambda v: cast(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+                return None
+
+            def post_forward(module, args, kwargs, output, unit=unit):
+                if self.phase == "backward":
+                    self.live.kind = "temporaries"
+                    return None
+                ended.append(unit)
+                if unit.reshard_after_forward:
+                    self._reshard(unit)
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads, unit=unit: pre_backward(unit), mode="any"
+                    )
+                return None
+
+            def pre_backward(unit: _Unit) -> None:
+                self.phase, self.where = "backward", unit.name
+                self._gather(unit)
+                following = self._next(unit, ended[::-1]) if unit in ended else None
+                if prefetch_backward and following is not None and following.params:
+                    self._gather(following)
+
+            def accumulated(param: torch.Tensor, unit=unit) -> None:
+                self.live.reclassify(param.grad, "grads")
+                unit.reduced += 1
+                if unit.reduced == len(unit.params):
+                    unit.reduced = 0
+                    self.where = unit.name
+                    self.live.kind = "temporaries"  # a recompute that stopped early leaves it set
+                    if self.pending_reduce:  # this unit's reduction is issued: the one before it is done
+                        self.pending_reduce = 0
+                    self._reduce(unit)
+
+            yield module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+            yield module.register_forward_hook(post_forward, with_kwargs=True)
+            for param in unit.params:
+                if param.requires_grad:
+                    yield param.register_post_accumulate_grad_hook(accumulated)
+            unit.params = [p for p in unit.params if p.requires_grad]
+
+    # -- the step
+    def run(self, args: tuple, kwargs: dict, loss_of: Callable[[Any], torch.Tensor], micro_batches: int = 1) -> Peak:
+        """The second step's forward and backward (the optimizer's state exists), then the optimizer's step.
+        With ``micro_batches``, its last micro-batch: the sharded gradients of the ones before it are held
+        (each micro-batch reduces its gradients, FSDP2's default) and each unit's adds into its own."""
+        self.optim = self._optimizer_state()
+        self.accumulating = micro_batches > 1
+        if self.accumulating:
+            self.grads = sum(u.shard for u in self.units if u.params)
+        handles = list(self._hooks())
+        try:
+            with self.live, _attention(self.on_gpu, self.autocast):
+                for tensor in tree_flatten((args, kwargs))[0]:
+                    if isinstance(tensor, torch.Tensor):
+                        self.live.count(tensor, "activations")
+                self.phase = "forward"
+                with _autocast(self.autocast, self.device):
+                    output = self.model(*args, **kwargs)
+                    loss = loss_of(output)
+                del output
+                self.live.kind = "temporaries"
+                loss.backward()
+                del loss
+                self.pending_reduce = 0
+                self._optimizer_step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self.best
+
+    def _optimizer_state(self) -> int:
+        """AdamW's state on this rank: exp_avg and exp_avg_sq in fp32, the size of its unpadded shard, and
+        a step counter per parameter (rank 0's share: the largest)."""
+        params = [p for u in self.units for p in u.params if p.requires_grad]
+        return sum(2 * 4 * _owned(p, self.shards, 0) + 4 for p in params)
+
+    def _optimizer_step(self) -> None:
+        """AdamW's step on shard-sized tensors (foreach on a GPU, as PyTorch picks there): its temporaries."""
+        self.phase, self.where, self.live.kind = "optimizer step", "(all units)", "temporaries"
+        with _paused(self.live):  # the shards, their gradients and the state are the ledger's already
+            shards = []
+            for unit in self.units:
+                for param in unit.params:
+                    rows = param.shape[0] if param.dim() else 1
+                    shape = (-(-rows // self.shards), *param.shape[1:]) if param.dim() else ()
+                    shard = torch.empty(shape, device="meta", dtype=torch.float32, requires_grad=True)
+                    shard.grad = torch.empty_like(shard)
+                    shards.append(shard)
+            optimizer = torch.optim.AdamW(shards, lr=1e-3, foreach=self.on_gpu)
+            optimizer.step()  # the first step makes the state
+        state = [t for per_param in optimizer.state.values() for t in per_param.values() if isinstance(t, torch.Tensor)]
+        self.live.hold([*shards, *(s.grad for s in shards), *state])
+        optimizer.step()
+        self._check()
+
+
+@contextlib.contextmanager
+def _paused(mode: TorchDispatchMode) -> Iterator[None]:
+    """Operators run uncounted (``mode`` is the innermost dispatch mode)."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    with _pop_mode_temporarily():
+        yield
+
+
+def _checkpoint(module: nn.Module, autocast: torch.dtype | None, device: str) -> None:
+    """Activation checkpointing as the ranks apply it; under autocast its recomputation casts as the forward
+    did (``torch.utils.checkpoint`` restores autocast's state for it), in autograd's thread."""
+    from nbfsdp.shared.torch_private import checkpoint
+
+    if autocast is None:
+        checkpoint(module)
+    else:
+        checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), _autocast(autocast, device)))
+
+
+# -- torch.autocast, as it would run on the device
+#: What autocast runs in the low-precision dtype (its inputs cast down) and in fp32 (cast up) on each device,
+#: by the name of the function or Tensor method a model calls (PyTorch's "Autocast Op Reference"); the rest
+#: runs in the dtype its inputs have.
+_AUTOCAST_DOWN = frozenset(
+    {
+        *("linear", "addmm", "addmv", "addr", "addbmm", "baddbmm", "bmm", "mm", "mv", "matmul", "__matmul__"),
+        *("__rmatmul__", "einsum", "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_transpose1d"),
+        *("conv_transpose2d", "conv_transpose3d", "prelu"),
+    }
+)
+_LOSSES_UP = frozenset(
+    {
+        *("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div"),
+        *("binary_cross_entropy_with_logits", "binary_cross_entropy", "poisson_nll_loss", "cosine_embedding_loss"),
+        *("hinge_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss"),
+        *("multi_margin_loss", "multilabel_margin_loss"),
+    }
+)
+_AUTOCAST_UP = {
+    "cuda": _LOSSES_UP
+    | {
+        *("pow", "__pow__", "__rpow__", "__rtruediv__", "__rdiv__", "acos", "asin", "cosh", "sinh", "tan", "exp"),
+        *("expm1", "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "erfinv", "softplus", "layer_norm"),
+        *("group_norm", "norm", "normalize", "softmax", "softmin", "log_softmax", "cumsum", "cumprod", "prod"),
+        *("sum", "cosine_similarity", "cdist", "pdist", "dist", "renorm", "logsumexp"),
+    },
+    "cpu": _LOSSES_UP | {"prod", "cdist", "quantile", "nanquantile", "trace"},
+}
+
+
+class _Autocast(TorchFunctionMode):
+    """``torch.autocast(device, dtype)`` for meta tensors, which autocast passes by (its dispatch keys are the
+    devices'): floating inputs of the functions listed above cast down or up, the casts recorded by
+    autograd (what backward keeps is the cast copy, as under autocast); a parameter's cast made once per
+    autocast region and kept (autocast's cast cache)."""
+
+    def __init__(self, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.dtype, self.up = dtype, _AUTOCAST_UP[device]
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _AUTOCAST_DOWN:
+            args, kwargs = tree_map(functools.partial(self._cast, self.dtype), (args, kwargs))
+        elif name in self.up:
+            args, kwargs = tree_map(functools.partial(self._cast, torch.float32), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, dtype: torch.dtype, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
+            return value
+        if dtype != torch.float32 and value.dtype == torch.float64:
+            return value  # autocast leaves fp64 alone
+        if value.is_leaf and value.requires_grad:
+            if id(value) not in self.cache:
+                self.cache[id(value)] = value.to(dtype)
+            return self.cache[id(value)]
+        return value.to(dtype)
+
+
+def _autocast(dtype: torch.dtype | None, device: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else _Autocast(dtype, device)
+
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def autocast_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """``explain(..., autocast=...)``: ``"bf16"``, ``"fp16"`` or their torch dtypes; None for none."""
+    if value is None or value in (torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.lower() in _AUTOCAST_DTYPES:
+        return _AUTOCAST_DTYPES[value.lower()]
+    raise ConfigError(f"autocast must be one of bf16, fp16 (or torch.bfloat16, torch.float16); got {value!r}")
+
+
+#: Scaled dot-product attention's kernels, by what they keep for backward.
+_FLASH_ON_GPU = (torch.bfloat16, torch.float16)
+
+
+def _sdpa(
+    on_gpu: bool,
+    autocast: torch.dtype | None,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+):
+    """Scaled dot-product attention as the device would run it: the kernel decides what is kept for backward
+    (flash and memory-efficient attention keep the output and the log-sum-exp, the math path the scores).
+    Under ``autocast`` its inputs are cast down first, as autocast casts them."""
+    if autocast is not None:
+        query, key, value = (t.to(autocast) if t.dtype == torch.float32 else t for t in (query, key, value))
+    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: each key-value head serves several
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    aten = torch.ops.aten
+    if on_gpu and query.dtype in _FLASH_ON_GPU and attn_mask is None and query.shape[-1] <= 256:
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if on_gpu:
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+        )[0]
+    if _cpu_flash(query, key, attn_mask, is_causal):
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+    return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+
+
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
+    """Whether PyTorch runs its CPU flash kernel for attention of these dtypes and head sizes: asked on
+    one-token tensors of the same layout."""
+    small = [torch.zeros(1, 1, 1, t.shape[-1], dtype=t.dtype) for t in (query, key, key)]
+    mask = None if attn_mask is None else torch.zeros(1, 1, 1, 1, dtype=attn_mask.dtype)
+    choice = torch._fused_sdp_choice(*small, mask, 0.0, is_causal)
+    return choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+
+#: One trace at a time replaces attention: a second one (an explain while a cell's prediction traces in its
+#: thread) would otherwise put back the first one's replacement for good.
+_ATTENTION_REPLACED = threading.Lock()
+
+
+@contextlib.contextmanager
+def _attention(on_gpu: bool, autocast: torch.dtype | None = None) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as the device would run it, for the trace. Replaced on the module
+    for the trace's length rather than intercepted with a TorchFunctionMode: such a mode is the calling
+    thread's, and autograd recomputes a checkpointed module on a thread of its own for the meta device."""
+    with _ATTENTION_REPLACED:
+        original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = functools.partial(_sdpa, on_gpu, autocast)
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = original
+
+
+# -- the batch a step plans with
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One rank's share of a step's batch, on the meta device, as the model is called with it."""
+
+    args: tuple
+    kwargs: dict
+    target: tuple
+    """What ``loss_fn(output, *target)`` takes besides the output (a tuple batch's second part onwards)."""
+    described: str
+    """The share's shapes, in words."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the share: a tensor of token ids' elements, else the rows of the first input (its
+        elements less the last dimension, the features)."""
+        first = next(t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor))
+        if first.is_floating_point() and first.dim() > 1:
+            return first.numel() // first.shape[-1]
+        return first.numel()
+
+
+def first_batch(batch: Any) -> Any:
+    """A DataLoader's first batch, leaving its shuffling where it was (iterating draws from its generator,
+    or from torch's own when it has none); anything else as it is."""
+    if not isinstance(batch, torch.utils.data.DataLoader):
+        return batch
+    generator = getattr(batch, "generator", None)
+    saved = generator.get_state() if generator is not None else torch.random.get_rng_state()
+    try:
+        return next(iter(batch))
+    finally:
+        if generator is not None:
+            generator.set_state(saved)
+        else:
+            torch.random.set_rng_state(saved)
+
+
+def on_meta(batch: Any) -> Any:
+    """``batch`` with its tensors as meta tensors of their shapes and dtypes."""
+
+    def shape_of(leaf: Any) -> Any:
+        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") if isinstance(leaf, torch.Tensor) else leaf
+
+    return tree_map(shape_of, batch)
+
+
+def _share(tensor: torch.Tensor, parts: int) -> torch.Tensor:
+    """A meta tensor of one rank's rows of ``tensor``: the first dimension split ``parts`` ways (rank 0's,
+    the largest share where it does not divide)."""
+    if tensor.dim() == 0 or parts == 1:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return torch.empty((-(-tensor.shape[0] // parts), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+
+
+def step_inputs(batch: Any, world_size: int, per_rank_batches: bool = False) -> StepInputs:
+    """``batch`` (one step's global batch as one process would feed it: a tensor, a tuple or list, a dict of
+    tensors, a DataLoader, or meta tensors for shapes alone) as one rank's share: each rank takes 1/N of
+    every tensor's first dimension, as ``%%fsdp`` splits a notebook's DataLoader; with
+    ``per_rank_batches`` the batch is each rank's already."""
+    batch = first_batch(batch)
+    parts = 1 if per_rank_batches else world_size
+    leaves, spec = tree_flatten(batch)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise ConfigError(
+            f"batch must hold tensors (a tensor, a tuple, a dict of tensors, a DataLoader); got {type(batch).__name__}"
+        )
+    shared = tree_unflatten([_share(leaf, parts) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+    def shape(leaf: torch.Tensor) -> str:
+        return f"{'x'.join(map(str, leaf.shape))} {str(leaf.dtype).removeprefix('torch.')}"
+
+    if isinstance(shared, dict):
+        shapes = ", ".join(f"{key} {shape(v)}" for key, v in shared.items() if isinstance(v, torch.Tensor))
+    else:
+        shapes = ", ".join(shape(leaf) for leaf in tree_flatten(shared)[0] if isinstance(leaf, torch.Tensor))
+    described = f"{shapes} a rank" + ("" if per_rank_batches else f" (the global batch / {world_size})")
+    if isinstance(shared, dict):
+        return StepInputs((), dict(shared), (), described)
+    if isinstance(shared, (tuple, list)):
+        return StepInputs((shared[0],), {}, tuple(shared[1:]), described)
+    return StepInputs((shared,), {}, (), described)
+
+
+def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, target: tuple) -> Callable[[Any], torch.Tensor]:
+    """The loss a step backpropagates: the output's ``loss`` (Hugging Face's), else ``loss_fn(output,
+    *target)``, else the sum of the output's floating tensors."""
+
+    def loss_of(output: Any) -> torch.Tensor:
+        own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(own, torch.Tensor):
+            return own
+        if loss_fn is not None:
+            return loss_fn(output, *target)
+        floating = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return sum(t.float().sum() for t in floating)
+
+    return loss_of
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a training step runs, for its peak: one step's global batch, its loss, how it is split."""
+
+    batch: Any
+    """A tensor, a tuple or list, a dict of tensors, a DataLoader, or meta tensors (shapes alone)."""
+    loss: Callable[..., torch.Tensor] | None = None
+    """``loss(output, *target)`` where the output has no ``loss`` of its own."""
+    per_rank_batches: bool = False
+    """The batch is each rank's (as ``%%fsdp --per-rank-batches`` reads a loader), not the global one."""
+    micro_batches: int = 1
+    """Gradient accumulation: each rank's share runs in this many micro-batches, one at a time."""
+    autocast: torch.dtype | None = None
+    """The forward and the loss run under ``torch.autocast`` to this dtype (the loop's own, on top of FSDP2's
+    mixed precision)."""
+
+
+def rank_peaks(
+    model: nn.Module, config: FSDPConfig, world_size: int, devices: Devices, workload: Workload
+) -> tuple[list[Peak], StepInputs]:
+    """Each rank's peak in a training step of ``model`` on ``workload`` under ``config`` (validated),
+    traced on the meta device; the rank's inputs it traced with (one micro-batch of them)."""
+    _, shards = config.mesh_shape(world_size)
+    parts = 1 if workload.per_rank_batches else world_size
+    inputs = step_inputs(workload.batch, parts * workload.micro_batches, per_rank_batches=False)
+    if workload.per_rank_batches or workload.micro_batches > 1:
+        split = f" ({'each rank' if workload.per_rank_batches else f'the global batch / {world_size}'}"
+        inputs = dataclasses.replace(
+            inputs,
+            described=inputs.described.split(" a rank")[0]
+            + (" a micro-batch" if workload.micro_batches > 1 else " a rank")
+            + (f"{split}, in {workload.micro_batches} micro-batches)" if workload.micro_batches > 1 else f"{split})"),
+        )
+    loss = workload.loss
+    meta = transfer.load_skeleton(transfer.model_skeleton(model))
+    step = _Step(meta, config, shards, devices, workload.autocast)
+    traced = step.run(inputs.args, inputs.kwargs, _loss_of(loss, inputs.target), workload.micro_batches)
+    trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    peaks = []
+    for rank in range(world_size):
+        optim = sum(2 * 4 * _owned(p, shards, rank % shards) + 4 for p in trained)
+        peaks.append(dataclasses.replace(traced, optim=optim))
+    if config.cpu_offload:  # shards, their gradients and the optimizer's state live in host memory
+        peaks = [dataclasses.replace(p, params=step.buffers, grads=0, optim=0) for p in peaks]
+    return peaks, inputs
