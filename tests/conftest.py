@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,12 @@ import nbfsdp
 # the foreground and the first cell to start the engines: a prewarm would race their own starts, add
 # engines to tests that count processes, and slow every kernel. tests/test_prewarm.py sets its own value.
 os.environ["NBFSDP_PREWARM"] = "0"
+
+# A run started in the background of a non-interactive shell (`make test &`, a CI runner's script) inherits
+# SIGINT ignored, and Python then leaves it ignored: `_thread.interrupt_main`, the tests' stand-in for the
+# user's interrupt, would do nothing and those tests would hang to their timeout. They need Python's handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

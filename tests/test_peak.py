@@ -58,7 +58,7 @@ mlp_batch = (torch.empty(128, 128, 64, device="meta"), torch.empty(128, 128, 64,
 """
 
 #: One step measured by FSDPMemTracker on every rank (after a first step: the optimizer's state exists).
-MEASURED = """%%fsdp --world-size 2 {flags}
+MEASURED = """%%fsdp --world-size {world_size} {flags}
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 opt = torch.optim.AdamW({name}.parameters(), lr=1e-3)
 def step():
@@ -93,7 +93,7 @@ def test_the_traced_peak_is_within_10_percent_of_fsdp_mem_tracker(shell, models,
     explain predicts it from the meta device before anything runs."""
     flags = f"--wrap-cls {UNITS[name]} --sharding-strategy {strategy}"
     flags += " --activation-checkpointing" if checkpointing else ""
-    run_ok(shell, MEASURED.format(flags=flags, name=name, step=STEPS[name]))
+    run_ok(shell, MEASURED.format(world_size=2, flags=flags, name=name, step=STEPS[name]))
     measured = shell.user_ns["measured"]
     loss = " --loss mse" if name == "mlp" else ""
     capsys.readouterr()
@@ -109,6 +109,32 @@ def test_the_traced_peak_is_within_10_percent_of_fsdp_mem_tracker(shell, models,
         activation_checkpointing=checkpointing,
     )
     for rank in range(2):
+        predicted = planned.peak[rank]["total"]
+        assert abs(predicted - measured[rank]) <= 0.10 * measured[rank], (rank, predicted, measured[rank])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "flags", "settings"),
+    [
+        (2, "--sharding-strategy NO_SHARD", {"sharding_strategy": "NO_SHARD"}),
+        (4, "--sharding-strategy HYBRID_SHARD --replicas 2", {"sharding_strategy": "HYBRID_SHARD", "replicas": 2}),
+    ],
+    ids=["no-shard", "hybrid-shard"],
+)
+def test_no_shard_and_hybrid_shard_are_traced_on_their_shard_groups(shell, models, world_size, flags, settings):
+    """Each rank holds the shards of its shard group (the whole model under NO_SHARD), and gathers and
+    reduces within it; measured by FSDPMemTracker on every rank."""
+    run_ok(
+        shell, MEASURED.format(world_size=world_size, flags=f"--wrap-cls Block {flags}", name="mlp", step=STEPS["mlp"])
+    )
+    measured = shell.user_ns["measured"]
+    rows = torch.empty(64 * world_size, 128, 64, device="meta")
+    planned = nbfsdp.explain(
+        shell.user_ns["mlp"], world_size=world_size, batch=(rows, rows), loss=shell.user_ns["mse"],
+        wrap_cls="Block", **settings,
+    )  # fmt: skip
+    for rank in range(world_size):
         predicted = planned.peak[rank]["total"]
         assert abs(predicted - measured[rank]) <= 0.10 * measured[rank], (rank, predicted, measured[rank])
 
@@ -129,7 +155,7 @@ def test_a_loop_under_autocast_is_traced_as_autocast_runs_it(shell, models, chec
     gpt, batch = shell.user_ns["gpt"], shell.user_ns["gpt_batch"]
     plain = nbfsdp.explain(gpt, world_size=2, batch=batch, **settings)
     under_autocast = nbfsdp.explain(gpt, world_size=2, batch=batch, autocast="bf16", **settings)
-    run_ok(shell, MEASURED.format(flags=flags, name="gpt", step=AUTOCAST_STEP))
+    run_ok(shell, MEASURED.format(world_size=2, flags=flags, name="gpt", step=AUTOCAST_STEP))
     measured = shell.user_ns["measured"]
     for rank in range(2):
         predicted = under_autocast.peak[rank]["total"]
