@@ -61,7 +61,7 @@ class WrapRule:
 
     def __str__(self) -> str:
         if not self.sources:
-            return "from min_params alone"
+            return "from min_params alone (Composer's FSDP1 size rule; its FSDP2 path has none)"
         return "from " + " and ".join(_SOURCES[source] for source in self.sources)
 
     def as_dict(self) -> dict[str, object]:
