@@ -59,6 +59,7 @@ __all__ = [
     "runs",
     "save",
     "unload_ipython_extension",
+    "where",
 ]
 
 #: The public names, and the module each comes from on first use.
@@ -74,6 +75,7 @@ _LAZY = {
     "load": "nbfsdp.kernel.checkpoints",
     "checkpoints": "nbfsdp.kernel.checkpoints",
     "export": "nbfsdp.kernel.exporting",
+    "where": "nbfsdp.kernel.where",
 }
 
 PREWARM_ENV = "NBFSDP_PREWARM"

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, hosts, loaders, metrics
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics, where
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
@@ -84,6 +84,7 @@ def setup(
     rendezvous: tuple[str, int] | None = None,
     environment: dict[str, str] | None = None,
     gpu: int | None = None,
+    where_dir: str | None = None,
 ) -> EngineInfo:
     """Join a new world: a fresh process group on a fresh store, a fresh namespace.
 
@@ -93,7 +94,8 @@ def setup(
     rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
     user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables, and
     ``NCCL_HOSTID`` where ranks share a GPU. ``gpu``: the index of this rank's GPU among those the engine sees
-    (NCCL), None on the CPU (gloo).
+    (NCCL), None on the CPU (gloo). ``where_dir``: where ``%fsdp where`` asks this rank where it is (a
+    directory the notebook sees; None where it sees none).
     """
     global _world
     if dist.is_initialized():
@@ -133,6 +135,7 @@ def setup(
         device_id=device if backend == "nccl" else None,
     )
     _world = _World(rank=rank, world_size=world_size, device=device, generation=generation)
+    where.watch(where_dir, rank)
     return describe()
 
 

@@ -230,6 +230,7 @@ class AttachedCluster:
                     **nccl_host_environment(chosen, p.rank, self._private_dir),
                 },
                 gpu=chosen.rank_gpus[p.rank] if chosen.type == "cuda" else None,
+                where_dir=self._private_dir if self._sees_private_dir.get(p.engine_id) else None,
             )
             for p in self.placements
         ]

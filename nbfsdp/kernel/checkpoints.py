@@ -21,7 +21,6 @@ from typing import Any
 
 import torch.nn as nn
 from ipyparallel import error as ipp_error
-from IPython import get_ipython
 from IPython.core.error import UsageError
 from torch.distributed.checkpoint import FileSystemReader
 from torch.optim import Optimizer
@@ -31,7 +30,7 @@ from nbfsdp.engines import checkpointing
 from nbfsdp.kernel import history
 from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, World, visible_gpus
 from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
-from nbfsdp.kernel.session import Session
+from nbfsdp.kernel.session import Session, current_session
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
 from nbfsdp.shared.collectives import size_text
@@ -48,11 +47,7 @@ DEFAULT_TIMEOUT_SECONDS = 30.0
 
 def _session() -> Session:
     """The notebook's session, for the functions (``nbfsdp.save`` ...); the magics pass theirs."""
-    shell = get_ipython()
-    magics = shell.magics_manager.registry.get("FSDPMagics") if shell is not None else None
-    if magics is None:
-        raise UsageError("nbfsdp is not loaded (or still loading in the background): run %load_ext nbfsdp first")
-    return magics.session
+    return current_session()
 
 
 def _usage(error: CheckpointError) -> UsageError:

@@ -469,6 +469,7 @@ class FSDPCluster:
                 generation=self._generation,
                 gpu=0 if devices.type == "cuda" else None,  # the one GPU the engine sees
                 environment=nccl_host_environment(devices, rank, self._private_dir),
+                where_dir=self._private_dir,
             )
             for rank, engine_id in enumerate(engine_ids)
         ]

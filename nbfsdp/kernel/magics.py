@@ -25,8 +25,8 @@ from nbfsdp.ui.panel import SettingsPanel
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LINE_ACTIONS = (
-    "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "save", "load", "checkpoints", "export",
-    "attach", "detach",
+    "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "where", "interrupt", "save", "load",
+    "checkpoints", "export", "attach", "detach",
 )  # fmt: skip
 WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
@@ -258,7 +258,9 @@ class FSDPMagics(Magics):
         "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
         "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
         "defaults); wait: the results of an --async run, and an --async save's end; cancel: end the running "
-        "cell at its next step; save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines "
+        "cell at its next step; where: each rank's stack and collectives while a cell runs, and which rank "
+        "left the others waiting; interrupt: end an --async run now, as Ctrl-C ends a blocking one; "
+        "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines "
         "hold; load PATH [--world-size N] "
         "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
         "each rank reading its shard) into the engines and the notebook's objects; "
@@ -311,6 +313,12 @@ class FSDPMagics(Magics):
             return
         if args.action == "cancel":
             self.session.cancel()
+            return
+        if args.action == "where":
+            print(self.session.where())
+            return
+        if args.action == "interrupt":
+            self.session.interrupt()
             return
         self._status()
 

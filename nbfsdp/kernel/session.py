@@ -34,6 +34,7 @@ from nbfsdp.kernel.delivery import deliver
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.predicted import PeakPrediction
 from nbfsdp.kernel.runner import RankRun
+from nbfsdp.kernel.where import Where, ask_where
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, CheckpointSettings, FSDPConfig, resolve, validate
 from nbfsdp.shared.protocol import CellOutcome, CellSpec, IntervalSaves, LoaderSplit, LoaderState
@@ -289,6 +290,29 @@ class Session:
             run.thread.join()
         self._finish(run)
 
+    def where(self) -> Where:
+        """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.where``)."""
+        world = self.cluster.world
+        if world is None:
+            raise UsageError("%fsdp where: no world is running (a cell starts one)")
+        if why := self.cluster.unsteerable():
+            raise UsageError(f"%fsdp where: {why}")
+        return ask_where(self.cluster.private_dir, world.world_size, self.cluster.rank_hosts())
+
+    def interrupt(self) -> None:
+        """End the background run now, as Ctrl-C ends a blocking cell: SIGINT to every rank, then a kill for a
+        rank that does not stop (one blocked in a collective); the next cell starts a fresh world if one died."""
+        run = self.active
+        if run is None or run.thread is None:
+            print("nbfsdp: no background run")
+            return
+        run.ranks.interrupt()
+        run.thread.join()
+        try:
+            self._finish(run)
+        except KeyboardInterrupt:
+            print("nbfsdp: the background run was interrupted on every rank; its results are not brought back")
+
     def cancel(self) -> None:
         """End the running cell cleanly at its next ``nbfsdp.log`` call on every rank."""
         if self.active is None:
@@ -360,6 +384,7 @@ class Session:
             self.change_settings,
             self.cancel,
             with_output=background,
+            on_where=lambda: str(self.where()),
             hosts=hosts,
             across_hosts=planned.hosts_lines() if planned else None,
         )
@@ -623,3 +648,14 @@ def _settings_key(config: FSDPConfig) -> str:
 
     ``why`` only explains them: FULL chosen by default and FULL asked for shard alike."""
     return repr(sorted((key, value) for key, value in dataclasses.asdict(config).items() if key != "why"))
+
+
+def current_session() -> Session:
+    """The notebook's session, for nbfsdp's functions (``nbfsdp.save``, ``nbfsdp.where``); the magics hold theirs."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    magics = shell.magics_manager.registry.get("FSDPMagics") if shell is not None else None
+    if magics is None:
+        raise UsageError("nbfsdp is not loaded (or still loading in the background): run %load_ext nbfsdp first")
+    return magics.session

@@ -235,6 +235,16 @@ def control_file(directory: str | Path, run_id: int) -> Path:
     return Path(directory, f"control-{run_id}.json")
 
 
+def where_request(directory: str | Path) -> Path:
+    """``%fsdp where``'s request: the number of the latest one, which every rank's watcher answers once."""
+    return Path(directory, "where-request")
+
+
+def where_answer(directory: str | Path, number: int, rank: int) -> Path:
+    """Rank ``rank``'s answer to request ``number``: its stack and its ledger of collectives, as JSON."""
+    return Path(directory, f"where-{number}-rank{rank}.json")
+
+
 def claim_file(control: Path, version: int) -> Path:
     """The file whose first writer fixes the boundary at which request ``version`` applies on every rank."""
     return control.with_name(f"{control.stem}-v{version}.claim")

@@ -65,6 +65,7 @@ class LiveDashboard:
         on_change: Callable[[dict[str, Any]], str],
         on_stop: Callable[[], None],
         with_output: bool = False,
+        on_where: Callable[[], str] | None = None,
         hosts: list[str] | None = None,
         across_hosts: list[str] | None = None,
     ) -> None:
@@ -93,16 +94,34 @@ class LiveDashboard:
         self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
         self._stop = widgets.Button(description="Stop", button_style="danger", tooltip="end at the next step")
         self._stop.on_click(lambda _: on_stop())
+        # each rank's stack and collectives, and which rank left the others waiting (%fsdp where)
+        self._where = widgets.Button(description="Where?", tooltip="each rank's stack and collectives, now")
+        self._where_text = widgets.HTML()
+        self._where.on_click(lambda _: self._show_where(on_where))
+        self._where.disabled = on_where is None
         self._notes_area = widgets.HTML()
         self._status = widgets.HTML(self._status_table())
         self._figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
         # a background run's output lines go here: the cell that started it has ended
         self.output = widgets.Output() if with_output else None
         self._bars: dict[str, int] = {}  # a progress bar's place among the output's entries
-        rows = [widgets.HBox([self.controls.box, self._stop]), self._notes_area, self._status, self._figure]
+        rows = [
+            widgets.HBox([self.controls.box, self._stop, self._where]),
+            self._notes_area,
+            self._where_text,
+            self._status,
+            self._figure,
+        ]
         self._box = widgets.VBox(rows + ([self.output] if self.output else []))
         self._handle = display(self._bundle(), raw=True, display_id=True)
-        answer_while_cells_run([*self.controls.widgets.values(), self._stop])
+        answer_while_cells_run([*self.controls.widgets.values(), self._stop, self._where])
+
+    def _show_where(self, on_where: Callable[[], str] | None) -> None:
+        try:
+            text = on_where() if on_where else ""
+        except Exception as error:  # a world that cannot be asked (hosts without the shared directory)
+            text = str(error)
+        self._where_text.value = f"<pre>{html.escape(text)}</pre>"
 
     def add(self, records: list[dict[str, Any]]) -> None:
         self.records.extend(records)
@@ -149,7 +168,7 @@ class LiveDashboard:
         if records is not None:
             self.records = list(records)
         self._states = [state if s == "running" else s for s in self._states]
-        self._stop.disabled = True
+        self._stop.disabled = self._where.disabled = True
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:
