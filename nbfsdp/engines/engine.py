@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, hosts, loaders, metrics, where
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
@@ -339,7 +339,8 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             )
             failed = True
             try:
-                exec(code, namespace)
+                with pasted.world_owned_calls(world.rank):
+                    exec(code, namespace)
                 failed = False
             except CellCancelled:
                 cancelled, failed = True, False  # every rank stops at the same step; the cell ends as a finished one

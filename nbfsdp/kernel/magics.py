@@ -26,7 +26,7 @@ from nbfsdp.ui.panel import SettingsPanel
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LINE_ACTIONS = (
     "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "where", "interrupt", "save", "load",
-    "checkpoints", "export", "attach", "detach",
+    "checkpoints", "export", "export-script", "attach", "detach",
 )  # fmt: skip
 WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
@@ -265,7 +265,8 @@ class FSDPMagics(Magics):
         "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
         "each rank reading its shard) into the engines and the notebook's objects; "
         "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
-        "model's full weights into one .pt or .safetensors file, in the kernel; attach [--profile P] "
+        "model's full weights into one .pt or .safetensors file, in the kernel; export-script PATH: the last "
+        "%%fsdp cell as a torchrun script, its inputs saved beside it; attach [--profile P] "
         "[--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp did not start (any "
         "launcher, several hosts); detach: let go of it, leaving it running.",
     )
@@ -288,6 +289,11 @@ class FSDPMagics(Magics):
         if line.split()[:1] == ["attach"]:
             args = parse_argstring(self._attach_arguments, line.split(None, 1)[1] if len(line.split()) > 1 else "")
             self._attach(args.profile, args.cluster_id, args.shared_dir)
+            return
+        if line.split()[:1] == ["export-script"]:
+            if len(line.split()) != 2:
+                raise UsageError("%fsdp export-script PATH: the script to write, e.g. train.py")
+            print(self.session.export_script(line.split()[1]))
             return
         if line.split()[:1] in (["save"], ["load"], ["checkpoints"], ["export"]):
             self._checkpoint(*line.split(None, 1) if len(line.split()) > 1 else (line.strip(), ""))

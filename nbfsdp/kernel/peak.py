@@ -719,7 +719,7 @@ def rank_peaks(
             + (f"{split}, in {workload.micro_batches} micro-batches)" if workload.micro_batches > 1 else f"{split})"),
         )
     loss = workload.loss
-    meta = transfer.load_skeleton(transfer.model_skeleton(model))
+    meta = transfer.meta_copy(model)  # the trace changes the modules it runs (hooks, dtypes)
     step = _Step(meta, config, shards, devices, workload.autocast)
     traced = step.run(inputs.args, inputs.kwargs, _loss_of(loss, inputs.target), workload.micro_batches)
     trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]

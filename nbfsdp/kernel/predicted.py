@@ -84,23 +84,33 @@ class PeakPrediction:
 
     def __init__(
         self,
-        skeleton: bytes,
+        model: nn.Module,
         config: FSDPConfig,
         world_size: int,
         devices: Devices,
         workload: peak.Workload,
         done: Callable[[list[int], str], None],
     ) -> None:
-        """``skeleton``: the model's (``transfer.model_skeleton``), made before the cell runs; ``done(peaks,
-        described)`` gets the peaks and the batch share they were traced with, in words."""
+        """``done(peaks, described)`` gets the peaks and the batch share they were traced with, in words.
+        The thread copies ``model`` onto the meta device first: ``copied`` waits for that, before the
+        notebook's model takes the trained weights back."""
         self.peaks: list[int] | None = None
         self.error: BaseException | None = None
+        self._copied = threading.Event()
 
         def trace() -> tuple[list[peak.Peak], peak.StepInputs]:
-            return peak.rank_peaks(transfer.load_skeleton(skeleton), config, world_size, devices, workload)
+            try:
+                meta = transfer.meta_copy(model)
+            finally:
+                self._copied.set()
+            return peak.rank_peaks(meta, config, world_size, devices, workload)
 
         self._thread = threading.Thread(target=self._run, args=(trace, done), name="nbfsdp-predicted-peak", daemon=True)
         self._thread.start()
+
+    def copied(self) -> None:
+        """Until the model is copied (a fraction of the cell's first moments)."""
+        self._copied.wait()
 
     def _run(
         self, trace: Callable[[], tuple[list[peak.Peak], peak.StepInputs]], done: Callable[[list[int], str], None]

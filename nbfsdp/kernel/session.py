@@ -31,6 +31,7 @@ from nbfsdp.kernel import history, loaders, predicted
 from nbfsdp.kernel.cluster import Cluster, FSDPCluster, World
 from nbfsdp.kernel.control import RunControl
 from nbfsdp.kernel.delivery import deliver
+from nbfsdp.kernel.export_script import ExportedScript, LastCell, export_script
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.predicted import PeakPrediction
 from nbfsdp.kernel.runner import RankRun
@@ -116,6 +117,8 @@ class Session:
         """Optimizers and schedulers the ranks hold as the notebook does, by name -> ``optimizers.fingerprint``."""
         self._models_generation: int | None = None
         self._loaders = loaders.NotebookLoaders()
+        self.last_cell: LastCell | None = None
+        """The last user cell, for ``%fsdp export-script``."""
         self.resume_step = 0
         """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
         self.loader_resume: dict[str, LoaderState] = {}
@@ -147,11 +150,14 @@ class Session:
             state = "still going" if self.active.thread.is_alive() else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
         started = time.perf_counter()
-        config = validate(config, world_size, self.cluster.devices(world_size, config.device))
+        devices = self.cluster.devices(world_size, config.device)
+        config = validate(config, world_size, devices)
         cell_number = next(self._cells)
         filename = f"<fsdp-cell-{cell_number}>"
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=filename))
         models, others = self._read_inputs(reads)
+        if not internal:
+            self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, reads)
         skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
         for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
             wrap_units(model, config)
@@ -249,9 +255,7 @@ class Session:
         prediction = None
         if not internal:
             read = [sent[name] for name in plans]
-            prediction = _predict_peak(
-                models, skeletons, read, per_rank_batches, cell, config, world, record, dashboard
-            )
+            prediction = _predict_peak(models, read, per_rank_batches, cell, config, world, record, dashboard)
         ranks = RankRun(
             self.cluster,
             spec,
@@ -289,6 +293,16 @@ class Session:
             run.ranks.interrupt()
             run.thread.join()
         self._finish(run)
+
+    def export_script(self, path: str) -> ExportedScript:
+        """The last cell as a torchrun script at ``path``, from the notebook's state now (``export_script``)."""
+        namespace = self.shell.user_ns
+        shuffle = {
+            name: self._loaders.shuffle_state(value)
+            for name, value in namespace.items()
+            if self.last_cell is not None and name in self.last_cell.reads and isinstance(value, DataLoader)
+        }
+        return export_script(self.last_cell, namespace, path, shuffle)
 
     def where(self) -> Where:
         """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.where``)."""
@@ -357,6 +371,8 @@ class Session:
             if run.dashboard:
                 run.dashboard.finish(None, "failed")
             raise outcome
+        if run.prediction is not None:
+            run.prediction.copied()  # the trace copied the model before its weights change
         self._apply_results(outcome, run)
         record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
         record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
@@ -604,7 +620,6 @@ class Session:
 
 def _predict_peak(
     models: dict[str, nn.Module],
-    skeletons: dict[str, bytes],
     loaders: list[Any],
     per_rank_batches: bool,
     cell: str,
@@ -616,7 +631,7 @@ def _predict_peak(
     """The cell's first model's peak, traced beside the cell where its batch is known (``predicted``)."""
     if not models:
         return None
-    name, model = next(iter(models.items()))
+    model = next(iter(models.values()))
     autocast = predicted.cell_autocast(cell, world.devices)
     try:
         workload = predicted.cell_workload(model, loaders, per_rank_batches, autocast)
@@ -630,7 +645,7 @@ def _predict_peak(
         if dashboard is not None:
             dashboard.predict_peaks(peaks, described)
 
-    return PeakPrediction(skeletons[name], config, world.world_size, world.devices, workload, done)
+    return PeakPrediction(model, config, world.world_size, world.devices, workload, done)
 
 
 def _stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ references are pickle's own ``persistent_id`` / ``persistent_load`` protocol.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import io
 import pickle
@@ -144,6 +145,19 @@ def model_skeleton(model: nn.Module) -> bytes:
     for fqn, buffer in model.named_buffers():
         references[id(buffer)] = ("meta_buffer", fqn, tuple(buffer.shape), _dtype_name(buffer.dtype))
     return _dumps(model, references)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of their shapes (ties kept), for the
+    kernel to trace. Made by ``copy.deepcopy``, not through the skeleton's pickle: unpickling cloudpickle's
+    copy of a notebook class in the process that defined it updates that class in place, and its methods
+    would lose their source (``inspect``, tracebacks)."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
 
 
 def piece_bytes(shard_bytes: int) -> int:

@@ -19,8 +19,8 @@ from nbfsdp.shared.config import BACKWARD_PREFETCHES, DEVICE_CHOICES, MIXED_PREC
 CUSTOM_PRECISION = "custom"
 #: Each control as wide as its description and value, a gap after it (a checkbox's label otherwise runs on into
 #: the next control's), wrapping to the next line where the notebook is narrow.
-_GAP = "2px 1.2em 2px 0"
-_LAYOUT = {"width": "auto", "margin": _GAP}
+GAP = "2px 1.2em 2px 0"
+_LAYOUT = {"width": "auto", "margin": GAP}
 _STYLE = {"description_width": "initial"}
 
 
@@ -50,7 +50,7 @@ class SettingsControls:
                 min=1,
                 max=MAX_WORLD_SIZE,
                 description="world size",
-                layout={"width": "11em", "margin": _GAP},
+                layout={"width": "11em", "margin": GAP},
                 style=_STYLE,
             ),
         }

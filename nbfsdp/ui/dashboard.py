@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from nbfsdp.kernel import renderer
 from nbfsdp.shared import figures
 from nbfsdp.shared.devices import Devices
-from nbfsdp.ui.controls import SettingsControls
+from nbfsdp.ui.controls import GAP, SettingsControls
 from nbfsdp.ui.widget_events import answer_while_cells_run
 
 #: Live drawings start at least this long apart...
@@ -92,7 +92,9 @@ class LiveDashboard:
         self._notes: list[str] = []
         self._devices = devices
         self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
-        self._stop = widgets.Button(description="Stop", button_style="danger", tooltip="end at the next step")
+        self._stop = widgets.Button(
+            description="Stop", button_style="danger", tooltip="end at the next step", layout={"margin": GAP}
+        )
         self._stop.on_click(lambda _: on_stop())
         # each rank's stack and collectives, and which rank left the others waiting (%fsdp where)
         self._where = widgets.Button(description="Where?", tooltip="each rank's stack and collectives, now")

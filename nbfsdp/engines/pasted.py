@@ -1,0 +1,57 @@
+"""A torchrun script pasted into a ``%%fsdp`` cell: its own process-group calls, taken as the world's.
+
+A script written for ``torchrun`` starts with ``dist.init_process_group(...)`` and ends with
+``dist.destroy_process_group()``. In a cell the world already exists: the first would fail on every rank
+("trying to initialize the default process group twice!") and the second would take down the world the
+next cell needs. While a cell runs, both are replaced: an ``init_process_group`` whose backend and world
+size match the running world (or leave them out) is the world's own, and one that does not is a clear
+error naming both; ``destroy_process_group()`` of the default group keeps the world. Each says so once,
+on rank 0. Runs on the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+
+class WorldMismatch(RuntimeError):
+    """An ``init_process_group`` in a cell asked for another world than the running one."""
+
+
+@contextlib.contextmanager
+def world_owned_calls(rank: int) -> Iterator[None]:
+    """While a cell runs: ``dist.init_process_group`` and ``dist.destroy_process_group`` as described above."""
+    original_init, original_destroy = dist.init_process_group, dist.destroy_process_group
+    said: set[str] = set()
+
+    def say(key: str, line: str) -> None:
+        if rank == 0 and key not in said:
+            said.add(key)
+            print(f"nbfsdp: {line}")
+
+    def init_process_group(backend: Any = None, *_: Any, world_size: int = -1, **__: Any) -> None:
+        running, size = dist.get_backend(), dist.get_world_size()
+        asked = str(backend).split(":")[-1] if backend is not None else None  # "cpu:gloo,cuda:nccl" forms too
+        if (asked is not None and asked not in str(running)) or world_size not in (-1, size):
+            raise WorldMismatch(
+                f"init_process_group(backend={backend!r}, world_size={world_size}) in a cell, but the running "
+                f"world is {running} with {size} ranks: leave them out, or run the cell with --world-size or "
+                "--device to match"
+            )
+        say("init", f"init_process_group: the cell runs in the world already started ({running}, {size} ranks)")
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            say("destroy", "destroy_process_group: the world is kept for the next cell")
+            return
+        original_destroy(group)
+
+    dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group, dist.destroy_process_group = original_init, original_destroy

@@ -1,0 +1,143 @@
+"""``%fsdp export-script``: the last cell as a torchrun script that computes what the cell computes, run
+under a real ``torchrun`` (gloo, 2 ranks); and a torchrun script pasted into a cell, its own
+``init_process_group``/``destroy_process_group`` taken as the world's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbfsdp
+from nbfsdp.kernel.export_script import export_script
+from tests.conftest import run_failing, run_ok
+
+pytestmark = pytest.mark.timeout(300)
+
+NOTEBOOK = """
+import torch, torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+WIDTH = 16
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+def loss_fn(out, y):
+    return F.mse_loss(out.float(), y)
+
+torch.manual_seed(0)
+net = Net()
+data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, 1))
+loader = DataLoader(data, batch_size=16, shuffle=True)
+opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+"""
+CELL = """%%fsdp --world-size 2 --wrap-cls Block
+for x, y in loader:
+    loss = loss_fn(net(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(loss=loss.item())
+"""
+
+
+def _torchrun(script, ranks: int) -> list[list[float]]:
+    """Each rank's logged losses from the script run under torchrun."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
+    return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]
+
+
+def test_the_exported_script_computes_what_the_cell_computes(shell, tmp_path, capsys):
+    run_ok(shell, NOTEBOOK)
+    run_ok(shell, CELL)  # a first epoch: the optimizer has state, the loader's shuffle has moved on
+    capsys.readouterr()
+    run_ok(shell, f"%fsdp export-script {tmp_path / 'train.py'}")
+    said = capsys.readouterr().out
+    assert f"run it with: torchrun --nproc-per-node 2 {tmp_path / 'train.py'}" in said
+    script = (tmp_path / "train.py").read_text()
+    assert "class Block(nn.Module):" in script and "def loss_fn(out, y):" in script  # the notebook's sources
+    assert "fully_shard(" in script and "import nbfsdp" not in script  # FSDP2 itself; no nbfsdp needed
+    run_ok(shell, CELL)  # the same cell again, from the state the script starts from
+    in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
+    trained = {name: value.clone() for name, value in shell.user_ns["net"].state_dict().items()}
+
+    assert _torchrun(tmp_path / "train.py", 2) == in_notebook and len(in_notebook[0]) == 4
+    from_script = torch.load(tmp_path / "train.trained.pt")["net"]
+    assert from_script.keys() == trained.keys()
+    for name, value in trained.items():
+        torch.testing.assert_close(from_script[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_value_that_cannot_be_saved_is_named(shell, tmp_path):
+    run_ok(shell, "import torch, torch.nn as nn\nnet = nn.Linear(4, 1)\nnotes = open('/dev/null')")
+    run_ok(shell, "%%fsdp --world-size 2\nout = net(torch.ones(2, 4))\nseen = notes.name")
+    error, _ = run_failing(shell, f"%fsdp export-script {tmp_path / 'train.py'}")
+    assert isinstance(error, UsageError) and "cannot export notes (TextIOWrapper" in str(error)
+    assert not (tmp_path / "train.py").exists()
+
+
+def test_export_script_says_what_it_needs(shell, tmp_path):
+    with pytest.raises(UsageError, match="no %%fsdp cell has run yet"):
+        export_script(None, {}, str(tmp_path / "train.py"), {})
+    run_ok(shell, "import torch, torch.nn as nn\nnet = nn.Linear(4, 1)")
+    run_ok(shell, "%%fsdp --world-size 2\nout = net(torch.ones(2, 4))")
+    error, _ = run_failing(shell, f"%fsdp export-script {tmp_path / 'train.txt'}")
+    assert isinstance(error, UsageError) and "must end in .py" in str(error)
+    run_ok(shell, "%%fsdp --world-size 2\nout = rank * 2")
+    error, _ = run_failing(shell, f"%fsdp export-script {tmp_path / 'train.py'}")
+    assert isinstance(error, UsageError) and "reads no model of the notebook" in str(error)
+
+
+PASTED = """%%fsdp --world-size 2
+import torch.distributed as dist
+dist.init_process_group({arguments})
+t = torch.full((2,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+total = t.tolist()
+dist.destroy_process_group()
+"""
+
+
+def test_a_pasted_torchrun_script_runs_in_the_world_and_keeps_it(shell, capsys):
+    run_ok(shell, "import torch")
+    capsys.readouterr()
+    run_ok(shell, PASTED.format(arguments='backend="gloo"'))
+    said = capsys.readouterr().out
+    assert "init_process_group: the cell runs in the world already started (gloo, 2 ranks)" in said
+    assert "destroy_process_group: the world is kept for the next cell" in said
+    assert said.count("nbfsdp: init_process_group") == 1  # rank 0 says it, once
+    run_ok(shell, "%%fsdp --world-size 2\nimport torch.distributed as dist\nafter = dist.get_world_size()")
+    assert shell.user_ns["after"] == 2  # the world survived the cell's destroy_process_group
+
+
+@pytest.mark.parametrize("arguments", ['backend="nccl"', 'backend="gloo", world_size=4'])
+def test_a_pasted_init_for_another_world_is_named(shell, arguments):
+    run_ok(shell, "import torch")
+    error, _ = run_failing(shell, PASTED.format(arguments=arguments))
+    said = str(error)
+    assert "in a cell, but the running world is gloo with 2 ranks" in said, said
+    assert "init_process_group(backend=" in said
+    run_ok(shell, "%%fsdp --world-size 2\nok = rank")  # the world is still there
