@@ -13,7 +13,9 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.kernel.export_script import export_script
+from nbfsdp.kernel.export_script import LastCell, export_script
+from nbfsdp.shared.config import FSDPConfig, for_device
+from nbfsdp.shared.devices import Devices
 from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 NOTEBOOK = """
 import torch, torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 WIDTH = 16
 
@@ -47,8 +49,17 @@ def loss_fn(out, y):
 
 torch.manual_seed(0)
 net = Net()
-data = TensorDataset(torch.randn(64, WIDTH), torch.randn(64, 1))
-loader = DataLoader(data, batch_size=16, shuffle=True)
+class Pairs(Dataset):  # its base named only in the class's header: the script must import it
+    def __init__(self, n):
+        self.x, self.y = torch.randn(n, WIDTH), torch.randn(n, 1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+loader = DataLoader(Pairs(64), batch_size=16, shuffle=True)
 opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
 """
 CELL = """%%fsdp --world-size 2 --wrap-cls Block
@@ -65,7 +76,7 @@ def _torchrun(script, ranks: int) -> list[list[float]]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     lines = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
     return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]
 
@@ -79,6 +90,7 @@ def test_the_exported_script_computes_what_the_cell_computes(shell, tmp_path, ca
     assert f"run it with: torchrun --nproc-per-node 2 {tmp_path / 'train.py'}" in said
     script = (tmp_path / "train.py").read_text()
     assert "class Block(nn.Module):" in script and "def loss_fn(out, y):" in script  # the notebook's sources
+    assert "class Pairs(Dataset):" in script and "from torch.utils.data.dataset import Dataset" in script
     assert "fully_shard(" in script and "import nbfsdp" not in script  # FSDP2 itself; no nbfsdp needed
     run_ok(shell, CELL)  # the same cell again, from the state the script starts from
     in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
@@ -141,3 +153,16 @@ def test_a_pasted_init_for_another_world_is_named(shell, arguments):
     assert "in a cell, but the running world is gloo with 2 ranks" in said, said
     assert "init_process_group(backend=" in said
     run_ok(shell, "%%fsdp --world-size 2\nok = rank")  # the world is still there
+
+
+def test_a_script_for_ranks_sharing_a_gpu_sets_the_device_and_tells_them_apart(tmp_path):
+    """Written from a CPU kernel for the GPU layout the cell had (nothing run): 2 ranks on one GPU."""
+    devices = Devices("cuda", 2, gpus=1, rank_gpus=(0, 0), nccl_hosts=("h0", "h1"))
+    cell = LastCell("out = net(torch.ones(2, 4, device=device))", 2, for_device(FSDPConfig(), devices), devices,
+                    False, ["net", "torch", "device"])  # fmt: skip
+    export_script(cell, {"net": torch.nn.Linear(4, 1), "torch": torch}, str(tmp_path / "gpu.py"), {})
+    script = (tmp_path / "gpu.py").read_text()
+    hostid = script.index('os.environ["NCCL_HOSTID"] = f"export-{NCCL_HOSTS[')
+    assert hostid < script.index('dist.init_process_group("nccl")') < script.index("torch.cuda.set_device(device)")
+    assert "NCCL_HOSTS = ('h0', 'h1')" in script
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in script  # DEFAULT

@@ -12,13 +12,14 @@ Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course
 """
 
 from nbfsdp.course.diagrams import collective, strategy_timeline
-from nbfsdp.course.meters import CommMeter, peer_connections, tcp_counters, traffic, unsharded_bytes
+from nbfsdp.course.meters import CollectiveMeter, CommMeter, peer_connections, tcp_counters, traffic, unsharded_bytes
 from nbfsdp.course.models import MLP, Block, MLPBlock, TinyGPT, batch_for, loss_fn, rotation_batch
 from nbfsdp.shared.collectives import ring_bytes
 
 __all__ = [
     "MLP",
     "Block",
+    "CollectiveMeter",
     "CommMeter",
     "MLPBlock",
     "TinyGPT",

@@ -9,6 +9,7 @@ on its own TCP connections to the other ranks (gloo's), from the kernel's per-so
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import struct
@@ -29,7 +30,34 @@ COLLECTIVES = {
 }
 
 
-class CommMeter(TorchDispatchMode):
+class _Collectives:
+    """What both meters report from their ``calls``."""
+
+    calls: list[tuple[str, int, int]]
+
+    def totals(self) -> dict[str, int]:
+        """Bytes of the tensors each kind of collective handled (all-gather, reduce-scatter, all-reduce)."""
+        totals = dict.fromkeys(COLLECTIVES.values(), 0)
+        for kind, nbytes, _ in self.calls:
+            totals[kind] = totals.get(kind, 0) + nbytes
+        return totals
+
+    def sent(self) -> dict[str, int]:
+        """Bytes this rank sends per kind under the ring algorithms (it receives as many)."""
+        sent = dict.fromkeys(COLLECTIVES.values(), 0)
+        for kind, nbytes, group in self.calls:
+            if kind in sent:
+                sent[kind] += ring_bytes(kind, nbytes, group)
+        return sent
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(COLLECTIVES.values(), 0)
+        for kind, _, _ in self.calls:
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+class CommMeter(TorchDispatchMode, _Collectives):
     """The collectives this rank runs while active, as ``calls``: (kind, tensor bytes, group size).
 
     The tensor counted is the one a collective handles whole: the gathered output of an
@@ -58,26 +86,54 @@ class CommMeter(TorchDispatchMode):
             self.calls.append((kind, sum(t.numel() * t.element_size() for t in tensors), group))
         return func(*args, **(kwargs or {}))
 
-    def totals(self) -> dict[str, int]:
-        """Bytes of the tensors each kind of collective handled (all-gather, reduce-scatter, all-reduce)."""
-        totals = dict.fromkeys(COLLECTIVES.values(), 0)
-        for kind, nbytes, _ in self.calls:
-            totals[kind] = totals.get(kind, 0) + nbytes
-        return totals
 
-    def sent(self) -> dict[str, int]:
-        """Bytes this rank sends per kind under the ring algorithms (it receives as many)."""
-        sent = dict.fromkeys(COLLECTIVES.values(), 0)
-        for kind, nbytes, group in self.calls:
-            if kind in sent:
-                sent[kind] += ring_bytes(kind, nbytes, group)
-        return sent
+class CollectiveMeter(_Collectives):
+    """``CommMeter``'s record, ``calls`` of (kind, tensor bytes, group size), taken where the collectives are
+    called: ``torch.distributed``'s functions are wrapped while the meter is active.
 
-    def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(COLLECTIVES.values(), 0)
-        for kind, _, _ in self.calls:
-            counts[kind] = counts.get(kind, 0) + 1
-        return counts
+    For code under ``torch.compile``: Dynamo runs a frame eagerly while a Python dispatch mode such as
+    ``CommMeter`` is active, so measuring with one would measure the eager model. FSDP2 issues its
+    all-gathers and reduce-scatters through these functions from hooks that run outside the compiled
+    graph, so they are all seen here; collectives compiled into a graph (functional ones) are not.
+    """
+
+    #: The functions wrapped: kind, and the position of the tensor handled whole (the gathered output, the
+    #: unreduced input), as ``CommMeter`` counts them.
+    FUNCTIONS = {
+        "all_gather_single": ("all_gather", 0),
+        "all_gather_into_tensor": ("all_gather", 0),
+        "reduce_scatter_single": ("reduce_scatter", 1),
+        "reduce_scatter_tensor": ("reduce_scatter", 1),
+        "all_reduce": ("all_reduce", 0),
+    }
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self._originals: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveMeter:
+        for name, (kind, index) in self.FUNCTIONS.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(dist, name, self._wrap(original, kind, index))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, original: Any, kind: str, index: int) -> Any:
+        signature = inspect.signature(original)
+
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            arguments = signature.bind(*args, **kwargs).arguments  # FSDP2 passes them by name
+            tensor = list(arguments.values())[index]
+            group_size = dist.get_world_size(arguments.get("group"))
+            self.calls.append((kind, tensor.numel() * tensor.element_size(), group_size))
+            return original(*args, **kwargs)
+
+        return metered
 
 
 def unsharded_bytes(model: torch.nn.Module) -> int:

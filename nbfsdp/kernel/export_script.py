@@ -125,7 +125,7 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
                 refused.append(f"{name} (its source cannot be read)")
                 continue
             parts.sources.append(source)
-            todo += _globals_of(value)
+            todo += _globals_of(value) + _header_names(source)
         elif (line := _import_object(name, value)) is not None:
             parts.imports.append(line)
         else:
@@ -231,6 +231,18 @@ def _globals_of(value: Any) -> list[str]:
     return names
 
 
+def _header_names(source: str) -> list[str]:
+    """The names a definition's header uses, which its code objects do not hold: a class's bases and
+    keywords (``class Windows(Dataset)``, ``nn.Module``), decorators, a function's defaults."""
+    node = ast.parse(source).body[0]
+    header: list[ast.AST] = list(getattr(node, "decorator_list", []))
+    if isinstance(node, ast.ClassDef):
+        header += [*node.bases, *(keyword.value for keyword in node.keywords)]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        header += [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+    return [name.id for part in header for name in ast.walk(part) if isinstance(name, ast.Name)]
+
+
 def _notebook_globals(value: Any) -> list[str]:
     """The notebook's classes and functions a value's pickle refers to by name (``__main__.Name``): found in
     its pickle's GLOBAL opcodes (protocol 2 writes each as one, with its module and name)."""
@@ -310,6 +322,7 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
     lines += [
         "",
         "# -- the process group, from torchrun's variables, and this rank's device",
+        *_shared_gpu_lines(cell.devices),
         f'dist.init_process_group("{backend}")',
         "rank, world_size = dist.get_rank(), dist.get_world_size()",
     ]
@@ -370,12 +383,24 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         "trained = {" + ", ".join(f'"{m}": get_model_state_dict({m}, options=full)' for m in parts.models) + "}",
         "if rank == 0:",
         '    torch.save(trained, os.path.join(here, os.path.splitext(os.path.basename(__file__))[0] + ".trained.pt"))',
+        "dist.barrier()  # all ranks done before any leaves: gloo aborts a rank now and then otherwise",
         "dist.destroy_process_group()",
         "",
     ]
     text = "\n".join(lines)
     ast.parse(text)  # a script that does not parse is nbfsdp's error: found here, not under torchrun
     return text
+
+
+def _shared_gpu_lines(devices: Devices) -> list[str]:
+    """Where ranks share a GPU: each rank's ``NCCL_HOSTID`` before the process group, as the cell's ranks
+    had it (NCCL refuses two ranks of one communicator on one device unless they seem on two hosts)."""
+    if not devices.shared:
+        return []
+    return [
+        f"NCCL_HOSTS = {devices.nccl_hosts!r}  # ranks of one GPU told apart for NCCL, as in the notebook",
+        'os.environ["NCCL_HOSTID"] = f"export-{NCCL_HOSTS[int(os.environ[\'RANK\'])]}"',
+    ]
 
 
 _REPOINT = '''

@@ -1,0 +1,53 @@
+"""The course's shape: its notebooks, where they are listed, their checks collapsed, their references to one
+another pointing at notebooks that exist (nbval runs the notebooks themselves)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NAMES = [path.stem for path in NOTEBOOKS]
+#: A notebook named in text: `05-prefetch-and-overlap`, `a1-your-own-training-loop`.
+REFERENCE = re.compile(r"`((?:\d\d|a\d)-[a-z0-9-]+)`")
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def _source(cell: dict) -> str:
+    return cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+
+
+def test_the_course_is_sixteen_notebooks_in_order_and_an_appendix():
+    main = [name for name in NAMES if name[:2].isdigit()]
+    appendix = [name for name in NAMES if name.startswith("a")]
+    assert [int(name[:2]) for name in main] == list(range(16)), main
+    assert appendix == ["a1-your-own-training-loop", "a2-changing-settings-mid-run"]
+    assert len(NAMES) >= 18
+
+
+def test_every_notebook_is_listed_in_the_course_page_the_site_and_the_readme():
+    course, site, readme = ((ROOT / name).read_text() for name in ("docs/course.md", "mkdocs.yml", "README.md"))
+    for name in NAMES:
+        assert f"(notebooks/{name}.ipynb)" in course, name
+        assert f"notebooks/{name}.ipynb" in site, name
+        assert f"`{name}`" in readme, name
+    assert course.index("a1-your-own-training-loop") > course.index("## Appendix")
+
+
+def test_each_notebooks_checks_are_collapsed_so_the_text_reads_first():
+    for path in NOTEBOOKS:
+        checks = [c for c in _cells(path) if c["cell_type"] == "code" and _source(c).startswith("# The claims above")]
+        assert checks, f"{path.name} has no checks"
+        for cell in checks:
+            assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True, (path.name, _source(cell)[:60])
+
+
+def test_notebooks_name_only_notebooks_that_exist():
+    for path in NOTEBOOKS:
+        named = {match for cell in _cells(path) for match in REFERENCE.findall(_source(cell))}
+        assert named <= set(NAMES), (path.name, named - set(NAMES))
