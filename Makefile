@@ -47,7 +47,7 @@ browser:
 	    echo "chromium is missing and installing it needs root: tests/test_browser.py will skip"; \
 	  fi; }
 
-## Debian's openssh-server for the tests over several hosts (tests/hosts.py: network namespaces, each running
+## Debian's openssh-server for the tests over several hosts (benchmarks/namespaces.py: network namespaces, each running
 ## an sshd that ipyparallel's SSH launcher reaches): installed with apt-get when missing, as root; without it they skip
 sshd:
 	@test -x /usr/sbin/sshd || { \

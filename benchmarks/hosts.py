@@ -2,8 +2,8 @@
 and the bytes each host receives while a model is sent to its ranks.
 
 The hosts are Linux network namespaces on a bridge, each with its own hostname and sshd
-(``tests/hosts.py``); ipyparallel's own SSH launcher starts two engines in each, its controller on the
-bridge (``tests.hosts.ssh_cluster``). A kernel (``NBFSDP_PREWARM=0``) attaches to that cluster
+(``benchmarks/namespaces.py``); ipyparallel's own SSH launcher starts two engines in each, its controller on the
+bridge (``benchmarks.namespaces.ssh_cluster``). A kernel (``NBFSDP_PREWARM=0``) attaches to that cluster
 (``%fsdp attach --profile P``): ranks 0 and 1 on the first host, 2 and 3 on the second, the world's
 TCPStore on rank 0's host address, gloo over each host's ``eth0``.
 
@@ -30,7 +30,7 @@ TCPStore on rank 0's host address, gloo over each host's ``eth0``.
   counted them (``p.to_local()``): target 1.00-1.05 (at most 1.05; below 1.00 the shards did not all
   cross the wire). One row per host, median over rounds (each round a fresh model).
 
-Skipped where namespaces cannot be made (``tests.hosts.why_not()``: not root, no sshd). ``--quick``: the
+Skipped where namespaces cannot be made (``benchmarks.namespaces.why_not()``: not root, no sshd). ``--quick``: the
 hosts, the cluster, the attach, 3 s of the idle session and one transfer round of a 16.8 MB model; no
 step-time rounds (their row says so), which would take the quick run past a minute on 2 cores. Run alone:
 ``python -m benchmarks --only hosts``.
@@ -54,10 +54,10 @@ from pathlib import Path
 import psutil
 
 from benchmarks import launch, loops, notebook_loop, step_time
+from benchmarks import namespaces as namespace_hosts
 from benchmarks.context import CPU_ONLY, NO_PREWARM, Context
 from benchmarks.kernel import Kernel
 from benchmarks.measurement import Measurement, in_turn, median
-from tests import hosts as namespace_hosts
 
 NAME = "hosts"
 HOSTS = 2

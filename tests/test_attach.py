@@ -1,6 +1,6 @@
 """``%fsdp attach`` to a cluster nbfsdp did not start, over two hosts (issue 29, points 1-3).
 
-The hosts are network namespaces with an sshd each (``tests/hosts.py``); ipyparallel's own SSH launcher
+The hosts are network namespaces with an sshd each (``benchmarks/namespaces.py``); ipyparallel's own SSH launcher
 starts two engines on each, the controller on the bridge. The notebook attaches by profile name, trains
 at world size 4 (the same math as one process on the same global batch), sees each rank's host, and
 detaches, leaving the cluster running; ``%fsdp stop`` refuses to stop it.
@@ -22,9 +22,9 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
+from benchmarks import namespaces as namespace_hosts
 from nbfsdp.kernel.runner import RankError
 from nbfsdp.shared.checkpoints import list_checkpoints
-from tests import hosts as namespace_hosts
 from tests.conftest import interrupt_main_when, one_process_losses, run_failing, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

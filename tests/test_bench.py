@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from benchmarks import gpt2_loop, gpu_loop, loops, step_time
+from benchmarks import namespaces as namespace_hosts
 from benchmarks.context import CPU_ONLY, NO_PREWARM
 from benchmarks.kernel import Kernel
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
-from tests import hosts as namespace_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (

@@ -15,11 +15,11 @@ import torch.nn as nn
 
 import nbfsdp
 from nbfsdp.helpers import drawing
-from nbfsdp.kernel import renderer
 from nbfsdp.shared import figures
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices, on_gpus
 from nbfsdp.ui import dashboard as dashboard_module
+from nbfsdp.ui import renderer
 from nbfsdp.ui.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
 
@@ -293,7 +293,7 @@ def _read_if_exists(path: str) -> str:
 def test_the_drawing_process_ends_with_its_kernel():
     k = Kernel()
     try:
-        _, messages = k.execute("from nbfsdp.kernel import renderer\nprint(renderer.worker_pid())")
+        _, messages = k.execute("from nbfsdp.ui import renderer\nprint(renderer.worker_pid())")
         worker = psutil.Process(int(k.stdout(messages).split()[-1]))
         assert worker.is_running() and worker.ppid() == k.manager.provisioner.pid
     finally:

@@ -9,9 +9,9 @@ import pytest
 from matplotlib.text import Text
 from PIL import Image
 
-from nbfsdp.kernel import renderer
 from nbfsdp.shared import figures
 from nbfsdp.shared.figures import DashboardFigure
+from nbfsdp.ui import renderer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """Which host each engine is on, and ranks given host by host (issue 29, point 2).
 
 The placement rule on its own, then real engines: ipyparallel's own SSH launcher starts two engines on
-each of two "hosts" (network namespaces with an sshd each, ``tests/hosts.py``), and each engine says
+each of two "hosts" (network namespaces with an sshd each, ``benchmarks/namespaces.py``), and each engine says
 which host it is on. Two namespaces with the same hostname still count as two hosts.
 """
 
@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
+from benchmarks import namespaces as namespace_hosts
 from nbfsdp.engines import hosts as engine_hosts
 from nbfsdp.kernel.hosts import devices, place
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import HostIdentity
-from tests import hosts as namespace_hosts
 
 
 def _engine(hostname: str, key: str | None = None, pid: int = 1, gpus: int = 0) -> HostIdentity:

@@ -21,7 +21,7 @@ ALLOWED = {
     "shared": {"shared"},
     "engines": {"engines", "shared", "nbfsdp"},
     "helpers": {"helpers", "shared"},
-    "ui": {"ui", "kernel", "shared"},
+    "ui": {"ui", "helpers", "shared"},
     "kernel": {"kernel", "ui", "engines", "helpers", "shared"},
     "course": {"course", "shared"},
 }
@@ -109,3 +109,71 @@ def test_load_ext_reads_its_prewarm_setting_without_torch():
     env = {**os.environ, "NBFSDP_PREWARM": "2"}
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert loaded.split() == ["2", "False"]
+
+
+def test_the_benchmarks_import_nothing_of_the_tests():
+    """The tests import the benchmarks they test (and the namespace hosts both use); never the other way."""
+    benchmarks = PACKAGE.parent / "benchmarks"
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {module}"
+        for path in sorted(benchmarks.rglob("*.py"))
+        for line, module in _imports(path)
+        if module == "tests" or module.startswith("tests.")
+    ]
+    assert not wrong, wrong
+
+
+def test_the_package_root_keeps_only_the_public_names():
+    """The extension's loader lives in ``kernel/extension.py``; the root is the lazy public names."""
+    root = (PACKAGE / "__init__.py").read_text()
+    assert len(root.splitlines()) < 100 and "class " not in root and "threading" not in root
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The nbfsdp modules ``path`` imports when it runs, at its top or inside functions; those under ``if
+    TYPE_CHECKING:`` are for the type checker only."""
+    found, modules = set(), _modules()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            )
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {module for module in found if module in modules and module != "nbfsdp"}
+
+
+def _modules() -> dict[str, Path]:
+    named = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        named[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return named
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No cycle among nbfsdp's modules, lazy imports included (so none between subpackages either): a module
+    can be read, tested and moved knowing only what it imports."""
+    graph = {module: _runtime_imports(path) - {module} for module, path in _modules().items()}
+    cycles, done = [], set()
+
+    def walk(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(path[path.index(module) :] + [module])
+            return
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            walk(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module, [])
+    assert not cycles, cycles

@@ -16,7 +16,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.ui.panel import SettingsPanel
+from nbfsdp.kernel.magics import settings_panel
 from tests.conftest import run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
@@ -218,7 +218,7 @@ def test_an_async_run_can_be_cancelled(shell, tiny_model):
 
 
 def test_panel_settings_become_the_next_cells_defaults_and_flags_still_win(shell, tiny_model):
-    panel = SettingsPanel(_session(), tiny_model, 2)
+    panel = settings_panel(_session(), tiny_model, 2)
     assert "params float32" in panel.plan.value
     panel.controls.widgets["mixed_precision"].value = "PURE"  # as a person picks it
     panel.controls.widgets["activation_checkpointing"].value = True
@@ -240,7 +240,7 @@ def test_panel_settings_become_the_next_cells_defaults_and_flags_still_win(shell
 def test_the_panels_device_control_plans_for_gpus_and_is_the_next_cells_default(shell, tiny_model):
     """The device control shows what was asked (auto), not what auto chose; picking cuda plans for GPUs (this
     kernel has none: the plan says so) and makes the next cell ask for them, which here fails before it runs."""
-    panel = SettingsPanel(_session(), tiny_model, 2)
+    panel = settings_panel(_session(), tiny_model, 2)
     assert panel.controls.widgets["device"].value == "auto" and "2 ranks on the CPU (gloo)" in panel.plan.value
     try:
         panel.controls.widgets["device"].value = "cuda"  # as a person picks it

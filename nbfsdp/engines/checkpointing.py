@@ -36,20 +36,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from nbfsdp.engines import engine
+from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import SaveAgreement
 from nbfsdp.engines.loaders import SplitBatchSampler, set_after_init, shuffle_generators
+from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
 from nbfsdp.shared.protocol import IntervalSaves, LoaderState
 from nbfsdp.shared.weights_files import full_weights_reader
-
-
-def _world(generation: int) -> engine._World:
-    world = engine._world
-    if world is None or world.generation != generation:
-        raise CheckpointError("world not set up")
-    return world
 
 
 def _class_name(module: nn.Module) -> str:
@@ -67,7 +61,7 @@ def _owner(optimizer: Optimizer, models: dict[str, nn.Module]) -> str | None:
     return None
 
 
-def _find(world: engine._World) -> tuple[dict, dict, dict, dict, dict[str, str]]:
+def _find(world: World) -> tuple[dict, dict, dict, dict, dict[str, str]]:
     """What the engines hold, by the cells' names: models, optimizers (-> model), schedulers (-> optimizer),
     split loaders; and the names left out, with why. The same on every rank: the same cells ran there."""
     models = {name: sharded.module for name, (_, sharded) in sorted(world.models.items())}
@@ -152,7 +146,7 @@ class _Snapshot:
     skipped: dict[str, str]
 
 
-def _snapshot(world: engine._World, epochs: dict[str, int] | None) -> _Snapshot:
+def _snapshot(world: World, epochs: dict[str, int] | None) -> _Snapshot:
     models, found, schedulers, loaders, skipped = _find(world)
     if not models:
         raise CheckpointError("the engines hold no model: run a %%fsdp cell that reads one first")
@@ -196,7 +190,7 @@ def _write(
 
 
 def _complete(
-    world: engine._World,
+    world: World,
     snapshot: _Snapshot,
     partial: str,
     final: str,
@@ -248,7 +242,7 @@ def save(
     Nothing complete is left by a failed write (``_write``). ``epochs``: the kernel's count of epochs each
     loader began, for a save between cells.
     """
-    world = _world(generation)
+    world = worlds.of_generation(generation)
     snapshot = _snapshot(world, epochs)
     _write(snapshot, partial, world.rank, None, disk_full_then)
     if world.rank != 0:
@@ -268,7 +262,7 @@ class BackgroundSave:
     ``result`` waits for it and raises its error.
     """
 
-    def __init__(self, world: engine._World, partial: str, final: str, step: int | None, overwrite: bool) -> None:
+    def __init__(self, world: World, partial: str, final: str, step: int | None, overwrite: bool) -> None:
         self._world, self._partial, self._final = world, partial, final
         self._step, self._overwrite = step, overwrite
         self._outcome: tuple[str, dict] | BaseException | None = None
@@ -312,7 +306,7 @@ _background: BackgroundSave | None = None
 _save_groups: dict[int, dist.ProcessGroup] = {}
 
 
-def _save_group(world: engine._World) -> dist.ProcessGroup:
+def _save_group(world: World) -> dist.ProcessGroup:
     if world.generation not in _save_groups:
         _save_groups.clear()  # an older world's group went with its process group
         _save_groups[world.generation] = dist.new_group(backend="gloo")
@@ -349,7 +343,7 @@ def save_in_background(
     """On every rank at once: take this rank's snapshot and write it in the background; returns once the
     snapshot is taken (rank 0: the names left out, with why). ``wait_background_save`` ends it."""
     global _background
-    world = _world(generation)
+    world = worlds.of_generation(generation)
     if _background is not None:
         raise CheckpointError("a background save is still to be waited for: `%fsdp wait` first")
     snapshot = _snapshot(world, epochs)
@@ -436,7 +430,7 @@ class IntervalSaver:
     consumed through it, so a run resumed from ``step-<s+1>`` at ``resume_step = s + 1`` continues exactly.
     """
 
-    def __init__(self, saves: IntervalSaves, world: engine._World) -> None:
+    def __init__(self, saves: IntervalSaves, world: World) -> None:
         self._saves, self._world = saves, world
         self.agreement = SaveAgreement(saves.markers, world.rank, world.world_size)
         # the partial directory's name must be the same on every rank: derived from the cell's markers directory
@@ -486,7 +480,7 @@ def load_into(
     """In an internal cell, on every rank: read the checkpoint into these sharded models, optimizers and
     schedulers in place (DCP reshards to this world), and, at the world size that saved it, this rank's
     RNG states. The cell's end then brings the weights and state back into the notebook's own objects."""
-    world = engine._world
+    world = worlds.current
     saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     options = StateDictOptions(strict=False)
     state: dict[str, Any] = {"models": {}, "optimizers": {}, "schedulers": {}, "rng": {}}

@@ -19,7 +19,7 @@ from nbfsdp.shared.protocol import ControlRequest, claim_file
 
 
 class CellCancelled(BaseException):
-    """Raised from ``nbfsdp.log`` on every rank at the agreed step; a BaseException so user code's
+    """Raised at the start of the agreed forward on every rank (``StepBoundaries``); a BaseException so user code's
     ``except Exception`` does not swallow it. The cell then ends as a successful one would."""
 
 

@@ -14,7 +14,6 @@ import datetime
 import linecache
 import os
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from ipyparallel.datapub import publish_data
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
 from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where
+from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
+from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
@@ -41,21 +41,6 @@ from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAlloc
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
 #: Errors a rank raises only because a peer tore the world down first.
 _PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
-
-
-@dataclass
-class _World:
-    rank: int
-    world_size: int
-    device: torch.device
-    generation: int
-    namespace: dict[str, Any] = field(default_factory=dict)
-    models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
-    meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
-    incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
-
-
-_world: _World | None = None
 
 
 #: The socket interfaces the user set for the collectives before nbfsdp did: kept, whatever the world.
@@ -97,7 +82,6 @@ def setup(
     (NCCL), None on the CPU (gloo). ``where_dir``: where ``%fsdp where`` asks this rank where it is (a
     directory the notebook sees; None where it sees none).
     """
-    global _world
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.set_num_threads(threads)
@@ -134,19 +118,20 @@ def setup(
         timeout=seconds,
         device_id=device if backend == "nccl" else None,
     )
-    _world = _World(rank=rank, world_size=world_size, device=device, generation=generation)
+    worlds.current = World(rank=rank, world_size=world_size, device=device, generation=generation)
     where.watch(where_dir, rank)
     return describe()
 
 
 def describe() -> EngineInfo:
     """This engine as ``%fsdp status`` shows it."""
-    gpu = torch.cuda.get_device_name(0) if _world and _world.device.type == "cuda" else ""
+    world = worlds.current
+    gpu = torch.cuda.get_device_name(0) if world and world.device.type == "cuda" else ""
     return EngineInfo(
-        rank=_world.rank if _world else None,
+        rank=world.rank if world else None,
         pid=os.getpid(),
         host=hosts.identity().hostname,
-        device=f"{_world.device}{f' ({gpu})' if gpu else ''}" if _world else "",
+        device=f"{world.device}{f' ({gpu})' if gpu else ''}" if world else "",
         backend=dist.get_backend() if dist.is_initialized() else "",
         threads=torch.get_num_threads(),
     )
@@ -180,7 +165,7 @@ def receive_shards(
     ``allocate`` (with the first piece) names each model's token and tensors:
     their storage is allocated here, once, and later becomes FSDP2's own.
     """
-    world = _world
+    world = worlds.current
     if world is None or world.generation != generation:
         raise RuntimeError("world not set up")
     for name, how in allocate.items():
@@ -192,7 +177,7 @@ def receive_shards(
     return sum(piece.nbytes for piece in data)
 
 
-def _load_models(world: _World, spec: CellSpec, skeletons: dict[str, bytes]) -> None:
+def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> None:
     """Shard the models the notebook sent, on their delivered shards; check the engine still holds the others."""
     config = spec.fsdp
     shape = config.mesh_shape(world.world_size)
@@ -216,7 +201,7 @@ def _load_models(world: _World, spec: CellSpec, skeletons: dict[str, bytes]) -> 
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
 
 
-def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degree: int, seed: int) -> None:
+def _materialize(world: World, model: nn.Module, config: FSDPConfig, shard_degree: int, seed: int) -> None:
     """A model built on the meta device: every rank initializes its shards under the same seeds;
     with sync_module_states rank 0 initializes the whole model and broadcasts each rank its shards."""
     shard = (world.rank % shard_degree, shard_degree)
@@ -228,7 +213,7 @@ def _materialize(world: _World, model: nn.Module, config: FSDPConfig, shard_degr
     set_model_state_dict(model, state, options=options)
 
 
-def _names_back(world: _World, spec: CellSpec, read: dict[str, Any], outcome: CellOutcome) -> None:
+def _names_back(world: World, spec: CellSpec, read: dict[str, Any], outcome: CellOutcome) -> None:
     """What rank 0 sends back besides the models, into ``outcome``: the names the cell assigned, pickled,
     and the trained state of the notebook's own optimizers and schedulers (to load in place), with why any
     name stays.
@@ -274,7 +259,7 @@ def _names_back(world: _World, spec: CellSpec, read: dict[str, Any], outcome: Ce
     outcome.in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
 
 
-def _split_loaders(world: _World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
+def _split_loaders(world: World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
     """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.engines.loaders``)."""
     splits = {
         name: loaders.split(read[name], world.rank, world.world_size, how.per_rank, how.seed_state)
@@ -298,8 +283,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
     On any error the process group is torn down at once: peers blocked in a
     collective then fail within a second instead of waiting for the timeout.
     """
-    global _world
-    world = _world
+    world = worlds.current
     if world is None or world.generation != spec.generation:
         return CellOutcome.failed("world not set up")
     recorder = None
@@ -366,7 +350,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
         message = f"{type(error).__name__}: {error}"
         if dist.is_initialized():
             dist.destroy_process_group()
-        _world = None
+        worlds.current = None
         return CellOutcome.failed(
             message,
             traceback=_user_traceback(error),

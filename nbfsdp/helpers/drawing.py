@@ -1,6 +1,6 @@
 """The drawing worker: a process of the lowest CPU priority, in a session of its own, that draws the dashboards.
 
-The kernel submits drawings to it through ``nbfsdp.kernel.renderer``.
+The kernel submits drawings to it through ``nbfsdp.ui.renderer``.
 
 The ranks share the machine's cores with the notebook, and a drawing costs
 about 100 ms of CPU. Drawn in the kernel, that time was taken from the ranks

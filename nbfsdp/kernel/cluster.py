@@ -57,6 +57,7 @@ import psutil
 from nbfsdp.kernel import ipyparallel_private, reaping
 from nbfsdp.shared import processes
 from nbfsdp.shared.devices import Devices, choose
+from nbfsdp.shared.limits import MAX_WORLD_SIZE as MAX_WORLD_SIZE  # where nbfsdp.kernel finds it
 from nbfsdp.shared.processes import ProcessRef
 
 if TYPE_CHECKING:
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
     from nbfsdp.shared.protocol import EngineInfo
 
 ENGINE_START_TIMEOUT = 120.0
-MAX_WORLD_SIZE = 64
 #: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
 #: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
 HEARTBEAT_MS = 500

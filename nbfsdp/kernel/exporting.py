@@ -8,7 +8,7 @@ comes from DCP's own ``.metadata`` (every key, its shape and dtype, and the nest
 from), so nothing of the model has to be built first::
 
     nbfsdp.export("ckpt/step-100", "model.safetensors", dtype="bf16")
-    nbfsdp.load_into("ckpt/step-100", model, opt, sched)
+    nbfsdp.load("ckpt/step-100", into=model, optimizer=opt, scheduler=sched)
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``%%fsdp`` and ``%fsdp``: argument parsing only; the session does the work."""
+"""``%%fsdp`` and ``%fsdp``: their arguments parsed and checked, each action handed to the session (a cell's
+run, checkpoints, explain) or answered here (status and compare tables)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
 from nbfsdp.kernel.peak import Workload, autocast_dtype
 from nbfsdp.kernel.planning import plan
 from nbfsdp.kernel.session import Session
+from nbfsdp.kernel.status import status
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
 from nbfsdp.shared.collectives import size_text
@@ -24,10 +26,33 @@ from nbfsdp.shared.devices import requested_device
 from nbfsdp.ui.panel import SettingsPanel
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
-LINE_ACTIONS = (
-    "status", "stop", "explain", "compare", "panel", "set", "wait", "cancel", "where", "interrupt", "save", "load",
-    "checkpoints", "export", "export-script", "attach", "detach",
-)  # fmt: skip
+#: ``%fsdp``'s actions: each one's usage and what it does (the help is made from these), in the order shown.
+#: Each is run by the ``FSDPMagics`` method ``_action_<name>`` (dashes as underscores) with the rest of the line.
+LINE_ACTION_HELP = {
+    "status": "status: engines, ranks, devices, pids",
+    "stop": "stop: end the cluster",
+    "explain": "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
+    "code it amounts to, nothing run (see %%fsdp? for settings)",
+    "compare": "compare [N]: the last N runs (default 5) side by side",
+    "panel": "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan",
+    "set": "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
+    "defaults)",
+    "wait": "wait: the results of an --async run, and an --async save's end",
+    "cancel": "cancel: end the running cell at its next step",
+    "where": "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting",
+    "interrupt": "interrupt: end an --async run now, as Ctrl-C ends a blocking one",
+    "save": "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold",
+    "load": "load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a "
+    ".pt/.safetensors file of full weights, each rank reading its shard) into the engines and the notebook's objects",
+    "checkpoints": "checkpoints FOLDER: the checkpoints there",
+    "export": "export CHECKPOINT OUT [--model NAME] [--dtype D]: one model's full weights into one .pt or "
+    ".safetensors file, in the kernel",
+    "export-script": "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it",
+    "attach": "attach [--profile P] [--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp "
+    "did not start (any launcher, several hosts)",
+    "detach": "detach: let go of it, leaving it running",
+}
+LINE_ACTIONS = tuple(LINE_ACTION_HELP)
 WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
     "attached: every engine)."
@@ -251,135 +276,87 @@ class FSDPMagics(Magics):
     @argument(
         "action",
         choices=LINE_ACTIONS,
-        help="status: engines, ranks, devices, pids; stop: end the cluster; "
-        "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
-        "code it amounts to, nothing run (see %%fsdp? for settings); "
-        "compare [N]: the last N runs (default 5) side by side; "
-        "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan; "
-        "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
-        "defaults); wait: the results of an --async run, and an --async save's end; cancel: end the running "
-        "cell at its next step; where: each rank's stack and collectives while a cell runs, and which rank "
-        "left the others waiting; interrupt: end an --async run now, as Ctrl-C ends a blocking one; "
-        "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines "
-        "hold; load PATH [--world-size N] "
-        "[--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors file of full weights, "
-        "each rank reading its shard) into the engines and the notebook's objects; "
-        "checkpoints FOLDER: the checkpoints there; export CHECKPOINT OUT [--model NAME] [--dtype D]: one "
-        "model's full weights into one .pt or .safetensors file, in the kernel; export-script PATH: the last "
-        "%%fsdp cell as a torchrun script, its inputs saved beside it; attach [--profile P] "
-        "[--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp did not start (any "
-        "launcher, several hosts); detach: let go of it, leaving it running.",
+        help="; ".join(LINE_ACTION_HELP.values()) + ".",
     )
     @line_magic("fsdp")
     @as_usage_errors
     def fsdp_line(self, line: str) -> None:
         """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
-        if line.split()[:1] == ["explain"]:
-            self._explain(line.split(None, 1)[1] if len(line.split()) > 1 else "")
-            return
-        if line.split()[:1] == ["compare"]:
-            self._compare(line.split()[1:])
-            return
-        if line.split()[:1] == ["panel"]:
-            self._panel(line.split()[1:])
-            return
-        if line.split()[:1] == ["set"]:
-            self._set(line.split()[1:])
-            return
-        if line.split()[:1] == ["attach"]:
-            args = parse_argstring(self._attach_arguments, line.split(None, 1)[1] if len(line.split()) > 1 else "")
-            self._attach(args.profile, args.cluster_id, args.shared_dir)
-            return
-        if line.split()[:1] == ["export-script"]:
-            if len(line.split()) != 2:
-                raise UsageError("%fsdp export-script PATH: the script to write, e.g. train.py")
-            print(self.session.export_script(line.split()[1]))
-            return
-        if line.split()[:1] in (["save"], ["load"], ["checkpoints"], ["export"]):
-            self._checkpoint(*line.split(None, 1) if len(line.split()) > 1 else (line.strip(), ""))
-            return
-        args = parse_argstring(self.fsdp_line, line)
-        if args.action == "stop":
-            self.session.stop()
-            print("nbfsdp: cluster stopped")
-            return
-        if args.action == "detach":
-            attached = self.session.detach()
-            print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
-            return
-        if args.action == "wait":
-            waited = self.session.active is not None
-            if waited:
-                self.session.wait()
-            if self.session.pending_save is not None:
-                self.session.pending_save.wait()
-                waited = True
-            if not waited:
-                print("nbfsdp: nothing to wait for: no background run or save")
-            return
-        if args.action == "cancel":
-            self.session.cancel()
-            return
-        if args.action == "where":
-            print(self.session.where())
-            return
-        if args.action == "interrupt":
-            self.session.interrupt()
-            return
-        self._status()
+        name, _, rest = line.strip().partition(" ")
+        if name not in LINE_ACTION_HELP:
+            parse_argstring(self.fsdp_line, line)  # argparse's error, naming the valid actions
+        getattr(self, f"_action_{name.replace('-', '_')}")(rest.strip())
 
-    def _status(self) -> None:
-        """The world and its ranks; while engines start in the background, that, without waiting."""
-        cluster = self.session.cluster
-        if (starting := cluster.starting) is not None:
-            world_size, seconds = starting
-            print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
-            return
-        world = cluster.world
-        if world is None and self.session.attached:
-            self._attached_status()
-            return
-        if world is None:
-            failed = cluster.background_error
-            why = f" (the background start failed: {failed}; the next cell starts again)" if failed else ""
-            print(f"nbfsdp: no cluster running{why}")
-            return
-        print(
-            f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s: "
-            f"{world.devices}{' (broken: restarts on the next cell)' if world.broken else ''}"
-        )
-        if (saving := self.session.pending_save) is not None:
-            print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
-        hosts = cluster.rank_hosts()
-        by_host: dict[str, list[int]] = {}
-        for rank, host in enumerate(hosts):
-            by_host.setdefault(host, []).append(rank)
-        print(f"hosts: {', '.join(f'{host} ({len(ranks)} ranks)' for host, ranks in by_host.items())}")
-        width = max(len("host"), *map(len, hosts))
-        print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
-        for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
-            local = by_host[hosts[rank]].index(rank)  # as LOCAL_RANK: ranks of a host are numbered from 0
-            print(
-                f"{rank:>4}  {hosts[rank]:<{width}}  {local:>5}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}"
-                f"  {info.device}"
-            )
+    # -- one method per action, given the rest of the line
+    def _action_status(self, rest: str) -> None:
+        _no_arguments("status", rest)
+        status(self.session)
 
-    def _attached_status(self) -> None:
-        """An attached cluster before its first cell: its engines, each with the rank, host and local rank a
-        cell using every engine would give it."""
-        cluster = self.session.cluster
-        placements = cluster.placements_for(cluster.engines)
-        engines = cluster.identities()
-        hosts = len({p.host for p in placements})
-        print(
-            f"attached to {len(placements)} engines on {hosts} hosts (profile {cluster.profile}); no world yet: the "
-            "next cell starts one"
-        )
-        width = max(len("host"), *(len(p.host) for p in placements))
-        print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'gpus':>4}")
-        for p in placements:
-            info = engines[p.engine_id]
-            print(f"{p.rank:>4}  {p.host:<{width}}  {p.local_rank:>5}  {p.engine_id:>6}  {info.pid:>7}  {info.gpus:>4}")
+    def _action_stop(self, rest: str) -> None:
+        _no_arguments("stop", rest)
+        self.session.stop()
+        print("nbfsdp: cluster stopped")
+
+    def _action_explain(self, rest: str) -> None:
+        self._explain(rest)
+
+    def _action_compare(self, rest: str) -> None:
+        self._compare(rest.split())
+
+    def _action_panel(self, rest: str) -> None:
+        self._panel(rest.split())
+
+    def _action_set(self, rest: str) -> None:
+        self._set(rest.split())
+
+    def _action_wait(self, rest: str) -> None:
+        _no_arguments("wait", rest)
+        waited = self.session.active is not None
+        if waited:
+            self.session.wait()
+        if self.session.pending_save is not None:
+            self.session.pending_save.wait()
+            waited = True
+        if not waited:
+            print("nbfsdp: nothing to wait for: no background run or save")
+
+    def _action_cancel(self, rest: str) -> None:
+        _no_arguments("cancel", rest)
+        self.session.cancel()
+
+    def _action_where(self, rest: str) -> None:
+        _no_arguments("where", rest)
+        print(self.session.where())
+
+    def _action_interrupt(self, rest: str) -> None:
+        _no_arguments("interrupt", rest)
+        self.session.interrupt()
+
+    def _action_save(self, rest: str) -> None:
+        self._checkpoint("save", rest)
+
+    def _action_load(self, rest: str) -> None:
+        self._checkpoint("load", rest)
+
+    def _action_checkpoints(self, rest: str) -> None:
+        self._checkpoint("checkpoints", rest)
+
+    def _action_export(self, rest: str) -> None:
+        self._checkpoint("export", rest)
+
+    def _action_export_script(self, rest: str) -> None:
+        if len(rest.split()) != 1:
+            raise UsageError("%fsdp export-script PATH: the script to write, e.g. train.py")
+        print(self.session.export_script(rest))
+
+    def _action_attach(self, rest: str) -> None:
+        args = parse_argstring(self._attach_arguments, rest)
+        self._attach(args.profile, args.cluster_id, args.shared_dir)
+
+    def _action_detach(self, rest: str) -> None:
+        _no_arguments("detach", rest)
+        attached = self.session.detach()
+        print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
 
     @magic_arguments()
     @argument("model", help="The name of an nn.Module in the notebook.")
@@ -591,12 +568,29 @@ class FSDPMagics(Magics):
             if not isinstance(model, nn.Module):
                 raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
         world_size = _world_size(self.session.panel_world_size, self.session.panel.get("device"))
-        display(SettingsPanel(self.session, model, world_size).box)
+        display(settings_panel(self.session, model, world_size).box)
 
     def stop(self) -> None:
         """The extension unloads (or the kernel ends): an attached cluster is let go of, nbfsdp's own stopped."""
         self.session.detach()
         self.session.stop()
+
+
+def settings_panel(session: Session, model: nn.Module | None, world_size: int) -> SettingsPanel:
+    """``%fsdp panel``'s controls, bound to ``session``'s defaults, with ``model``'s plan beside them (the panel
+    reaches the session only through these callables)."""
+    return SettingsPanel(
+        session.panel,
+        session.change_settings,
+        lambda size, device: session.cluster.devices(size, device, planning=True),
+        (lambda config, size, devices: str(plan(model, config, size, devices=devices))) if model else None,
+        world_size,
+    )
+
+
+def _no_arguments(action: str, rest: str) -> None:
+    if rest:
+        raise UsageError(f"%fsdp {action} takes no arguments; got {rest!r}")
 
 
 def _world_size(requested: int | None, device: str | None = None) -> int:

@@ -328,13 +328,13 @@ class Session:
             print("nbfsdp: the background run was interrupted on every rank; its results are not brought back")
 
     def cancel(self) -> None:
-        """End the running cell cleanly at its next ``nbfsdp.log`` call on every rank."""
+        """End the running cell cleanly at the start of an agreed forward, the same one on every rank."""
         if self.active is None:
             print("nbfsdp: nothing is running")
             return
         self.active.control.cancel()
         if self.active.dashboard is not None:
-            self.active.dashboard.note("stop requested: the ranks end at their next nbfsdp.log call")
+            self.active.dashboard.note("stop requested: the ranks end before their next forward")
 
     def change_settings(self, settings: dict[str, Any]) -> str:
         """A control was changed: the new defaults for later cells, and live in the running cell."""
@@ -674,3 +674,9 @@ def current_session() -> Session:
     if magics is None:
         raise UsageError("nbfsdp is not loaded (or still loading in the background): run %load_ext nbfsdp first")
     return magics.session
+
+
+def where() -> Where:
+    """``%fsdp where`` in Python: where each rank of the running world is, and what that says
+    (``nbfsdp.kernel.where``)."""
+    return current_session().where()

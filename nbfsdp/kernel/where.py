@@ -177,10 +177,3 @@ def _group(ranks: list[int] | tuple[int, ...]) -> str:
 def _short(at: str) -> str:
     """``/path/to/file.py:12 in f`` as ``file.py:12 in f``; a cell's line as it is."""
     return str(Path(at.split(":")[0]).name) + at[len(at.split(":")[0]) :] if at else "?"
-
-
-def where() -> Where:
-    """``%fsdp where`` in Python: where each rank of the running world is, and what that says."""
-    from nbfsdp.kernel.session import current_session  # the session imports this module
-
-    return current_session().where()

@@ -2,7 +2,7 @@
 
 ``DashboardFigure`` keeps its axes, lines and bars from one drawing to the
 next and moves them to the records added since: building them anew (axes,
-ticks, legends) was half of each drawing's CPU time. ``nbfsdp.kernel.renderer``
+ticks, legends) was half of each drawing's CPU time. ``nbfsdp.ui.renderer``
 keeps one per live dashboard in a process of its own. A live one also keeps
 the picture of what does not move (axes, ticks, titles) and draws only the
 moving parts over it (matplotlib's blitting), with limits that leave room to

@@ -12,8 +12,8 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
 from nbfsdp.shared.config import BACKWARD_PREFETCHES, DEVICE_CHOICES, MIXED_PRECISIONS, SHARDING_STRATEGIES
+from nbfsdp.shared.limits import MAX_WORLD_SIZE
 
 #: A mixed_precision dict (param/reduce/buffer dtypes) is shown as this choice.
 CUSTOM_PRECISION = "custom"

@@ -3,7 +3,7 @@
 Metrics arrive while the cell runs (each engine publishes its new records
 with ipyparallel's ``datapub``; ``runner`` hands them here). Figures are
 drawn with matplotlib's Agg backend into an ``ipywidgets.Image`` by a worker
-process of the lowest CPU priority (``nbfsdp.kernel.renderer``), so a fast training
+process of the lowest CPU priority (``nbfsdp.ui.renderer``), so a fast training
 loop never waits for drawing. Even time the ranks leave idle is not free
 (a core's sibling thread, its caches, waking ranks): drawings come at most
 once a second, and use at most a tenth of a core while the machine has a
@@ -28,9 +28,9 @@ import psutil
 from IPython.display import display
 from matplotlib.figure import Figure
 
-from nbfsdp.kernel import renderer
 from nbfsdp.shared import figures
 from nbfsdp.shared.devices import Devices
+from nbfsdp.ui import renderer
 from nbfsdp.ui.controls import GAP, SettingsControls
 from nbfsdp.ui.widget_events import answer_while_cells_run
 

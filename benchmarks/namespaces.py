@@ -1,4 +1,4 @@
-"""Several "hosts" on one machine, for the tests of clusters that span hosts (issue 29).
+"""Several "hosts" on one machine, for the tests and the benchmark of clusters that span hosts.
 
 Each host is a Linux network namespace with its own address on a bridge, loopback up, its own hostname
 (a UTS namespace) and an ``sshd`` of its own (Debian's openssh-server), so ipyparallel's SSH launcher
@@ -186,7 +186,7 @@ def ssh_cluster(machines: Hosts, engines_per_host: int, python: str, profile: st
             _stop(cluster)
             if attempt == STARTS:
                 raise
-            print(f"tests/hosts.py: {error}; starting the cluster once more", file=sys.stderr)
+            print(f"benchmarks/namespaces.py: {error}; starting the cluster once more", file=sys.stderr)
         except BaseException:
             _stop(cluster)  # nothing outlives the fixture, not even to ipyparallel's stop at exit
             raise

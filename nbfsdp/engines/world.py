@@ -1,0 +1,37 @@
+"""This engine's world, as the cell runner set it up: its rank, device, namespace and sharded models. Read by
+the cell runner (``engine``) and by checkpoints (``checkpointing``), which each see it through here. Runs on
+the ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from nbfsdp.engines.sharding import ShardedModel
+from nbfsdp.shared.checkpoints import CheckpointError
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    device: torch.device
+    generation: int
+    namespace: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
+    meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
+    incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
+
+
+current: World | None = None
+"""The world this engine is in: None before the first cell's set-up, and after a failed cell tore it down."""
+
+
+def of_generation(generation: int) -> World:
+    """The current world, where it is the one the kernel means (``generation``); else a ``CheckpointError``."""
+    if current is None or current.generation != generation:
+        raise CheckpointError("world not set up")
+    return current

@@ -1,0 +1,64 @@
+"""``%fsdp status``: the world and its ranks (host, local rank, engine, pid, threads, device), or an attached
+cluster's engines before its first cell, printed. Runs in the kernel."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbfsdp.kernel.session import Session
+
+
+def status(session: Session) -> None:
+    """The world and its ranks; while engines start in the background, that, without waiting."""
+    cluster = session.cluster
+    if (starting := cluster.starting) is not None:
+        world_size, seconds = starting
+        print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
+        return
+    world = cluster.world
+    if world is None and session.attached:
+        _attached_status(session)
+        return
+    if world is None:
+        failed = cluster.background_error
+        why = f" (the background start failed: {failed}; the next cell starts again)" if failed else ""
+        print(f"nbfsdp: no cluster running{why}")
+        return
+    print(
+        f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s: "
+        f"{world.devices}{' (broken: restarts on the next cell)' if world.broken else ''}"
+    )
+    if (saving := session.pending_save) is not None:
+        print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
+    hosts = cluster.rank_hosts()
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    print(f"hosts: {', '.join(f'{host} ({len(ranks)} ranks)' for host, ranks in by_host.items())}")
+    width = max(len("host"), *map(len, hosts))
+    print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'threads':>7}  device")
+    for rank, (engine_id, info) in enumerate(zip(world.engine_ids, world.engines, strict=True)):
+        local = by_host[hosts[rank]].index(rank)  # as LOCAL_RANK: ranks of a host are numbered from 0
+        print(
+            f"{rank:>4}  {hosts[rank]:<{width}}  {local:>5}  {engine_id:>6}  {info.pid:>7}  {info.threads:>7}"
+            f"  {info.device}"
+        )
+
+
+def _attached_status(session: Session) -> None:
+    """An attached cluster before its first cell: its engines, each with the rank, host and local rank a
+    cell using every engine would give it."""
+    cluster = session.cluster
+    placements = cluster.placements_for(cluster.engines)
+    engines = cluster.identities()
+    hosts = len({p.host for p in placements})
+    print(
+        f"attached to {len(placements)} engines on {hosts} hosts (profile {cluster.profile}); no world yet: the "
+        "next cell starts one"
+    )
+    width = max(len("host"), *(len(p.host) for p in placements))
+    print(f"{'rank':>4}  {'host':<{width}}  {'local':>5}  {'engine':>6}  {'pid':>7}  {'gpus':>4}")
+    for p in placements:
+        info = engines[p.engine_id]
+        print(f"{p.rank:>4}  {p.host:<{width}}  {p.local_rank:>5}  {p.engine_id:>6}  {info.pid:>7}  {info.gpus:>4}")
