@@ -299,6 +299,7 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         '"""',
         "",
         "import collections",
+        "import gc",
         "import json",
         "import os",
         "import sys",
@@ -383,7 +384,9 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         "trained = {" + ", ".join(f'"{m}": get_model_state_dict({m}, options=full)' for m in parts.models) + "}",
         "if rank == 0:",
         '    torch.save(trained, os.path.join(here, os.path.splitext(os.path.basename(__file__))[0] + ".trained.pt"))',
-        "dist.barrier()  # all ranks done before any leaves: gloo aborts a rank now and then otherwise",
+        f"del {', '.join([*parts.optimizers, *parts.models])}",
+        "gc.collect()  # the sharded models' last collectives freed while their group lives: gloo aborts otherwise",
+        "dist.barrier()",
         "dist.destroy_process_group()",
         "",
     ]
