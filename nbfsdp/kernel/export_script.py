@@ -132,11 +132,12 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
             if isinstance(value, DataLoader) and is_iterable_loader(value):
                 refused.append(f"{name} (a DataLoader over an IterableDataset: export-script splits map-style ones)")
                 continue
-            if (why := _unpicklable(value)) is not None:
-                refused.append(f"{name} ({why})")
+            try:  # one pickle: whether it can be saved, and which of the notebook's definitions it needs
+                todo += _notebook_globals(value)  # its classes (a model's modules, a loader's dataset), functions
+            except Exception as error:  # an open file, a generator mid-iteration...
+                refused.append(f"{name} ({type(value).__name__}: {str(error)[:120]})")
                 continue
             parts.values[name] = value
-            todo += _notebook_globals(value)  # its classes (a model's modules, a loader's dataset) and functions
             if isinstance(value, nn.Module):
                 if any(p.is_meta for p in value.parameters()):
                     refused.append(f"{name} (a model on the meta device: its weights exist only on the ranks)")
@@ -271,15 +272,6 @@ def _import_object(name: str, value: Any) -> str | None:
     if found is not value:
         return None
     return f"from {module} import {qualname}" + ("" if qualname == name else f" as {name}")
-
-
-def _unpicklable(value: Any) -> str | None:
-    """Why ``value`` cannot be saved beside the script (an open file, a generator mid-iteration...)."""
-    try:
-        pickle.dumps(value)
-    except Exception as error:
-        return f"{type(value).__name__}: {str(error)[:120]}"
-    return None
 
 
 def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any]) -> str:

@@ -297,18 +297,6 @@ class FSDPMagics(Magics):
         self.session.stop()
         print("nbfsdp: cluster stopped")
 
-    def _action_explain(self, rest: str) -> None:
-        self._explain(rest)
-
-    def _action_compare(self, rest: str) -> None:
-        self._compare(rest.split())
-
-    def _action_panel(self, rest: str) -> None:
-        self._panel(rest.split())
-
-    def _action_set(self, rest: str) -> None:
-        self._set(rest.split())
-
     def _action_wait(self, rest: str) -> None:
         _no_arguments("wait", rest)
         waited = self.session.active is not None
@@ -384,7 +372,7 @@ class FSDPMagics(Magics):
     def _explain_arguments(self, line: str) -> None:
         """%fsdp explain [--code] [settings] [--world-size N] [--batch EXPR [--gpu NAME] [--suggest]] MODEL"""
 
-    def _explain(self, line: str) -> None:
+    def _action_explain(self, line: str) -> None:
         args = parse_argstring(self._explain_arguments, line)
         model = self.shell.user_ns.get(args.model)
         if not isinstance(model, nn.Module):
@@ -527,7 +515,8 @@ class FSDPMagics(Magics):
             found = checkpoints.checkpoints(args.folder)
             print(checkpoints.table(found) if found else f"nbfsdp: no checkpoints in {args.folder}")
 
-    def _compare(self, words: list[str]) -> None:
+    def _action_compare(self, rest: str) -> None:
+        words = rest.split()
         if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):
             raise UsageError(f"%fsdp compare takes one optional positive number of runs; got {' '.join(words)!r}")
         last = int(words[0]) if words else 5
@@ -542,7 +531,8 @@ class FSDPMagics(Magics):
             figure.savefig(buffer, format="png")
             display(Image(data=buffer.getvalue()))
 
-    def _set(self, words: list[str]) -> None:
+    def _action_set(self, rest: str) -> None:
+        words = rest.split()
         settings = {}
         for word in words:
             key, equals, value = word.partition("=")
@@ -559,7 +549,8 @@ class FSDPMagics(Magics):
             raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
         print(f"nbfsdp: {self.session.change_settings(settings) or 'defaults of the next cells set'}")
 
-    def _panel(self, words: list[str]) -> None:
+    def _action_panel(self, rest: str) -> None:
+        words = rest.split()
         if len(words) > 1:
             raise UsageError(f"%fsdp panel takes at most one model name; got {' '.join(words)!r}")
         model = None
