@@ -34,10 +34,10 @@ from nbfsdp.kernel.extension import prewarm_world_size as prewarm_world_size  # 
 
 if TYPE_CHECKING:
     from nbfsdp.engines.metrics import log
-    from nbfsdp.kernel.checkpoints import checkpoints, load, save
+    from nbfsdp.kernel.checkpoints.sharded import checkpoints, load, save
     from nbfsdp.kernel.comparison import compare
-    from nbfsdp.kernel.history import RunRecord, last_run, runs
-    from nbfsdp.kernel.planning import Plan, explain
+    from nbfsdp.kernel.planning.plans import Plan, explain
+    from nbfsdp.kernel.run.history import RunRecord, last_run, runs
 
 __all__ = [
     "Plan",
@@ -58,18 +58,18 @@ __all__ = [
 
 #: The public names, and the module each comes from on first use.
 _LAZY = {
-    "Plan": "nbfsdp.kernel.planning",
-    "explain": "nbfsdp.kernel.planning",
+    "Plan": "nbfsdp.kernel.planning.plans",
+    "explain": "nbfsdp.kernel.planning.plans",
     "compare": "nbfsdp.kernel.comparison",
-    "RunRecord": "nbfsdp.kernel.history",
-    "last_run": "nbfsdp.kernel.history",
-    "runs": "nbfsdp.kernel.history",
+    "RunRecord": "nbfsdp.kernel.run.history",
+    "last_run": "nbfsdp.kernel.run.history",
+    "runs": "nbfsdp.kernel.run.history",
     "log": "nbfsdp.engines.metrics",
-    "save": "nbfsdp.kernel.checkpoints",
-    "load": "nbfsdp.kernel.checkpoints",
-    "checkpoints": "nbfsdp.kernel.checkpoints",
-    "export": "nbfsdp.kernel.exporting",
-    "where": "nbfsdp.kernel.session",
+    "save": "nbfsdp.kernel.checkpoints.sharded",
+    "load": "nbfsdp.kernel.checkpoints.sharded",
+    "checkpoints": "nbfsdp.kernel.checkpoints.sharded",
+    "export": "nbfsdp.kernel.checkpoints.exporting",
+    "where": "nbfsdp.kernel.run.session",
 }
 
 

@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 
 import nbfsdp
 from benchmarks import namespaces as namespace_hosts
-from nbfsdp.kernel.runner import RankError
+from nbfsdp.kernel.cluster.rank_calls import RankError
 from nbfsdp.shared.checkpoints import list_checkpoints
 from tests.conftest import interrupt_main_when, one_process_losses, run_failing, run_ok
 

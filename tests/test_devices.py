@@ -8,8 +8,8 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.kernel import cluster as cluster_module
-from nbfsdp.kernel.cluster import nccl_host_environment
+from nbfsdp.kernel.cluster import world as cluster_module
+from nbfsdp.kernel.cluster.world import nccl_host_environment
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import DEFAULT_DEVICE_VARIABLE, Devices, choose
 from tests.conftest import run_failing, run_ok

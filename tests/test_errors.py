@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbfsdp.kernel.runner import RankError
+from nbfsdp.kernel.cluster.rank_calls import RankError
 from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(120)

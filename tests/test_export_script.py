@@ -13,7 +13,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.kernel.export_script import LastCell, export_script
+from nbfsdp.kernel.checkpoints.export_script import LastCell, export_script
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices
 from tests.conftest import run_failing, run_ok

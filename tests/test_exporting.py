@@ -1,4 +1,4 @@
-"""Checkpoints read in the kernel without engines (``nbfsdp.kernel.exporting``), and full-weights files
+"""Checkpoints read in the kernel without engines (``nbfsdp.kernel.checkpoints.exporting``), and full-weights files
 read into a sharded world one shard per rank (``nbfsdp.shared.weights_files``).
 
 Checkpoints are written the real way: a 2-rank ``%%fsdp`` cell trains, saves with ``dcp.save`` in the
@@ -22,7 +22,7 @@ import torch.nn as nn
 from IPython.core.error import UsageError
 from safetensors.torch import load_file, save_file
 
-from nbfsdp.kernel.exporting import export, load_into
+from nbfsdp.kernel.checkpoints.exporting import export, load_into
 from nbfsdp.shared.weights_files import full_weights_reader
 from tests.conftest import TINY_MODEL, run_ok
 

@@ -9,8 +9,8 @@ import signal
 import psutil
 import pytest
 
-from nbfsdp.kernel.cluster import cpu_threads_per_rank
-from nbfsdp.kernel.forkserver import ForkServer, ForkServerError
+from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
+from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
 from tests.conftest import gone, run_ok
 
 pytestmark = pytest.mark.timeout(120)

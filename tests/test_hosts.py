@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import namespaces as namespace_hosts
 from nbfsdp.engines import hosts as engine_hosts
-from nbfsdp.kernel.hosts import devices, place
+from nbfsdp.kernel.cluster.hosts import devices, place
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import HostIdentity

@@ -1,4 +1,4 @@
-"""Each private ipyparallel API nbfsdp relies on (``nbfsdp.kernel.ipyparallel_private``), called directly.
+"""Each private ipyparallel API nbfsdp relies on (``nbfsdp.kernel.cluster.ipyparallel_private``), called directly.
 
 An ipyparallel release that moves one fails here, by name: on a real launcher watching a short real
 process, and on a real ``ipp.Cluster`` (controller and one engine). tests/test_forkserver.py shows what
@@ -22,7 +22,7 @@ import psutil
 import pytest
 from ipyparallel.cluster.launcher import LocalEngineLauncher
 
-from nbfsdp.kernel import ipyparallel_private
+from nbfsdp.kernel.cluster import ipyparallel_private
 from tests.conftest import left_behind
 
 pytestmark = pytest.mark.timeout(60)

@@ -38,13 +38,13 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}:{node.lineno}: nbfsdp uses absolute imports only"
             base = node.module or ""
-            # ``from nbfsdp.kernel import session`` imports nbfsdp.kernel.session
+            # ``from nbfsdp.kernel.run import session`` imports nbfsdp.kernel.run.session
             found += [(node.lineno, f"{base}.{alias.name}" if base in _packages() else base) for alias in node.names]
     return sorted(found)
 
 
 def _packages() -> set[str]:
-    return {"nbfsdp", *(f"nbfsdp.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists())}
+    return {"nbfsdp", *(".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py"))}
 
 
 def _subpackage(module: str) -> str:

@@ -149,8 +149,8 @@ def test_config_flags_and_the_controls_take_their_lists_from_one_place(shell):
     import dataclasses
 
     from nbfsdp.kernel import magics
-    from nbfsdp.kernel.cluster import MAX_WORLD_SIZE
     from nbfsdp.shared import config
+    from nbfsdp.shared.limits import MAX_WORLD_SIZE
     from nbfsdp.ui.controls import SettingsControls
 
     fields = {f.name for f in dataclasses.fields(config.FSDPConfig)}

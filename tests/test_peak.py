@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbfsdp
-from nbfsdp.kernel import fitting, peak, predicted
+from nbfsdp.kernel.planning import fitting, peak, predicted
 from nbfsdp.shared.config import ConfigError, FSDPConfig, validate
 from nbfsdp.shared.devices import choose
 from tests.conftest import gpu, run_failing, run_ok

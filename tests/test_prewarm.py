@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import nbfsdp
-from nbfsdp.kernel.cluster import FSDPCluster
+from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.shared import processes
 from tests.conftest import gone, left_behind, removed
 from tests.test_kernel import Kernel

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from nbfsdp.kernel.forkserver import ForkServer
+from nbfsdp.kernel.cluster.forkserver import ForkServer
 from nbfsdp.shared import processes
 from nbfsdp.shared.processes import ProcessRef
 from tests.conftest import gone, left_behind, removed
@@ -85,7 +85,7 @@ def test_a_failed_background_start_stops_all_it_started_and_keeps_its_error(tmp_
         import json, threading, time
         import psutil
         from nbfsdp.shared import processes
-        from nbfsdp.kernel.cluster import FSDPCluster
+        from nbfsdp.kernel.cluster.local import FSDPCluster
 
         me, seen, done = psutil.Process(), set(), threading.Event()
 
@@ -125,7 +125,7 @@ def test_a_failed_background_start_stops_all_it_started_and_keeps_its_error(tmp_
 
 def test_status_shows_why_the_background_start_failed(shell, capsys):
     """What ``%fsdp status`` prints once a background start has failed: the error it kept."""
-    from nbfsdp.kernel.cluster import FSDPCluster
+    from nbfsdp.kernel.cluster.local import FSDPCluster
     from nbfsdp.kernel.magics import FSDPMagics
 
     cluster = FSDPCluster()  # never started: the state a failed start leaves
@@ -135,7 +135,7 @@ def test_status_shows_why_the_background_start_failed(shell, capsys):
 
 
 def test_stop_kills_what_still_runs_for_the_cluster_and_reaps_the_reaper():
-    from nbfsdp.kernel.cluster import FSDPCluster
+    from nbfsdp.kernel.cluster.local import FSDPCluster
 
     cluster = FSDPCluster()
     cluster.start_fork_server()

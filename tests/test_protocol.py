@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nbfsdp.engines.control import CellCancelled, RankControl
-from nbfsdp.kernel.control import RunControl
+from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import (
     BAR_MARKER,

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import nbfsdp
-from nbfsdp.kernel.cluster import cpu_threads_per_rank
+from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
 from tests.conftest import run_ok
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,7 +3,7 @@
 ``save`` gathers this rank's part of its world (the sharded models, the optimizers and LR schedulers in
 the cells' namespace, its RNG states, its split DataLoaders' positions) into DCP's state dict and writes
 only its own shards; rank 0 completes the checkpoint once every rank has written. ``load_into`` runs
-inside an internal cell over the notebook's objects (``nbfsdp.kernel.checkpoints``): DCP reads into
+inside an internal cell over the notebook's objects (``nbfsdp.kernel.checkpoints.sharded``): DCP reads into
 the sharded models and optimizers in place, resharding from whatever world size wrote them.
 """
 

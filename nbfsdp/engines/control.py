@@ -1,6 +1,6 @@
 """Steering a running cell from the notebook (the ranks' side): changes and cancel, applied at a step boundary.
 
-The notebook (``nbfsdp.kernel.control``) writes the request file; see there
+The notebook (``nbfsdp.kernel.run.control``) writes the request file; see there
 how the ranks agree on the boundary without a collective.
 """
 

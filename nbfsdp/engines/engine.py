@@ -160,7 +160,7 @@ def _user_traceback(error: BaseException) -> str:
 def receive_shards(
     generation: int, allocate: dict[str, ShardAllocation], keys: list[transfer.PieceKey], *data: np.ndarray
 ) -> int:
-    """One piece of this rank's shards (``nbfsdp.kernel.delivery``); the bytes received.
+    """One piece of this rank's shards (``nbfsdp.kernel.run.delivery``); the bytes received.
 
     ``allocate`` (with the first piece) names each model's token and tensors:
     their storage is allocated here, once, and later becomes FSDP2's own.

@@ -1,4 +1,4 @@
-"""Which host this engine runs on, as the kernel groups ranks by host (``nbfsdp.kernel.hosts``).
+"""Which host this engine runs on, as the kernel groups ranks by host (``nbfsdp.kernel.cluster.hosts``).
 
 ipyparallel records no host per engine, so each engine says: its hostname, and a key that tells hosts
 apart even where hostnames do not (containers and network namespaces share a kernel and may share a
@@ -71,7 +71,7 @@ def take_rendezvous() -> socket.socket | None:
     return taken
 
 
-#: This engine's connection to the kernel that attached (``nbfsdp.kernel.lifelines``), held open.
+#: This engine's connection to the kernel that attached (``nbfsdp.kernel.cluster.lifelines``), held open.
 _lifeline: socket.socket | None = None
 
 

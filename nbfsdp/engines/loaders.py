@@ -2,7 +2,7 @@
 
 ``split`` turns the loader a cell received into this rank's part of it, in
 place, keeping the user's class, dataset, ``collate_fn``, workers, generator
-and every other setting; ``nbfsdp.kernel.loaders`` planned and checked the
+and every other setting; ``nbfsdp.kernel.run.loaders`` planned and checked the
 split in the notebook before anything ran.
 
 Two conventions:

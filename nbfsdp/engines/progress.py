@@ -6,7 +6,7 @@ sees. Every rank keeps the user's own tqdm class and calls, so a bar walks its i
 in the plain cell (``tqdm.auto`` calls ``iter()`` in ``__init__``, and each DataLoader iterator
 draws a seed), counts, times and closes as there; only the drawing changes. Rank 0 writes each
 drawing of a bar as one marked line on stderr, at most once per the bar's ``mininterval`` and once
-when it closes (``nbfsdp.shared.protocol.BarDrawing``); ``nbfsdp.kernel.runner`` turns those lines
+when it closes (``nbfsdp.shared.protocol.BarDrawing``); ``nbfsdp.kernel.run.runner`` turns those lines
 into one display per bar, updated in place. Other ranks draw nothing. A bar the user points at a file
 of their own draws there, as usual.
 """

@@ -16,7 +16,7 @@ a kernel killed in the 10 ms between launching the controller and noting it
 left the controller and its schedulers running, 15 times in 40. When the
 cluster is stopped normally the directory disappears and the watcher exits.
 The same clean-up runs for stale directories of dead kernels when the next
-cluster starts (``nbfsdp.kernel.reaping.clean_stale``), in case a watcher itself was killed.
+cluster starts (``nbfsdp.kernel.cluster.reaping.clean_stale``), in case a watcher itself was killed.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from nbfsdp.kernel import history
+from nbfsdp.kernel.run import history
 
 #: Run-record settings that describe the run rather than choose it.
 _NOT_SETTINGS = frozenset({"fsdp_units", "ignored", "why"})

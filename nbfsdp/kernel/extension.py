@@ -113,7 +113,7 @@ class _Loading:
         global _magics
         cluster = None
         try:
-            from nbfsdp.kernel.cluster import FSDPCluster
+            from nbfsdp.kernel.cluster.local import FSDPCluster
 
             cluster = FSDPCluster()
             cluster.start_fork_server()  # the engines' imports run alongside this thread's
@@ -157,7 +157,7 @@ class _Loading:
 
     def join(self) -> None:
         """Wait for the thread; Ctrl-C still interrupts the wait."""
-        from nbfsdp.kernel.cluster import join_interruptibly
+        from nbfsdp.kernel.cluster.world import join_interruptibly
 
         join_interruptibly(self.thread)
 

@@ -13,16 +13,19 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import Image, display
 
-from nbfsdp.kernel import comparison, fitting
-from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, FSDPCluster, visible_gpus
-from nbfsdp.kernel.peak import Workload, autocast_dtype
-from nbfsdp.kernel.planning import plan
-from nbfsdp.kernel.session import Session
+from nbfsdp.kernel import comparison
+from nbfsdp.kernel.cluster.local import FSDPCluster
+from nbfsdp.kernel.cluster.world import visible_gpus
+from nbfsdp.kernel.planning import fitting
+from nbfsdp.kernel.planning.peak import Workload, autocast_dtype
+from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.status import status
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.devices import requested_device
+from nbfsdp.shared.limits import MAX_WORLD_SIZE
 from nbfsdp.ui.panel import SettingsPanel
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -235,7 +238,7 @@ class FSDPMagics(Magics):
         settings = self._replica_per_host(settings, world_size)
         saving = self._checkpointing(args)
         if saving.loads:
-            from nbfsdp.kernel import checkpoints
+            from nbfsdp.kernel.checkpoints import sharded as checkpoints
 
             ast.parse(cell)  # a cell that cannot run fails before the load, not after
             devices = self.session.cluster.devices(world_size, settings.device)
@@ -494,10 +497,10 @@ class FSDPMagics(Magics):
         """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}]"""
 
     def _checkpoint(self, action: str, line: str) -> None:
-        from nbfsdp.kernel import checkpoints
+        from nbfsdp.kernel.checkpoints import sharded as checkpoints
 
         if action == "export":  # in the kernel: no engines needed
-            from nbfsdp.kernel import exporting
+            from nbfsdp.kernel.checkpoints import exporting
 
             args = parse_argstring(self._export_arguments, line)
             written = exporting.export(args.checkpoint, args.out, model=args.model, dtype=args.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nbfsdp.kernel.session import Session
+    from nbfsdp.kernel.run.session import Session
 
 
 def status(session: Session) -> None:

@@ -9,7 +9,7 @@ over loopback, not NVLink: correct, and slow (``docs/guide/gpus.md``). ``cpu`` i
 were there.
 
 Decided in the kernel (nbfsdp's own cluster, ``%fsdp explain``, the panel) from the GPUs its machine has;
-an attached cluster decides from what its engines report (``nbfsdp.kernel.hosts``). Imports nothing heavy.
+an attached cluster decides from what its engines report (``nbfsdp.kernel.cluster.hosts``). Imports nothing heavy.
 """
 
 from __future__ import annotations

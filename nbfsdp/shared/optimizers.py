@@ -58,7 +58,7 @@ def fingerprint(value: Any) -> tuple:
     """Changes whenever the notebook's optimizer or scheduler changes: its state tensors (replaced, or
     written in place: ``Tensor._version``), its other state, its hyperparameters and parameters. Taken
     when a cell has brought the ranks' state back into it: while it holds, the ranks' copy is the same
-    and the next cell need not send it again (``nbfsdp.kernel.session``), as a model's fingerprint does.
+    and the next cell need not send it again (``nbfsdp.kernel.run.session``), as a model's fingerprint does.
     Reads no tensor data."""
     if isinstance(value, Optimizer):
         state = tuple(

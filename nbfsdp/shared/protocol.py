@@ -6,7 +6,7 @@ finds here everything that crosses the line:
 - ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``);
 - ``CellOutcome``: what each rank answers, or what the kernel records for a rank that gave no answer;
 - ``EngineInfo``: an engine once it joined the world;
-- ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.delivery`` sends it;
+- ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.run.delivery`` sends it;
 - ``ControlRequest`` and its files: live changes and cancel, read by the ranks at step boundaries;
 - ``BarDrawing``: rank 0's progress-bar lines on stderr, turned into displays by the kernel.
 

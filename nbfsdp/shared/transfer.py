@@ -6,7 +6,7 @@ travels as a *skeleton* (the module pickled with its tensors replaced by their
 shape and dtype) plus that rank's dim-0 chunk of every parameter, which is the
 exact slice FSDP2's ``fully_shard`` keeps on that rank. No rank ever receives a
 whole copy of a model's parameters; the chunks travel as bytes in bounded
-pieces (``nbfsdp.kernel.delivery``).
+pieces (``nbfsdp.kernel.run.delivery``).
 
 Pickling is cloudpickle's (classes and functions defined in the notebook go by
 value, importable modules by reference, so engines import them again); the

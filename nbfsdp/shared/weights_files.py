@@ -11,7 +11,7 @@ chunks; HSDP adds ``Replicate``). Run on a rank, in a cell::
     with full_weights_reader("model.safetensors") as reader:
         reader.load_into(model)        # every parameter and buffer: this rank's rows only
 
-The kernel's side (exporting a checkpoint into such a file) is ``nbfsdp.kernel.exporting``.
+The kernel's side (exporting a checkpoint into such a file) is ``nbfsdp.kernel.checkpoints.exporting``.
 """
 
 from __future__ import annotations

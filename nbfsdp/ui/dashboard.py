@@ -132,7 +132,7 @@ class LiveDashboard:
                 self.note(f"step {record['step']}: {record['changed']} on every rank from this step")
 
     def predict_peaks(self, peaks: list[int], described: str) -> None:
-        """explain's peak of each rank, traced while the cell runs (``nbfsdp.kernel.predicted``): drawn
+        """explain's peak of each rank, traced while the cell runs (``nbfsdp.kernel.planning.predicted``): drawn
         beside the measured peak from the next drawing on, and said under the controls."""
         memory = self.predicted or [{} for _ in peaks]
         self.predicted = [{**expected, "peak": peak} for expected, peak in zip(memory, peaks, strict=True)]

@@ -11,13 +11,11 @@ copy, so the notebook's memory barely moves either.
 
 from __future__ import annotations
 
-import ipyparallel as ipp
 import torch.nn as nn
-from ipyparallel import error as ipp_error
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster import Cluster, World
-from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
+from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
+from nbfsdp.kernel.cluster.world import Cluster, World
 from nbfsdp.shared import transfer
 from nbfsdp.shared.protocol import ShardAllocation
 
@@ -57,32 +55,25 @@ def deliver(
         sending = {rank: piece or [] for rank, piece in batch.items() if piece is not None or first}
         if not sending:
             return received
-        results = {}
-        for rank, piece in sending.items():
-            keys = [key for key, _ in piece]
-            data = [part for _, part in piece]  # each its own argument: ipyparallel sends each as a frame
-            allocate = allocations[rank] if first else {}
-            view = cluster.client[world.engine_ids[rank]]
-            results[rank] = view.apply_async(engine.receive_shards, world.generation, allocate, keys, *data)
-        for rank, result in results.items():
-            received[rank] += _wait(cluster, world, rank, result)
-        first = False
-
-
-def _wait(cluster: Cluster, world: World, rank: int, result: ipp.AsyncResult) -> int:
-    """A rank's answer to one piece; a rank that fails or dies ends the delivery with its error."""
-    while not result.ready():
-        result.wait(LIVENESS_SECONDS)
-        if not result.ready() and rank in (dead := cluster.dead_ranks()):
+        arguments = {
+            # each part its own argument: ipyparallel sends each as a frame, without a copy
+            rank: (
+                world.generation,
+                allocations[rank] if first else {},
+                [key for key, _ in piece],
+                *(p for _, p in piece),
+            )
+            for rank, piece in sending.items()
+        }
+        engine_ids = {rank: world.engine_ids[rank] for rank in sending}
+        results = submit(cluster.client, engine_ids, engine.receive_shards, arguments)
+        try:
+            for rank, count in gather(results, cluster.dead_ranks).items():
+                received[rank] += count
+        except RankDied as died:
             world.broken = True
-            raise RankError(rank, f"engine died while receiving its shards: {dead[rank]}")
-    try:
-        return result.get()
-    except (ipp_error.RemoteError, ipp_error.EngineError) as error:
-        world.broken = True
-        # the controller may report the death first, as an EngineError (raised, or remote)
-        died = isinstance(error, ipp_error.EngineError) or error.ename == "EngineError"
-        how = cluster.how_rank_died(rank, within=2.0 if died else 0.0)
-        if died or how:
-            raise RankError(rank, f"engine died while receiving its shards: {how or 'it stopped answering'}") from None
-        raise RankError(rank, f"{error.ename}: {error.evalue} (while receiving its shards)") from None
+            raise RankError(died.rank, f"engine died while receiving its shards: {died.how}") from None
+        except RankFailed as failed:
+            world.broken = True
+            raise RankError(failed.rank, f"{failed.ename}: {failed.evalue} (while receiving its shards)") from None
+        first = False

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nbfsdp.kernel import fitting, predicted
-from nbfsdp.kernel.cluster import devices_here
-from nbfsdp.kernel.fitting import DeviceMemory
-from nbfsdp.kernel.fsdp_code import render
-from nbfsdp.kernel.peak import Workload, autocast_dtype, rank_peaks
+from nbfsdp.kernel.cluster.world import devices_here
+from nbfsdp.kernel.planning import fitting, predicted
+from nbfsdp.kernel.planning.fitting import DeviceMemory
+from nbfsdp.kernel.planning.fsdp_code import render
+from nbfsdp.kernel.planning.peak import Workload, autocast_dtype, rank_peaks
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
@@ -91,7 +91,7 @@ class Plan:
     groups' total is ``wire[kind]["cross_host"]``); empty on one host."""
     peak: list[dict[str, int]] = field(default_factory=list)
     """With a batch: per rank, its bytes at its peak in a training step, traced on the meta device
-    (``nbfsdp.kernel.peak``): ``params``, ``grads``, ``optim``, ``activations``, ``temporaries``,
+    (``nbfsdp.kernel.planning.peak``): ``params``, ``grads``, ``optim``, ``activations``, ``temporaries``,
     ``comm_buffers`` and their ``total``. Empty without a batch."""
     peak_at: str = ""
     """Where the peak falls: the unit, and forward, backward or the optimizer step."""
@@ -104,11 +104,11 @@ class Plan:
     fits: bool | None = None
     """Every rank's peak within the device's usable memory; None without a device or a batch."""
     suggestions: list[Plan] = field(default_factory=list)
-    """With ``suggest``: plans of other settings that fit, cheapest first (``nbfsdp.kernel.fitting``)."""
+    """With ``suggest``: plans of other settings that fit, cheapest first (``nbfsdp.kernel.planning.fitting``)."""
     change: str = ""
     """A suggestion's change against the settings asked for."""
     cost_seconds: float = 0.0
-    """A suggestion's added seconds per step (negative: saved), by ``nbfsdp.kernel.fitting``'s cost model."""
+    """A suggestion's added seconds per step (negative: saved), by ``nbfsdp.kernel.planning.fitting``'s cost model."""
     gpu_factor: float = 1.0
     """A suggestion's ranks against those asked for."""
     searched: bool = False
@@ -176,7 +176,8 @@ class Plan:
             )
         if self.suggestions:
             lines.append(
-                "settings that fit, cheapest first (seconds a step adds, by the cost model of nbfsdp.kernel.fitting):"
+                "settings that fit, cheapest first (seconds a step adds, by the cost model of "
+                "nbfsdp.kernel.planning.fitting):"
             )
             for s in self.suggestions:
                 top = max(p["total"] for p in s.peak)

@@ -27,32 +27,16 @@ from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster import Cluster
+from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankError, submit
+from nbfsdp.kernel.cluster.world import Cluster
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
 
 #: How often a running cell's output, records and widget events are looked at (a rank's end wakes it at once).
 POLL_SECONDS = 0.1
-LIVENESS_SECONDS = 0.25
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 1.5
-
-
-class RankError(Exception):
-    """A rank failed; shows that rank's traceback, not the client's."""
-
-    def __init__(
-        self, rank: int, message: str, remote_traceback: str = "", others: str = "", host: str | None = None
-    ) -> None:
-        self.label = f"rank {rank}" if host is None else f"rank {rank} on {host}"
-        super().__init__(f"{self.label}: {message}{f' ({others})' if others else ''}")
-        self.rank, self.host = rank, host
-        self.remote_traceback = remote_traceback
-
-    def _render_traceback_(self) -> list[str]:
-        lines = [f"[{self.label}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
-        return [*lines, f"RankError: {self}"]
 
 
 #: What PyTorch says when a low-precision model output meets an fp32 tensor in an op that needs one dtype
@@ -204,10 +188,9 @@ class RankRun:
         self.cluster = cluster
         self.world = cluster.world
         self.config = spec.fsdp
-        self.results = [
-            cluster.client[engine_id].apply_async(engine.run_cell, spec, values, skeletons)
-            for engine_id in self.world.engine_ids
-        ]
+        engine_ids = dict(enumerate(self.world.engine_ids))
+        arguments = dict.fromkeys(engine_ids, (spec, values, skeletons))
+        self.results = list(submit(cluster.client, engine_ids, engine.run_cell, arguments).values())
         self.view = view
         self._streamer = _OutputStreamer(self.results, sink or CellStreams())
         self._records = _RecordStream(self.results, on_records, view)

@@ -1,6 +1,6 @@
 """Every private or internal ipyparallel API nbfsdp relies on, in one place (kernel side).
 
-nbfsdp's engines are forked by its fork server (``nbfsdp.kernel.launcher``), not started by
+nbfsdp's engines are forked by its fork server (``nbfsdp.kernel.cluster.launcher``), not started by
 ipyparallel, and ipyparallel has no public hook for a launcher whose process it did not start, nor a
 public list of the processes a ``Cluster`` runs. Each function says what it relies on;
 ``tests/test_ipyparallel_private.py`` calls each one on real ipyparallel objects, so a release that

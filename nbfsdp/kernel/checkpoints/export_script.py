@@ -41,7 +41,7 @@ from IPython.core.error import UsageError
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from nbfsdp.kernel.planning import plan
+from nbfsdp.kernel.planning.plans import plan
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.torch_private import is_iterable_loader

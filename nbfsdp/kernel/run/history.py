@@ -32,7 +32,7 @@ class RunRecord:
     predicted_peak: list[int] | None = None
     """Each rank's peak in a training step (bytes) as ``explain`` traces it, with the batch of the notebook
     DataLoader the cell reads or of the model's last ``explain --batch``; None without either. Filled while
-    the cell runs (``nbfsdp.kernel.predicted``); the measured peaks are the records' ``mem_peak``."""
+    the cell runs (``nbfsdp.kernel.planning.predicted``); the measured peaks are the records' ``mem_peak``."""
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
     counted them on arrival), their skeletons and the other names the cell reads."""

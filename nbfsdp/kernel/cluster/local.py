@@ -47,105 +47,38 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 
-from nbfsdp.kernel import ipyparallel_private, reaping
+from nbfsdp.kernel.cluster import ipyparallel_private, reaping
+from nbfsdp.kernel.cluster.rank_calls import set_up_every_rank
+from nbfsdp.kernel.cluster.world import (
+    ENGINE_START_TIMEOUT,
+    World,
+    cpu_threads_per_rank,
+    devices_here,
+    engine_layout,
+    join_interruptibly,
+    nccl_host_environment,
+    wait_for_death,
+)
 from nbfsdp.shared import processes
-from nbfsdp.shared.devices import Devices, choose
-from nbfsdp.shared.limits import MAX_WORLD_SIZE as MAX_WORLD_SIZE  # where nbfsdp.kernel finds it
+from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.processes import ProcessRef
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
-    from nbfsdp.kernel.forkserver import ForkServer
-    from nbfsdp.shared.protocol import EngineInfo
+    from nbfsdp.kernel.cluster.forkserver import ForkServer
 
-ENGINE_START_TIMEOUT = 120.0
 #: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
 #: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
 HEARTBEAT_MS = 500
 HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 #: The rank an engine on a GPU was started for (its engine set's environment), so ranks find their engines.
 _RANK_VARIABLE = "NBFSDP_RANK"
-#: How often a wait for the background start lets a KeyboardInterrupt through.
-_JOIN_SLICE_SECONDS = 0.1
-
-
-@dataclass
-class World:
-    """A running world: which engine is which rank, and on what."""
-
-    world_size: int
-    backend: str
-    timeout: float
-    generation: int
-    engine_ids: list[int]  # by rank
-    devices: Devices
-    engines: list[EngineInfo] = field(default_factory=list)  # by rank
-    broken: bool = False
-    processes: list[ProcessRef] = field(default_factory=list)
-    """The engine processes by rank, as they were started: what signals reach."""
-
-    @property
-    def pids(self) -> list[int]:
-        return [e.pid for e in self.engines]
-
-    def serves(self, world_size: int, timeout: float, devices: Devices) -> bool:
-        """A cell of this world size, timeout and devices can run in it as it is."""
-        return (
-            not self.broken
-            and self.world_size == world_size
-            and self.timeout == timeout
-            and _layout(self.devices) == _layout(devices)
-        )
-
-
-def _layout(devices: Devices) -> tuple[str, int, tuple[int, ...]]:
-    """What the engines of a world depend on: where they run, not why."""
-    return devices.type, devices.world_size, devices.rank_gpus
-
-
-def wait_for_death(dead_ranks: Callable[[], dict[int, str]], rank: int, within: float) -> str | None:
-    """How ``rank``'s engine ended (``dead_ranks()``'s word), waiting up to ``within`` seconds to see it end:
-    a controller can report a death while the process is still tearing down, or its host still unregistering."""
-    deadline = time.monotonic() + within
-    while (how := dead_ranks().get(rank)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return how
-
-
-def visible_gpus() -> int:
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def devices_here(world_size: int, requested: str | None, *, planning: bool = False) -> Devices:
-    """Where ``world_size`` ranks started from this kernel run, asked ``requested`` (None: not given);
-    ``planning``: a plan for GPUs this machine may not have (``%fsdp explain --device cuda``)."""
-    return choose(requested, world_size, visible_gpus(), planning=planning)
-
-
-def nccl_host_environment(devices: Devices, rank: int, key: str) -> dict[str, str]:
-    """What a rank sets before ``init_process_group`` so that NCCL accepts ranks that share a GPU: an
-    ``NCCL_HOSTID`` per "host" of ``Devices.nccl_hosts``, made unique to this cluster by ``key`` (NCCL
-    hashes it with nothing else). Nothing where every rank has a GPU of its own."""
-    if not devices.shared:
-        return {}
-    return {"NCCL_HOSTID": f"nbfsdp-{os.path.basename(key)}-{devices.nccl_hosts[rank]}"}
-
-
-def cpu_threads_per_rank(world_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world_size)
 
 
 def _end_watcher(watcher: psutil.Popen) -> None:
@@ -153,46 +86,6 @@ def _end_watcher(watcher: psutil.Popen) -> None:
     it, so no process of the cluster outlives ``stop``, not even as a zombie."""
     watcher.terminate()  # the kernel's own child, not yet waited for: its pid is still its own
     watcher.wait()
-
-
-def join_interruptibly(thread: threading.Thread) -> None:
-    """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
-    while thread.is_alive():
-        thread.join(_JOIN_SLICE_SECONDS)
-
-
-class Cluster(Protocol):
-    """The cluster the session runs cells on: nbfsdp's own (``FSDPCluster``) or one it attached to
-    (``nbfsdp.kernel.attached.AttachedCluster``). The session, the runner and delivery use only this."""
-
-    world: World | None
-    background_error: BaseException | None
-
-    @property
-    def client(self) -> ipp.Client: ...
-    @property
-    def private_dir(self) -> str:
-        """Where the notebook and the ranks meet: run control files, interval-save markers."""
-
-    @property
-    def starting(self) -> tuple[int, float] | None: ...
-    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
-    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool: ...
-    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World: ...
-    def unsteerable(self) -> str | None: ...
-    def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
-        """Where a world of ``world_size`` runs, asked ``device`` (``--device``; None: not given): on GPUs
-        (NCCL) or the CPU (gloo). A device it cannot have raises ``ConfigError``, unless ``planning`` (a plan,
-        nothing run) where it can plan for it."""
-
-    def rank_hosts(self) -> list[str]:
-        """The running world's host per rank (names unique per host, even where hostnames are not)."""
-
-    def dead_ranks(self) -> dict[int, str]: ...
-    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None: ...
-    def signal_ranks(self, ranks: list[int], signum: int) -> None: ...
-    def kill_engines(self) -> None: ...
-    def stop(self) -> None: ...
 
 
 @dataclass
@@ -255,7 +148,7 @@ class FSDPCluster:
         if self._cluster is None and self._fork_server is None:
             self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
         devices = self.devices(world_size, device)
-        if self._engine_layout != _layout(devices) or (world and self.dead_ranks()):
+        if self._engine_layout != engine_layout(devices) or (world and self.dead_ranks()):
             self._start_engines(devices)
         return self._setup_world(devices, timeout)
 
@@ -369,7 +262,7 @@ class FSDPCluster:
         self._private_dir = tempfile.mkdtemp(prefix=reaping.PRIVATE_DIR_PREFIX)  # mode 0700
         reaping.note_kernel(self._private_dir, os.getpid())
         self._reaper = reaping.start(os.getpid(), self._private_dir)
-        from nbfsdp.kernel.forkserver import ForkServer
+        from nbfsdp.kernel.cluster.forkserver import ForkServer
 
         # the engines' own variables (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS) are set in each engine after
         # the fork: torch reads them only when it first uses CUDA or its thread pool, never at import
@@ -405,7 +298,7 @@ class FSDPCluster:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
         import ipyparallel as ipp
 
-        from nbfsdp.kernel.launcher import ForkedEngineSetLauncher
+        from nbfsdp.kernel.cluster.launcher import ForkedEngineSetLauncher
 
         self._cluster = ipp.Cluster(
             profile_dir=self._private_dir,
@@ -434,7 +327,7 @@ class FSDPCluster:
         import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
 
         self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
-        self._engine_layout = _layout(devices)
+        self._engine_layout = engine_layout(devices)
 
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
@@ -457,9 +350,8 @@ class FSDPCluster:
         store_path = os.path.join(self._private_dir, f"store-{self._generation}")
         engine_ids = self._rank_order(devices)
         threads = cpu_threads_per_rank(world_size)
-        results = [
-            self.client[engine_id].apply_async(
-                engine.setup,
+        keywords = {
+            rank: dict(
                 rank=rank,
                 world_size=world_size,
                 backend=devices.backend,
@@ -471,11 +363,11 @@ class FSDPCluster:
                 environment=nccl_host_environment(devices, rank, self._private_dir),
                 where_dir=self._private_dir,
             )
-            for rank, engine_id in enumerate(engine_ids)
-        ]
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT
-        with ThreadPoolExecutor(len(results)) as pool:
-            engines = list(pool.map(lambda r: r.get(timeout=max(1.0, deadline - time.monotonic())), results))
+            for rank in range(world_size)
+        }
+        engines = list(
+            set_up_every_rank(self.client, dict(enumerate(engine_ids)), engine.setup, keywords=keywords).values()
+        )
         processes = [self._engine_process(engine.pid) for engine in engines]
         self.world = World(
             world_size, devices.backend, timeout, self._generation, engine_ids, devices, engines, processes=processes

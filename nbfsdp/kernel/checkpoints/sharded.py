@@ -20,22 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
-from ipyparallel import error as ipp_error
 from IPython.core.error import UsageError
 from torch.distributed.checkpoint import FileSystemReader
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
-from nbfsdp.kernel import history
-from nbfsdp.kernel.cluster import MAX_WORLD_SIZE, World, visible_gpus
-from nbfsdp.kernel.runner import LIVENESS_SECONDS, RankError
-from nbfsdp.kernel.session import Session, current_session
+from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
+from nbfsdp.kernel.cluster.world import World, visible_gpus
+from nbfsdp.kernel.run import history
+from nbfsdp.kernel.run.session import Session, current_session
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
+from nbfsdp.shared.limits import MAX_WORLD_SIZE
 from nbfsdp.shared.protocol import LoaderState
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader
@@ -129,7 +129,7 @@ def save_with(
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = fmt.partial_path(final)
     namespace = session.shell.user_ns
-    epochs = {name: session.loader_epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
+    epochs = {name: session.loaders.epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
     if background:
         args = (world.generation, str(partial), str(final), _resume_step(), overwrite, epochs)
         snapshot = checkpointing.save_in_background
@@ -167,37 +167,21 @@ def _on_every_rank(session: Session, world: World, function: Any, args: tuple, d
     A rank that dies breaks the world (its peers wait in a collective): the error says so at once. A
     ``CheckpointError`` every rank raised together is the user's: a ``UsageError``, the world intact.
     """
-    client = session.cluster.client
-    results = [client[engine_id].apply_async(function, *args) for engine_id in world.engine_ids]
-
-    def died() -> RankError | None:
-        dead = session.cluster.dead_ranks()
-        if not dead:
-            return None
+    cluster = session.cluster
+    engine_ids = dict(enumerate(world.engine_ids))
+    results = submit(cluster.client, engine_ids, function, dict.fromkeys(engine_ids, args))
+    try:
+        return list(gather(results, cluster.dead_ranks).values())
+    except RankDied as died:
         world.broken = True
-        rank, how = next(iter(dead.items()))
-        return RankError(rank, f"engine died while {doing}: {how}{_left(partial)}")
-
-    for result in results:
-        while not result.ready():
-            result.wait(LIVENESS_SECONDS)
-            if not result.ready() and (error := died()):
-                raise error
-    answers = []
-    for rank, result in enumerate(results):
-        try:
-            answers.append(result.get())
-        except (ipp_error.RemoteError, ipp_error.EngineError) as error:
-            if getattr(error, "ename", "") == "CheckpointError":
-                raise UsageError(error.evalue) from None
-            if death := died():  # a peer's death is what made this rank fail: name that one
-                raise death from None
-            if getattr(error, "ename", "") != "CheckpointException":
-                world.broken = True  # the ranks may disagree on where they are now: the next cell starts afresh
-            # else DCP's own error (a full disk ...), which it hands every rank together: the world goes on
-            what = f"{error.ename}: {error.evalue}" if hasattr(error, "ename") else str(error)
-            raise RankError(rank, f"{what} (while {doing}){_left(partial)}") from None
-    return answers
+        raise RankError(died.rank, f"engine died while {doing}: {died.how}{_left(partial)}") from None
+    except RankFailed as failed:
+        if failed.ename == "CheckpointError":
+            raise UsageError(failed.evalue) from None
+        if failed.ename != "CheckpointException":
+            world.broken = True  # the ranks may disagree on where they are now: the next cell starts afresh
+        # else DCP's own error (a full disk ...), which it hands every rank together: the world goes on
+        raise RankError(failed.rank, f"{failed.ename}: {failed.evalue} (while {doing}){_left(partial)}") from None
 
 
 # ------------------------------------------------------------------ load
@@ -230,7 +214,7 @@ def load(
     if into is not None:
         if world_size is not None or load_ignore_keys:
             raise UsageError("load(into=...) reads in the kernel: world_size and load_ignore_keys do not apply")
-        from nbfsdp.kernel import exporting  # the kernel's reader: imported only when used
+        from nbfsdp.kernel.checkpoints import exporting  # the kernel's reader: imported only when used
 
         exporting.load_into(path, into, optimizer, scheduler, model=model)
         print(f"nbfsdp: loaded {path} into {type(into).__name__} in the notebook (no engines)")
@@ -310,18 +294,18 @@ def load_with(
     else:
         # the kernel reads the same files into the notebook's objects while the ranks load theirs: nothing
         # loaded is gathered back, and the next cell sends none of them (the notebook holds what the ranks do)
-        from nbfsdp.kernel import exporting  # the kernel's reader: imported only when used
+        from nbfsdp.kernel.checkpoints import exporting  # the kernel's reader: imported only when used
 
         objects = {name: (namespace[name], owner) for name, owner in optimizers.items()}
         reading = exporting.NotebookRead(directory, models, objects, {n: namespace[n] for n in schedulers})
         session.run_cell(cell, world_size=world_size, timeout=timeout, gather=False, config=config, internal=True)
         reading.apply()
-        session.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
+        session.held.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
     session.loader_resume = {}
     for name, state in _loader_positions(directory, loaders).items():
         if isinstance(namespace.get(name), DataLoader):
-            session.restore_loader(namespace[name], state)
+            session.loaders.restore(namespace[name], state)
             if getattr(state, "taken", 0):  # saved part-way through an epoch: the next cell goes on there
                 session.loader_resume[name] = state
     step = f"step {manifest.step}" if manifest.step is not None else "no step"

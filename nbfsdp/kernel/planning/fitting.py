@@ -1,7 +1,7 @@
 """Does it fit? A device's memory, the margin kept for the allocator, and the cheapest settings that fit.
 
 ``%fsdp explain MODEL --batch B --gpu H100`` (``nbfsdp.explain(..., gpu="H100")``) holds each rank's
-traced peak (``nbfsdp.kernel.peak``) against the GPU's memory less a margin: ``Plan.fits``. With
+traced peak (``nbfsdp.kernel.planning.peak``) against the GPU's memory less a margin: ``Plan.fits``. With
 ``--suggest``, plans of other settings, each traced the same way, that fit, cheapest first by the cost
 model below. Runs in the kernel; nothing runs on the ranks.
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from nbfsdp.shared.config import ConfigError
 
 if TYPE_CHECKING:
-    from nbfsdp.kernel.planning import Plan
+    from nbfsdp.kernel.planning.plans import Plan
 
 #: Memory as ``torch.cuda.get_device_properties(0).total_memory`` / nvidia-smi report it (MiB), by family and
 #: size; the first size listed is a family's default when the name gives none.

@@ -2,10 +2,10 @@
 
 The user started it (``ipcluster start --engines=ssh|slurm|mpi ...``), on this machine or spread over
 several hosts; nbfsdp connects with ipyparallel's own connection files, asks each engine
-which host it is on, gives ranks host by host (``nbfsdp.kernel.hosts``) and makes the world's store a
+which host it is on, gives ranks host by host (``nbfsdp.kernel.cluster.hosts``) and makes the world's store a
 TCPStore on rank 0's host, on the interface that reaches the controller. It never stops the cluster:
 ``%fsdp detach`` lets go of it, and ``%fsdp stop`` says so. While attached it is the session's
-``Cluster`` (``nbfsdp.kernel.cluster``), as ``FSDPCluster`` is otherwise.
+``Cluster`` (``nbfsdp.kernel.cluster.local``), as ``FSDPCluster`` is otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,15 @@ from IPython.core.profiledir import ProfileDir, ProfileDirError
 from IPython.paths import get_ipython_dir
 
 from nbfsdp.engines import engine, hosts
-from nbfsdp.kernel.cluster import (
-    ENGINE_START_TIMEOUT,
+from nbfsdp.kernel.cluster.hosts import Placement, devices, place
+from nbfsdp.kernel.cluster.lifelines import Lifelines
+from nbfsdp.kernel.cluster.rank_calls import set_up_every_rank
+from nbfsdp.kernel.cluster.world import (
     World,
     cpu_threads_per_rank,
     nccl_host_environment,
     wait_for_death,
 )
-from nbfsdp.kernel.hosts import Placement, devices, place
-from nbfsdp.kernel.lifelines import Lifelines
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.network import source_address
@@ -169,9 +168,9 @@ class AttachedCluster:
         new = [i for i in ids if i not in self._identities]
         lifeline = self._lifelines.address, self._lifelines.secret
         seen = str(Path(self._private_dir, SEEN_FILE))
-        asked = [self.client[i].apply_async(hosts.check_in, *lifeline, i, seen) for i in new]
-        for engine_id, result in zip(new, asked, strict=True):
-            self._identities[engine_id], self._sees_private_dir[engine_id] = result.get(timeout=ENGINE_START_TIMEOUT)
+        arguments = {i: (*lifeline, i, seen) for i in new}
+        for engine_id, answer in set_up_every_rank(self.client, {i: i for i in new}, hosts.check_in, arguments).items():
+            self._identities[engine_id], self._sees_private_dir[engine_id] = answer
         return place(self._identities, world_size)
 
     def identities(self) -> dict[int, HostIdentity]:
@@ -182,7 +181,7 @@ class AttachedCluster:
         return [p.host for p in self.placements] if self.world else []
 
     def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
-        """Where a world this size runs, from the GPUs each engine sees (``nbfsdp.kernel.hosts.devices``);
+        """Where a world this size runs, from the GPUs each engine sees (``nbfsdp.kernel.cluster.hosts.devices``);
         hosts that cannot have the device asked are a ConfigError naming each (``planning`` too: the engines
         are there to ask)."""
         return devices(self.placements_for(world_size), self._identities, device)
@@ -214,9 +213,8 @@ class AttachedCluster:
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1
         threads = cpu_threads_per_rank(max(p.local_world_size for p in self.placements))
-        results = [
-            self.client[p.engine_id].apply_async(
-                engine.setup,
+        keywords = {
+            p.rank: dict(
                 rank=p.rank,
                 world_size=world_size,
                 backend=chosen.backend,
@@ -233,9 +231,10 @@ class AttachedCluster:
                 where_dir=self._private_dir if self._sees_private_dir.get(p.engine_id) else None,
             )
             for p in self.placements
-        ]
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT
-        infos = [result.get(timeout=max(1.0, deadline - time.monotonic())) for result in results]
+        }
+        engine_ids = {p.rank: p.engine_id for p in self.placements}
+        answers = set_up_every_rank(self.client, engine_ids, engine.setup, keywords=keywords)
+        infos = [answers[p.rank] for p in self.placements]
         processes: list[Any] = [
             RegisteredEngine(self, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
         ]

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from IPython.core.error import UsageError
+
+from nbfsdp.kernel.cluster.world import Cluster
 from nbfsdp.shared.protocol import where_answer, where_request
 
 #: How long the notebook waits for every rank's answer.
@@ -177,3 +180,13 @@ def _group(ranks: list[int] | tuple[int, ...]) -> str:
 def _short(at: str) -> str:
     """``/path/to/file.py:12 in f`` as ``file.py:12 in f``; a cell's line as it is."""
     return str(Path(at.split(":")[0]).name) + at[len(at.split(":")[0]) :] if at else "?"
+
+
+def where_of(cluster: Cluster) -> Where:
+    """Where each rank of ``cluster``'s running world is: its stack and collectives."""
+    world = cluster.world
+    if world is None:
+        raise UsageError("%fsdp where: no world is running (a cell starts one)")
+    if why := cluster.unsteerable():
+        raise UsageError(f"%fsdp where: {why}")
+    return ask_where(cluster.private_dir, world.world_size, cluster.rank_hosts())

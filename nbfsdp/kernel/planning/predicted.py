@@ -1,7 +1,7 @@
 """The peak ``explain`` predicts for a running ``%%fsdp`` cell, traced in a thread beside it.
 
 The dashboard draws each rank's predicted peak beside its measured one, and ``last_run().predicted_peak``
-keeps it. The step is traced (``nbfsdp.kernel.peak``) with the batch the cell trains on, where the kernel
+keeps it. The step is traced (``nbfsdp.kernel.planning.peak``) with the batch the cell trains on, where the kernel
 can know it without running the cell: the first batch of the notebook DataLoader it reads (one without
 worker processes: taking a batch from one with workers would start them), else the batch of the last
 ``explain`` of that model with ``--batch``. The loss is that explain's ``loss``, else the output's
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from nbfsdp.kernel import peak
+from nbfsdp.kernel.planning import peak
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices

@@ -14,8 +14,8 @@ import os
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
 
-from nbfsdp.kernel import ipyparallel_private
-from nbfsdp.kernel.forkserver import ForkServer, ForkServerError
+from nbfsdp.kernel.cluster import ipyparallel_private
+from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):

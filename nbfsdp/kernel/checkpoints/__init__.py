@@ -1,0 +1,3 @@
+"""Checkpoints, in the notebook's kernel: sharded saves and loads on the ranks, export and import of full
+weights, and the exported torchrun script.
+"""

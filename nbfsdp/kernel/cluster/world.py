@@ -1,0 +1,138 @@
+"""What every cluster shares: the world it runs, the ``Cluster`` Protocol the session drives, and the
+decisions a world's start makes (where its ranks run, their threads, NCCL's view of ranks sharing a GPU).
+
+Importing this module loads neither torch nor ipyparallel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from nbfsdp.shared.devices import Devices, choose
+from nbfsdp.shared.processes import ProcessRef
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
+
+    from nbfsdp.shared.protocol import EngineInfo
+
+#: How long a world's engines may take to set up their process group.
+ENGINE_START_TIMEOUT = 120.0
+#: How often a wait for a thread lets a KeyboardInterrupt through.
+_JOIN_SLICE_SECONDS = 0.1
+
+
+@dataclass
+class World:
+    """A running world: which engine is which rank, and on what."""
+
+    world_size: int
+    backend: str
+    timeout: float
+    generation: int
+    engine_ids: list[int]  # by rank
+    devices: Devices
+    engines: list[EngineInfo] = field(default_factory=list)  # by rank
+    broken: bool = False
+    processes: list[ProcessRef] = field(default_factory=list)
+    """The engine processes by rank, as they were started: what signals reach."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [e.pid for e in self.engines]
+
+    def serves(self, world_size: int, timeout: float, devices: Devices) -> bool:
+        """A cell of this world size, timeout and devices can run in it as it is."""
+        return (
+            not self.broken
+            and self.world_size == world_size
+            and self.timeout == timeout
+            and engine_layout(self.devices) == engine_layout(devices)
+        )
+
+
+def engine_layout(devices: Devices) -> tuple[str, int, tuple[int, ...]]:
+    """What the engines of a world depend on: where they run, not why."""
+    return devices.type, devices.world_size, devices.rank_gpus
+
+
+def wait_for_death(dead_ranks: Callable[[], dict[int, str]], rank: int, within: float) -> str | None:
+    """How ``rank``'s engine ended (``dead_ranks()``'s word), waiting up to ``within`` seconds to see it end:
+    a controller can report a death while the process is still tearing down, or its host still unregistering."""
+    deadline = time.monotonic() + within
+    while (how := dead_ranks().get(rank)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return how
+
+
+def visible_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def devices_here(world_size: int, requested: str | None, *, planning: bool = False) -> Devices:
+    """Where ``world_size`` ranks started from this kernel run, asked ``requested`` (None: not given);
+    ``planning``: a plan for GPUs this machine may not have (``%fsdp explain --device cuda``)."""
+    return choose(requested, world_size, visible_gpus(), planning=planning)
+
+
+def nccl_host_environment(devices: Devices, rank: int, key: str) -> dict[str, str]:
+    """What a rank sets before ``init_process_group`` so that NCCL accepts ranks that share a GPU: an
+    ``NCCL_HOSTID`` per "host" of ``Devices.nccl_hosts``, made unique to this cluster by ``key`` (NCCL
+    hashes it with nothing else). Nothing where every rank has a GPU of its own."""
+    if not devices.shared:
+        return {}
+    return {"NCCL_HOSTID": f"nbfsdp-{os.path.basename(key)}-{devices.nccl_hosts[rank]}"}
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def join_interruptibly(thread: threading.Thread) -> None:
+    """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
+    while thread.is_alive():
+        thread.join(_JOIN_SLICE_SECONDS)
+
+
+class Cluster(Protocol):
+    """The cluster the session runs cells on: nbfsdp's own (``FSDPCluster``) or one it attached to
+    (``nbfsdp.kernel.cluster.attached.AttachedCluster``). The session, the runner and delivery use only this."""
+
+    world: World | None
+    background_error: BaseException | None
+
+    @property
+    def client(self) -> ipp.Client: ...
+    @property
+    def private_dir(self) -> str:
+        """Where the notebook and the ranks meet: run control files, interval-save markers."""
+
+    @property
+    def starting(self) -> tuple[int, float] | None: ...
+    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
+    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool: ...
+    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World: ...
+    def unsteerable(self) -> str | None: ...
+    def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
+        """Where a world of ``world_size`` runs, asked ``device`` (``--device``; None: not given): on GPUs
+        (NCCL) or the CPU (gloo). A device it cannot have raises ``ConfigError``, unless ``planning`` (a plan,
+        nothing run) where it can plan for it."""
+
+    def rank_hosts(self) -> list[str]:
+        """The running world's host per rank (names unique per host, even where hostnames are not)."""
+
+    def dead_ranks(self) -> dict[int, str]: ...
+    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None: ...
+    def signal_ranks(self, ranks: list[int], signum: int) -> None: ...
+    def kill_engines(self) -> None: ...
+    def stop(self) -> None: ...

@@ -1,0 +1,235 @@
+"""A cell submitted to the ranks, and how its end comes back into the notebook.
+
+Nothing in the notebook changes until every rank has succeeded: ``finish``
+raises a failed run's error before it touches a model or a name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.nn as nn
+from IPython.core.interactiveshell import InteractiveShell
+
+from nbfsdp.kernel.cluster.world import Cluster, World
+from nbfsdp.kernel.planning import predicted
+from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.planning.predicted import PeakPrediction
+from nbfsdp.kernel.run import history
+from nbfsdp.kernel.run.control import RunControl
+from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
+from nbfsdp.kernel.run.inputs import on_meta
+from nbfsdp.kernel.run.loaders import NotebookLoaders
+from nbfsdp.kernel.run.runner import RankRun
+from nbfsdp.shared import optimizers, transfer
+from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
+from nbfsdp.shared.protocol import CellOutcome
+from nbfsdp.shared.units import wrap_rule, wrap_units
+from nbfsdp.ui.dashboard import LiveDashboard
+
+#: At a cell's end, how long its predicted peak's trace may still take before the final figure is drawn
+#: without it (it still reaches ``last_run().predicted_peak`` when done).
+PREDICTION_WAIT_SECONDS = 2.0
+
+
+@dataclass(eq=False)
+class CellRun:
+    """A cell submitted to the ranks, and what finishing it needs."""
+
+    ranks: RankRun
+    record: history.RunRecord
+    control: RunControl
+    dashboard: LiveDashboard | None
+    models: dict[str, nn.Module]
+    sent: dict[str, Any]
+    """The notebook's own loaders, optimizers and schedulers the cell read: they take rank 0's state after."""
+    skeletons: dict[str, bytes]
+    tokens: dict[str, int]
+    started: float
+    prediction: PeakPrediction | None = None
+    thread: threading.Thread | None = None
+    outcome: list[CellOutcome] | BaseException | None = None
+    markers: str | None = None
+    """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
+
+    def watch_in_background(self) -> None:
+        try:
+            self.outcome = self.ranks.watch()
+        except BaseException as error:  # handed to %fsdp wait, which raises it in the notebook
+            self.outcome = error
+
+    def change_live(self, given: dict[str, Any], asked: set[str]) -> str:
+        """Settings changed while the cell runs: those that can change live go to the ranks, in force from
+        their next step; what to say of it (the others apply from the next cell)."""
+        live = {key: value for key, value in given.items() if key in LIVE_SETTINGS}
+        strategies = {live.get("sharding_strategy"), self.record.config["sharding_strategy"]}
+        if "sharding_strategy" in live and strategies - set(LIVE_STRATEGIES):
+            live.pop("sharding_strategy")  # another mesh: only a new cell can shard that way
+        later = sorted(asked - set(live))
+        if live:
+            self.control.change(live)
+        words = ", ".join(f"{key}={value}" for key, value in live.items())
+        message = f"requested {words} (from the next step)" if live else ""
+        if later:
+            message += f"{'; ' if message else ''}{', '.join(later)}: from the next cell"
+        return message
+
+    def clean_up(self) -> None:
+        """The run's files for the ranks go: its control file, its interval saves' markers."""
+        self.control.remove()
+        if self.markers is not None:
+            shutil.rmtree(self.markers, ignore_errors=True)
+
+
+class SessionCallbacks(Protocol):
+    """What a dashboard's controls call in the session."""
+
+    def change_settings(self, settings: dict[str, Any]) -> str: ...
+    def cancel(self) -> None: ...
+    def where(self) -> Any: ...
+
+
+def live_dashboard(
+    cluster: Cluster,
+    world: World,
+    models: dict[str, nn.Module],
+    config: FSDPConfig,
+    background: bool,
+    session: SessionCallbacks,
+) -> LiveDashboard:
+    """The cell's live dashboard: the plan's predicted memory, the controls wired to the session."""
+    hosts = cluster.rank_hosts()
+    planned = plan(next(iter(models.values())), config, world.world_size, hosts) if models else None
+    settings = {**dataclasses.asdict(config), "world_size": world.world_size}
+    return LiveDashboard(
+        world.world_size,
+        world.devices,
+        planned.memory if planned else None,
+        settings,
+        session.change_settings,
+        session.cancel,
+        with_output=background,
+        on_where=lambda: str(session.where()),
+        hosts=hosts,
+        across_hosts=planned.hosts_lines() if planned else None,
+    )
+
+
+def effective_settings(
+    world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
+) -> dict[str, Any]:
+    """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names (``why``: those
+    nbfsdp chose for the device or runs otherwise than asked)."""
+    return {
+        "world_size": world.world_size,
+        "backend": world.backend,
+        "device": world.devices.type,
+        "devices": str(world.devices),
+        "timeout": timeout,
+        "gather": gather,
+        **config.as_dict(),
+        "fsdp_units": {name: unit_names(model, config) for name, model in models.items()},
+        "fsdp_wrap": {name: wrap_rule(model, config).as_dict() for name, model in models.items()},
+    }
+
+
+def unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(unit)] for unit in wrap_units(model, config)] + [""]
+
+
+def predict_peak(
+    models: dict[str, nn.Module],
+    loaders: list[Any],
+    per_rank_batches: bool,
+    cell: str,
+    config: FSDPConfig,
+    world: World,
+    record: history.RunRecord,
+    dashboard: LiveDashboard | None,
+) -> PeakPrediction | None:
+    """The cell's first model's peak, traced beside the cell where its batch is known (``predicted``)."""
+    if not models:
+        return None
+    model = next(iter(models.values()))
+    autocast = predicted.cell_autocast(cell, world.devices)
+    try:
+        workload = predicted.cell_workload(model, loaders, per_rank_batches, autocast)
+    except Exception:  # a loader that cannot give a batch fails on the ranks too, where the cell reports it
+        return None
+    if workload is None:
+        return None
+
+    def done(peaks: list[int], described: str) -> None:
+        record.predicted_peak = peaks
+        if dashboard is not None:
+            dashboard.predict_peaks(peaks, described)
+
+    return PeakPrediction(model, config, world.world_size, world.devices, workload, done)
+
+
+def stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:
+    """Records as the ranks send them: into ``last_run().metrics`` while the cell runs, and onto the dashboard.
+
+    When the cell ends, ``metrics`` becomes every rank's complete list, in step order.
+    """
+    record.metrics.extend(records)
+    if dashboard is not None:
+        dashboard.add(records)
+
+
+def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders: NotebookLoaders) -> None:
+    """The run has ended: bring results into the notebook, or raise its error; either way it is recorded."""
+    run.clean_up()
+    record, outcome = run.record, run.outcome
+    record.elapsed = time.perf_counter() - run.started
+    if isinstance(outcome, BaseException):
+        record.ok, record.error = False, str(outcome) or type(outcome).__name__
+        if run.dashboard:
+            run.dashboard.finish(None, "failed")
+        raise outcome
+    assert outcome is not None
+    if run.prediction is not None:
+        run.prediction.copied()  # the trace copied the model before its weights change
+    _apply_results(outcome, run, shell, held, loaders)
+    record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
+    record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
+    record.cancelled = outcome[0].cancelled
+    if run.prediction is not None:  # a cell shorter than its trace: its final figure still shows the peak
+        run.prediction.wait(PREDICTION_WAIT_SECONDS)
+    if run.dashboard:
+        run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
+    record.elapsed = time.perf_counter() - run.started
+
+
+def _apply_results(
+    outcomes: list[CellOutcome], run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders: NotebookLoaders
+) -> None:
+    """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
+    first = outcomes[0]
+    for name, state in first.states.items():
+        model = run.models[name]
+        # in place, so other references see it too; a meta-built model takes the tensors as they are
+        model.load_state_dict(transfer.tied_as(model, state), assign=on_meta(model))
+    for name, model in run.models.items():
+        # what the engines hold now: these weights, under the settings in force at the end (live changes too)
+        held.model_held(name, fingerprint(model, run.skeletons[name], first.settings[name]), run.tokens[name])
+    for name, state in first.in_place.items():
+        run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
+        held.object_held(name, run.sent[name])
+    for name, state in first.loaders.items():
+        loaders.continue_after(run.sent[name], state)
+    objects = dict(run.sent)
+    for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
+        objects[name] = shell.user_ns[name] = transfer.load_result(data, run.models, objects)
+        optimizers.track_steps(objects[name])
+        held.object_held(name, objects[name])
+    if first.skipped:
+        reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
+        print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)

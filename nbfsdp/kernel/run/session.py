@@ -1,0 +1,352 @@
+"""One notebook's FSDP session: turns a ``%%fsdp`` cell into a run and its results.
+
+The order matters for "nothing lost in the notebook": the cell is parsed and
+every input pickled before any engine is touched, so a syntax error or an
+unpicklable name fails at once; the notebook's namespace and models change
+only after every rank has succeeded (``cell_run.finish``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from torch.utils.data import DataLoader
+
+from nbfsdp.kernel.checkpoints.export_script import ExportedScript, LastCell, export_script
+from nbfsdp.kernel.cluster.local import FSDPCluster
+from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly
+from nbfsdp.kernel.run import cell_run, history, inputs
+from nbfsdp.kernel.run.cell_run import CellRun
+from nbfsdp.kernel.run.control import RunControl
+from nbfsdp.kernel.run.delivery import deliver
+from nbfsdp.kernel.run.held import EngineHoldings
+from nbfsdp.kernel.run.loaders import NotebookLoaders
+from nbfsdp.kernel.run.runner import RankRun
+from nbfsdp.kernel.run.spec import PreparedCell, cell_spec, interval_saves, prepare
+from nbfsdp.kernel.run.where import Where, where_of
+from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
+from nbfsdp.shared.protocol import CellSpec, LoaderState
+from nbfsdp.ui.widget_events import pending_events
+
+
+class Session:
+    """The cluster plus what the notebook knows the engines hold."""
+
+    def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
+        self.shell = shell
+        self.cluster: Cluster = cluster or FSDPCluster()
+        self.panel: dict[str, Any] = {}
+        """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
+        self.panel_world_size: int | None = None
+        self.active: CellRun | None = None
+        """The cell running now, in the foreground or the background."""
+        self.held = EngineHoldings()
+        self.loaders = NotebookLoaders()
+        self._cells = itertools.count(1)
+        self.last_cell: LastCell | None = None
+        """The last user cell, for ``%fsdp export-script``."""
+        self.resume_step = 0
+        """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
+        self.loader_resume: dict[str, LoaderState] = {}
+        """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
+        self._own_cluster: FSDPCluster | None = None
+        """nbfsdp's own cluster, set aside while ``self.cluster`` is an attached one."""
+        self.pending_save: Any = None
+        """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.sharded.PendingSave``):
+        waited for by ``%fsdp wait``, ``stop``, the next save or load, and before its world is replaced."""
+
+    def run_cell(
+        self,
+        cell: str,
+        *,
+        world_size: int,
+        timeout: float,
+        gather: bool,
+        config: FSDPConfig,
+        background: bool = False,
+        per_rank_batches: bool = False,
+        internal: bool = False,
+        checkpointing: CheckpointSettings | None = None,
+    ) -> None:
+        """Run ``cell`` on every rank and bring its results back. ``internal``: nbfsdp's own cell: no dashboard
+        and no run record, so ``last_run()`` stays the user's last cell. ``checkpointing``: with a save
+        interval, the ranks save inside the cell (loads happen before it, in
+        ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``)."""
+        self._refuse_while_running()
+        started = time.perf_counter()
+        prepared = self._prepare(cell, world_size, timeout, config, per_rank_batches, internal)
+        world = self._world_for(prepared, world_size, timeout, checkpointing)
+        sent_bytes = self._send_models(prepared, world)
+        control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
+        saves = interval_saves(self.cluster.private_dir, prepared.number, checkpointing)
+        resume_step, loader_resume = 0, {}
+        if not internal:  # a load's step and positions are for the one cell after it
+            resume_step, self.resume_step = self.resume_step, 0
+            loader_resume, self.loader_resume = self.loader_resume, {}
+        spec = cell_spec(prepared, world, gather, control, saves, self.loaders, resume_step, loader_resume)
+        record = history.RunRecord(
+            world_size=world_size,
+            config=cell_run.effective_settings(world, timeout, gather, prepared.config, prepared.models),
+            sent_bytes=sent_bytes,
+        )
+        if prepared.plans:
+            record.config["loaders"] = {name: plan.as_dict() for name, plan in prepared.plans.items()}
+        if not internal:
+            history.record(record)
+        for name, loader_plan in prepared.plans.items():
+            print(loader_plan.line(name))
+        run = self._submit(prepared, spec, world, record, control, background, internal, started)
+        run.markers = saves.markers if saves else None
+        self.active = run
+        if background:
+            run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
+            run.thread.start()
+            print(f"nbfsdp: running in the background on {world_size} ranks; `%fsdp wait` for the results")
+            return
+        try:
+            with pending_events() as poll:
+                run.outcome = run.ranks.watch(on_poll=poll)
+        except BaseException as error:
+            run.outcome = error
+        self._finish(run)
+
+    def _refuse_while_running(self) -> None:
+        if self.active is not None:
+            alive = self.active.thread is not None and self.active.thread.is_alive()
+            state = "still going" if alive else "done"
+            raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
+
+    def _prepare(
+        self, cell: str, world_size: int, timeout: float, config: FSDPConfig, per_rank_batches: bool, internal: bool
+    ) -> PreparedCell:
+        """The cell parsed, its inputs read and pickled (``spec.prepare``): every refusal happens here."""
+        devices = self.cluster.devices(world_size, config.device)
+        config = validate(config, world_size, devices)
+        world = self.cluster.world
+        reusing = self.cluster.reuses_world(world_size, timeout, config.device)
+        held = self.held if reusing and world is not None and world.generation == self.held.generation else None
+        number = next(self._cells)
+        prepared = prepare(self.shell, number, cell, config, devices, held, self.loaders, world_size, per_rank_batches)
+        if not internal:
+            self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, prepared.reads)
+        return prepared
+
+    def _world_for(
+        self, prepared: PreparedCell, world_size: int, timeout: float, checkpointing: CheckpointSettings | None
+    ) -> World:
+        """The world the cell runs in: the running one, or a new one (which holds nothing of the notebook's)."""
+        config = prepared.config
+        replaced = not self.cluster.reuses_world(world_size, timeout, config.device)
+        if self.pending_save is not None and replaced:
+            self.pending_save.wait()  # replacing the world would end its write
+        if replaced and "device" in config.why:  # auto chose the CPU where there is a GPU: said once a world
+            print(f"nbfsdp: {config.why['device']}", file=sys.stderr)
+        world = self.cluster.ensure_world(world_size, timeout, config.device)
+        unsteerable = self.cluster.unsteerable()
+        if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
+            raise UsageError(f"--save-interval: {unsteerable}")  # the ranks agree on each save through files there
+        if world.generation != self.held.generation:
+            self.held.forget(world.generation)
+            if prepared.kept:  # it was to be the running one (a rank died since): send everything after all
+                prepared.kept = set()
+                prepared.values, prepared.sent = inputs.pack_inputs(
+                    prepared.others, prepared.models, set(), world.world_size
+                )
+        return world
+
+    def _send_models(self, prepared: PreparedCell, world: World) -> list[int]:
+        """Deliver the shards of the models the ranks do not hold as they are; the bytes each rank got."""
+        models = prepared.models
+        sending = [name for name in models if not self.held.holds(name, prepared.fingerprints[name])]
+        if sending:
+            self.held.models_sent(prepared.kept)
+        prepared.tokens = self.held.tokens_for(models, sending)
+        prepared.materialize = [name for name in sending if inputs.on_meta(models[name])]
+        delivering = {name: models[name] for name in sending if name not in prepared.materialize}
+        _, shard_degree = prepared.config.mesh_shape(world.world_size)
+        received = deliver(self.cluster, world, delivering, prepared.tokens, shard_degree, prepared.config.cpu_offload)
+        prepared.sending = {name: prepared.skeletons[name] for name in sending}
+        return [n + len(prepared.values) + sum(map(len, prepared.sending.values())) for n in received]
+
+    def _submit(
+        self,
+        prepared: PreparedCell,
+        spec: CellSpec,
+        world: World,
+        record: history.RunRecord,
+        control: RunControl,
+        background: bool,
+        internal: bool,
+        started: float,
+    ) -> CellRun:
+        """The cell sent to every rank, with its dashboard and its predicted peak beside it."""
+        models, config = prepared.models, prepared.config
+        dashboard = None
+        if not internal and getattr(self.shell, "kernel", None) is not None:  # a frontend can show one
+            dashboard = cell_run.live_dashboard(self.cluster, world, models, config, background, self)
+        prediction = None
+        if not internal:
+            read = [prepared.sent[name] for name in prepared.plans]
+            prediction = cell_run.predict_peak(
+                models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
+            )
+        ranks = RankRun(
+            self.cluster,
+            spec,
+            prepared.values,
+            prepared.sending,
+            view=dashboard,
+            sink=dashboard if background else None,
+            on_records=functools.partial(cell_run.stream_into, record, dashboard),
+        )
+        return CellRun(
+            ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, prepared.tokens, started,
+            prediction,
+        )  # fmt: skip
+
+    def wait(self) -> None:
+        """Block until the background run ends, then finish it as a blocking cell would have."""
+        run = self.active
+        if run is None or run.thread is None:
+            print("nbfsdp: no background run")
+            return
+        try:
+            join_interruptibly(run.thread)
+        except KeyboardInterrupt:
+            run.ranks.interrupt()
+            run.thread.join()
+        self._finish(run)
+
+    def export_script(self, path: str) -> ExportedScript:
+        """The last cell as a torchrun script at ``path``, from the notebook's state now (``export_script``)."""
+        namespace, reads = self.shell.user_ns, self.last_cell.reads if self.last_cell is not None else []
+        loaders = {name: namespace[name] for name in reads if isinstance(namespace.get(name), DataLoader)}
+        shuffle = {name: self.loaders.shuffle_state(loader) for name, loader in loaders.items()}
+        return export_script(self.last_cell, namespace, path, shuffle)
+
+    def where(self) -> Where:
+        """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.run.where``)."""
+        return where_of(self.cluster)
+
+    def interrupt(self) -> None:
+        """End the background run now, as Ctrl-C ends a blocking cell: SIGINT to every rank, then a kill for a
+        rank that does not stop (one blocked in a collective); the next cell starts a fresh world if one died."""
+        run = self.active
+        if run is None or run.thread is None:
+            print("nbfsdp: no background run")
+            return
+        run.ranks.interrupt()
+        run.thread.join()
+        try:
+            self._finish(run)
+        except KeyboardInterrupt:
+            print("nbfsdp: the background run was interrupted on every rank; its results are not brought back")
+
+    def cancel(self) -> None:
+        """End the running cell cleanly at the start of an agreed forward, the same one on every rank."""
+        if self.active is None:
+            print("nbfsdp: nothing is running")
+            return
+        self.active.control.cancel()
+        if self.active.dashboard is not None:
+            self.active.dashboard.note("stop requested: the ranks end before their next forward")
+
+    def change_settings(self, settings: dict[str, Any]) -> str:
+        """A control was changed: the new defaults for later cells, and live in the running cell."""
+        given = {key: value for key, value in settings.items() if key != "world_size"}
+        checked = resolve({}, given)
+        given = {key: getattr(checked, key) for key in given}
+        self.panel.update(given)
+        if "world_size" in settings:
+            self.panel_world_size = int(settings["world_size"])
+        return self.active.change_live(given, set(settings)) if self.active is not None else ""
+
+    def _finish(self, run: CellRun) -> None:
+        """The run has ended: its results into the notebook, or its error raised (``cell_run.finish``)."""
+        self.active = None
+        cell_run.finish(run, self.shell, self.held, self.loaders)
+
+    def engine_models(self) -> list[str]:
+        """The notebook's models the running world holds (sharded by an earlier cell)."""
+        world = self.cluster.world
+        if world is None or world.broken or world.generation != self.held.generation:
+            return []
+        return self.held.models()
+
+    def attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None) -> list[str]:
+        """Run the next cells on a running ipyparallel cluster nbfsdp did not start
+        (``nbfsdp.kernel.cluster.attached``), instead of its own, which stops; return what to say of it."""
+        from nbfsdp.kernel.cluster.attached import AttachedCluster
+
+        if self.active is not None:
+            raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then attach")
+        attached = AttachedCluster(profile, cluster_id, shared_dir)
+        self.detach()
+        self.stop()
+        self._own_cluster, self.cluster = self.cluster, attached
+        return attached.summary()
+
+    def attached_to(self, profile: str, cluster_id: str | None) -> bool:
+        """The cells run on the cluster of ``profile`` (and ``cluster_id``, where given) already."""
+        cluster = self.cluster
+        return self.attached and cluster.profile == profile and cluster_id in (None, cluster.cluster_id)
+
+    @property
+    def attached(self) -> bool:
+        """The cells run on a cluster nbfsdp did not start."""
+        return self._own_cluster is not None
+
+    def detach(self) -> bool:
+        """Let go of an attached cluster (it goes on running); the next cell starts nbfsdp's own again.
+        Whether one was attached."""
+        if self._own_cluster is None:
+            return False
+        if self.pending_save is not None:
+            self.pending_save.wait()
+        self.cluster.detach()
+        self.cluster, self._own_cluster = self._own_cluster, None
+        self.held.forget()
+        return True
+
+    def stop(self) -> None:
+        """End the cluster; a background run still going ends with it. A background save is waited for
+        first; its error, if any, is raised once the cluster has stopped."""
+        failed: BaseException | None = None
+        if self.pending_save is not None:
+            try:
+                self.pending_save.wait()
+            except Exception as error:  # the cluster still stops
+                failed = error
+        if self.active is not None and self.active.thread is not None:
+            self.active.ranks.interrupt()
+            self.active.thread.join()
+            self.active.clean_up()
+            self.active = None
+        self.cluster.stop()
+        self.held.forget()
+        if failed is not None:
+            raise failed
+
+
+def current_session() -> Session:
+    """The notebook's session, for nbfsdp's functions (``nbfsdp.save``, ``nbfsdp.where``); the magics hold theirs."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    magics = shell.magics_manager.registry.get("FSDPMagics") if shell is not None else None
+    if magics is None:
+        raise UsageError("nbfsdp is not loaded (or still loading in the background): run %load_ext nbfsdp first")
+    return magics.session
+
+
+def where() -> Where:
+    """``%fsdp where`` in Python: where each rank of the running world is, and what that says
+    (``nbfsdp.kernel.run.where``)."""
+    return current_session().where()

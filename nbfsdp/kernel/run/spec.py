@@ -1,0 +1,144 @@
+"""What a cell is before it runs: its inputs read and pickled, then what every rank is told to run.
+
+``PreparedCell`` holds everything known before an engine is touched; ``cell_spec`` turns it, once the
+world is known, into the ``CellSpec`` the ranks receive.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from IPython.core.interactiveshell import InteractiveShell
+
+from nbfsdp.kernel.cluster.world import World
+from nbfsdp.kernel.run import inputs
+from nbfsdp.kernel.run.control import RunControl
+from nbfsdp.kernel.run.held import EngineHoldings, Fingerprint, fingerprint
+from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
+from nbfsdp.shared import transfer
+from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
+from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.protocol import CellSpec, IntervalSaves, LoaderSplit, LoaderState
+from nbfsdp.shared.units import wrap_units
+
+
+@dataclass(eq=False)
+class PreparedCell:
+    """A cell parsed and its inputs read and pickled: everything known before an engine is touched."""
+
+    code: str
+    number: int
+    reads: list[str]
+    config: FSDPConfig
+    devices: Devices
+    assigned: list[str]
+    models: dict[str, nn.Module]
+    others: dict[str, Any]
+    skeletons: dict[str, bytes]
+    fingerprints: dict[str, Fingerprint]
+    kept: set[str]
+    """Optimizers and schedulers the running world holds as the notebook does: not sent."""
+    values: bytes
+    sent: dict[str, Any]
+    plans: dict[str, LoaderPlan]
+    per_rank_batches: bool
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Each model's token on the ranks (a new one for each model sent)."""
+    materialize: list[str] = field(default_factory=list)
+    """Models built on the meta device, sent as skeletons only: the ranks initialize their shards."""
+    sending: dict[str, bytes] = field(default_factory=dict)
+    """The skeletons of the models sent anew (their shards are delivered before the cell)."""
+
+    @property
+    def filename(self) -> str:
+        return f"<fsdp-cell-{self.number}>"
+
+
+def prepare(
+    shell: InteractiveShell,
+    number: int,
+    cell: str,
+    config: FSDPConfig,
+    devices: Devices,
+    held: EngineHoldings | None,
+    loaders: NotebookLoaders,
+    world_size: int,
+    per_rank_batches: bool,
+) -> PreparedCell:
+    """Parse the cell, read its inputs, pickle what the ranks do not hold (``held``: what the running world
+    holds, where the cell runs in it)."""
+    reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
+    models, others = inputs.read_inputs(shell, reads)
+    skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
+    for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
+        wrap_units(model, config)
+    fingerprints = {name: fingerprint(model, skeletons[name], config) for name, model in models.items()}
+    kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
+    values, sent = inputs.pack_inputs(others, models, kept, world_size)
+    plans = loaders.plan(sent, world_size, per_rank_batches)
+    return PreparedCell(
+        cell, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
+        plans, per_rank_batches,
+    )  # fmt: skip
+
+
+def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSettings | None) -> IntervalSaves | None:
+    """``--save-interval``: where the ranks save, and the directory they agree on each save in."""
+    if checkpointing is None or checkpointing.save_interval is None:
+        return None
+    folder = Path(checkpointing.save_folder).expanduser().resolve()  # the engines may run elsewhere
+    folder.mkdir(parents=True, exist_ok=True)
+    markers = Path(private_dir, f"saves-{number}")
+    markers.mkdir()
+    return IntervalSaves(
+        folder=str(folder),
+        interval=checkpointing.save_interval,
+        keep=checkpointing.save_num_checkpoints_to_keep,
+        markers=str(markers),
+    )
+
+
+def cell_spec(
+    prepared: PreparedCell,
+    world: World,
+    gather: bool,
+    control: RunControl,
+    saves: IntervalSaves | None,
+    loaders: NotebookLoaders,
+    resume_step: int,
+    loader_resume: dict[str, LoaderState],
+) -> CellSpec:
+    """What every rank is told to run. ``resume_step`` and ``loader_resume``: where a checkpoint loaded
+    since the last cell left the steps and the loaders."""
+    plans, sent = prepared.plans, prepared.sent
+    # with saves on, every loader also carries the epochs it began before, for the saves' count
+    epochs = {name: LoaderState(epochs=loaders.epochs(sent[name]), generators=[]) for name in plans}
+    return CellSpec(
+        code=prepared.code,
+        filename=prepared.filename,
+        generation=world.generation,
+        models=list(prepared.models),
+        model_tokens=prepared.tokens,
+        assigned=prepared.assigned,
+        gather=sorted(prepared.models) if gather else [],
+        fsdp=prepared.config,
+        materialize=prepared.materialize,
+        seed=torch.initial_seed() % 2**63,
+        control=control.for_ranks,
+        loaders={
+            name: LoaderSplit(per_rank=prepared.per_rank_batches, seed_state=loaders.shuffle_state(sent[name]))
+            for name in plans
+        },
+        resume_step=resume_step,
+        saves=saves,
+        kept=sorted(prepared.kept),
+        loader_resume={
+            **(epochs if saves is not None else {}),
+            **{name: state for name, state in loader_resume.items() if name in plans},
+        },
+    )
