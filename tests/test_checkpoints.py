@@ -18,6 +18,7 @@ from conftest import run_failing, run_ok
 from IPython.core.error import UsageError
 
 import nbfsdp
+from nbfsdp.kernel.run.session import current_session
 from nbfsdp.shared import checkpoints
 from nbfsdp.shared.checkpoints import MANIFEST, CheckpointError, Manifest, list_checkpoints
 
@@ -76,6 +77,13 @@ def _assert_optimizers_equal(a: dict, b: dict) -> None:
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
 
 
+#: On a rank: the source of every cell it was sent that tracebacks can still show (an expression: a test
+#: module's function would travel by reference, and the engines cannot import the tests).
+CELL_SOURCES = (
+    "''.join(''.join(entry[2]) for name, entry in __import__('linecache').cache.items() if name.startswith('<fsdp-'))"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.floor
 def test_exact_resume_between_cells_after_the_world_is_stopped(shell, tmp_path):
@@ -105,6 +113,10 @@ def test_exact_resume_between_cells_after_the_world_is_stopped(shell, tmp_path):
     run_ok(shell, "model, opt, sched, loader = fresh(seed=1)\nstart = 8")
     run_ok(shell, f"%fsdp load {path}")
     assert nbfsdp.last_run().metric("loss")[-1] == first[-1]  # the load is no run of its own
+    # it reached the ranks as a typed request (shared.protocol.LoadCheckpoint), never as source to run
+    client = current_session().cluster.client
+    sources = client[:].apply_sync(eval, CELL_SOURCES)
+    assert sources and not any("load_into" in text or "checkpointing" in text for text in sources)
     # the notebook's own objects hold what was saved (the kernel read them while the ranks loaded theirs)
     _assert_states_equal(_state(shell), saved)
     _assert_optimizers_equal(shell.user_ns["opt"].state_dict(), saved_optimizer)

@@ -147,3 +147,29 @@ def test_a_plan_for_ranks_sharing_a_gpu_says_so_and_its_code_sets_nccl_hostid(sh
     assert plan.devices == "4 ranks on 1 GPU (shared)"
     assert "# Ranks share GPUs: before init_process_group each rank set NCCL_HOSTID" in plan.code
     compile(plan.code, "<explain --code>", "exec")
+
+
+class _GpuHosts:
+    """Where an attached cluster of two hosts with 2 GPUs each would put its ranks: only ``devices``, the one
+    call a plan makes of the notebook's cluster (a real attached cluster on GPU hosts cannot run here)."""
+
+    def devices(self, world_size, device=None, *, planning=False):
+        from nbfsdp.shared.devices import choose
+
+        return choose(device or "cuda", world_size, 4, planning=planning)
+
+
+def test_a_plan_asks_the_notebooks_cluster_where_its_ranks_run_not_the_kernel(shell, tiny_model):
+    """One answer to "GPU or CPU?": explain and the panel ask the cluster the cells run on, as %%fsdp does
+    (an attached GPU cluster driven from a CPU kernel plans for its GPUs)."""
+    from nbfsdp.kernel.cluster import world
+
+    assert nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block").devices == "4 ranks on the CPU (gloo)"
+    session = nbfsdp._magics.session
+    world.plan_with(_GpuHosts())
+    try:
+        planned = nbfsdp.explain(tiny_model, world_size=4, wrap_cls="Block")
+    finally:
+        world.plan_with(session.cluster)
+    assert planned.devices == "4 ranks on 4 GPUs"
+    assert "mixed precision DEFAULT" in str(planned)  # the GPU default, decided for the cluster's GPUs

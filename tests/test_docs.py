@@ -14,6 +14,7 @@ import re
 import pytest
 
 import nbfsdp
+from nbfsdp.kernel import flags
 from nbfsdp.kernel.magics import FSDPMagics
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
@@ -29,11 +30,12 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     return {
         "%%fsdp": FSDPMagics.fsdp.parser,
         "%fsdp": FSDPMagics.fsdp_line.parser,
-        "%fsdp explain": FSDPMagics._explain_arguments.parser,
-        "%fsdp save": FSDPMagics._save_arguments.parser,
-        "%fsdp load": FSDPMagics._load_arguments.parser,
-        "%fsdp checkpoints": FSDPMagics._checkpoints_arguments.parser,
-        "%fsdp export": FSDPMagics._export_arguments.parser,
+        "%fsdp explain": flags.explain_arguments.parser,
+        "%fsdp save": flags.save_arguments.parser,
+        "%fsdp load": flags.load_arguments.parser,
+        "%fsdp checkpoints": flags.checkpoints_arguments.parser,
+        "%fsdp export": flags.export_arguments.parser,
+        "%fsdp attach": flags.attach_arguments.parser,
     }
 
 

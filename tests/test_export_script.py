@@ -13,7 +13,8 @@ import torch
 from IPython.core.error import UsageError
 
 import nbfsdp
-from nbfsdp.kernel.checkpoints.export_script import LastCell, export_script
+from nbfsdp.kernel.checkpoints.export_script import export_script
+from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices
 from tests.conftest import run_failing, run_ok

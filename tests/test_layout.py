@@ -177,3 +177,68 @@ def test_no_module_imports_one_that_imports_it_back():
     for module in sorted(graph):
         walk(module, [])
     assert not cycles, cycles
+
+
+def _package_of(module: str) -> str:
+    """The (sub)package a module sits in: ``nbfsdp.kernel.run`` for ``nbfsdp.kernel.run.session``."""
+    return module if (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists() else module.rpartition(".")[0]
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    """Packages form no cycle either, the kernel's own (cluster, run, planning, checkpoints) included: a
+    package's path says what it is for, and what it may lean on."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = _package_of(module)
+        graph.setdefault(package, set()).update(_package_of(m) for m in _runtime_imports(path))
+    for package, imported in graph.items():
+        # a package's parent only holds it (``nbfsdp`` loads its names lazily): no edge upwards
+        imported.difference_update({package, *(p for p in imported if package.startswith(p + "."))})
+    cycles = []
+
+    def walk(package: str, path: list[str]) -> None:
+        if package in path:
+            cycles.append(path[path.index(package) :] + [package])
+            return
+        for imported in sorted(graph.get(package, ())):
+            if len(path) < len(graph):
+                walk(imported, [*path, package])
+
+    for package in sorted(graph):
+        walk(package, [])
+    assert not cycles, cycles[:3]
+
+
+def test_no_class_is_over_300_lines():
+    """A class a reader can hold in their head: one job each (the session's cell run, what the engines
+    hold, the calls on every rank are each a module of their own)."""
+    sizes = {
+        f"{path.relative_to(PACKAGE.parent)}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert sizes and {name: lines for name, lines in sizes.items() if lines > 300} == {}
+
+
+#: What each of the kernel's packages may import of the kernel (docs/design.md draws the same table).
+KERNEL_ALLOWED = {
+    "cluster": {"cluster"},
+    "planning": {"planning", "cluster"},
+    "run": {"run", "cluster", "planning"},
+    "checkpoints": {"checkpoints", "cluster", "planning", "run"},
+}
+
+
+def test_the_kernels_packages_lean_only_on_those_below_them():
+    kernel = PACKAGE / "kernel"
+    assert {p.name for p in kernel.iterdir() if (p / "__init__.py").exists()} == set(KERNEL_ALLOWED)
+    wrong = []
+    for package, allowed in KERNEL_ALLOWED.items():
+        for path in sorted((kernel / package).rglob("*.py")):
+            for module in _runtime_imports(path):
+                parts = module.split(".")
+                if parts[:2] == ["nbfsdp", "kernel"] and len(parts) > 3 and parts[2] not in allowed:
+                    wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
+    assert wrong == []

@@ -148,15 +148,15 @@ def test_config_flags_and_the_controls_take_their_lists_from_one_place(shell):
     """Every fsdp_config flag of %%fsdp is a config field, and the world-size control stops where the flag does."""
     import dataclasses
 
-    from nbfsdp.kernel import magics
+    from nbfsdp.kernel import flags
     from nbfsdp.shared import config
     from nbfsdp.shared.limits import MAX_WORLD_SIZE
     from nbfsdp.ui.controls import SettingsControls
 
     fields = {f.name for f in dataclasses.fields(config.FSDPConfig)}
-    assert magics.CONFIG_FLAGS and set(magics.CONFIG_FLAGS) <= fields
+    assert flags.CONFIG_FLAGS and set(flags.CONFIG_FLAGS) <= fields
     cell_help = shell.find_cell_magic("fsdp").__doc__
-    assert all(f"--{flag.replace('_', '-')}" in cell_help for flag in magics.CONFIG_FLAGS)
+    assert all(f"--{flag.replace('_', '-')}" in cell_help for flag in flags.CONFIG_FLAGS)
     values = {**dataclasses.asdict(config.FSDPConfig()), "world_size": 2}
     controls = SettingsControls(values, lambda change: None)
     assert controls.widgets["world_size"].max == MAX_WORLD_SIZE
@@ -191,3 +191,25 @@ def test_each_action_is_one_entry_whose_usage_makes_the_help(shell):
         assert hasattr(FSDPMagics, f"_action_{name.replace('-', '_')}"), name
     with pytest.raises(UsageError, match="%fsdp status takes no arguments; got 'now'"):
         shell.run_line_magic("fsdp", "status now")
+
+
+def test_each_settings_flag_is_made_from_its_field_its_choices_the_literal_its_help_the_docstring():
+    """One source of truth: a setting's type and docstring in FSDPConfig are its flag's choices and help."""
+    import typing
+
+    from nbfsdp.kernel import flags
+    from nbfsdp.kernel.magics import FSDPMagics
+    from nbfsdp.shared import config
+
+    actions = {a.dest: a for a in FSDPMagics.fsdp.parser._actions}
+    hints = typing.get_type_hints(config.FSDPConfig)
+    for name in flags.CONFIG_FLAGS:
+        action = actions[name]
+        assert action.help.replace("%%", "%") == flags.FIELD_DOCS[name] != ""
+        members = [hints[name], *typing.get_args(hints[name])]  # the Literal itself, or one in a union
+        literals = [a for a in members if typing.get_origin(a) is typing.Literal]
+        assert tuple(action.choices or ()) == tuple(v for literal in literals for v in typing.get_args(literal))
+    assert actions["sharding_strategy"].choices == config.SHARDING_STRATEGIES
+    assert "ZeRO-3" in actions["sharding_strategy"].help and "--config" not in flags.FIELD_DOCS["sharding_strategy"]
+    for name in config.CHECKPOINT_KEYS:
+        assert actions[name].help.replace("%%", "%") == flags.CHECKPOINT_DOCS[name] != ""

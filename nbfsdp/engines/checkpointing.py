@@ -42,7 +42,7 @@ from nbfsdp.engines.loaders import SplitBatchSampler, set_after_init, shuffle_ge
 from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
-from nbfsdp.shared.protocol import IntervalSaves, LoaderState
+from nbfsdp.shared.protocol import InternalRequest, IntervalSaves, LoadCheckpoint, LoaderState, LoadWeightsFile
 from nbfsdp.shared.weights_files import full_weights_reader
 
 
@@ -469,6 +469,22 @@ def _fields(config: Any) -> dict[str, Any]:
     return fields
 
 
+def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
+    """nbfsdp's own cell on this rank, with the notebook's objects it names from ``namespace``."""
+    match request:
+        case LoadCheckpoint():
+            load_into(
+                request.directory,
+                {name: namespace[name] for name in request.models},
+                {name: (namespace[name], owner) for name, owner in request.optimizers.items()},
+                {name: namespace[name] for name in request.schedulers},
+                request.ignore,
+                request.restore_rng,
+            )
+        case LoadWeightsFile():
+            load_weights_file(request.path, namespace[request.model])
+
+
 def load_into(
     path: str,
     models: dict[str, nn.Module],
@@ -477,7 +493,7 @@ def load_into(
     ignore: list[str],
     restore_rng: bool,
 ) -> None:
-    """In an internal cell, on every rank: read the checkpoint into these sharded models, optimizers and
+    """For a ``LoadCheckpoint`` request, on every rank: read the checkpoint into these sharded models, optimizers and
     schedulers in place (DCP reshards to this world), and, at the world size that saved it, this rank's
     RNG states. The cell's end then brings the weights and state back into the notebook's own objects."""
     world = worlds.current
@@ -513,8 +529,8 @@ _bytes_read = 0
 
 
 def load_weights_file(path: str, model: nn.Module) -> None:
-    """In an internal cell, on every rank: this rank's part of every tensor of a full-weights file into the
-    sharded ``model``, in place; only those rows are read (``full_weights_reader``). The cell's end then
+    """For a ``LoadWeightsFile`` request, on every rank: this rank's part of every tensor of a full-weights
+    file into the sharded ``model``, in place; only those rows are read (``full_weights_reader``). The cell's end then
     brings the weights back into the notebook's model, as after a checkpoint's load."""
     global _bytes_read
     with full_weights_reader(path) as reader:

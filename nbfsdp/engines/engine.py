@@ -324,7 +324,10 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             failed = True
             try:
                 with pasted.world_owned_calls(world.rank):
-                    exec(code, namespace)
+                    if spec.request is not None:
+                        checkpointing.run_request(spec.request, namespace)
+                    else:
+                        exec(code, namespace)
                 failed = False
             except CellCancelled:
                 cancelled, failed = True, False  # every rank stops at the same step; the cell ends as a finished one

@@ -8,9 +8,11 @@ curves of those runs overlaid in one figure.
 
 from __future__ import annotations
 
+import io
 import statistics
 from typing import Any
 
+from IPython.display import Image, display
 from matplotlib.figure import Figure
 
 from nbfsdp.kernel.run import history
@@ -81,3 +83,17 @@ def loss_figure(last: int = 5) -> Figure | None:
     axes.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def show(last: int, with_figure: bool) -> None:
+    """``%fsdp compare``: the table of the last runs, and where a frontend shows images, their losses."""
+    rows = compare(last)
+    if not rows:
+        print("nbfsdp: no runs yet")
+        return
+    print(table(rows))
+    figure = loss_figure(last) if with_figure else None
+    if figure is not None:
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        display(Image(data=buffer.getvalue()))

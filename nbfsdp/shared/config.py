@@ -13,17 +13,22 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-from nbfsdp.shared.devices import DEVICE_CHOICES, Devices
+from nbfsdp.shared.devices import DEVICE_CHOICES, DeviceChoice, Devices
 from nbfsdp.shared.errors import ConfigError
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-MIXED_PRECISIONS = ("FULL", "DEFAULT", "PURE")
-PRECISIONS = ("bf16", "fp16")
-BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+MixedPrecision = Literal["FULL", "DEFAULT", "PURE"]
+Precision = Literal["bf16", "fp16"]
+BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
+#: The choices of each setting, read off its type: the flags, the controls and ``resolve`` check against these.
+SHARDING_STRATEGIES: tuple[ShardingStrategy, ...] = get_args(ShardingStrategy)
+MIXED_PRECISIONS: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+BACKWARD_PREFETCHES: tuple[BackwardPrefetch, ...] = get_args(BackwardPrefetch)
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -72,38 +77,41 @@ COMPOSER_KEYS_WITHOUT_EFFECT = {
 class FSDPConfig:
     """The settings of one ``%%fsdp`` cell, with Composer's names and defaults."""
 
-    sharding_strategy: str = "FULL_SHARD"
-    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD."""
-    mixed_precision: str | dict | None = None
-    """FULL, DEFAULT, PURE, or a dict of param_dtype / reduce_dtype / buffer_dtype; None (not given) is
-    Composer's default for the device: FULL on CPU, where its precision is fp32 unless ``precision``
-    is given, DEFAULT on GPU. DEFAULT is Composer's FSDP2 meaning (``get_mixed_precision``, torchtitan's
-    default too): low-precision parameters, fp32 gradient reduction; buffers stay fp32 (``MIXED_PRECISION``)."""
-    precision: str | None = None
-    """The low precision of DEFAULT and PURE: bf16 or fp16; None (not given) is bf16."""
-    backward_prefetch: str | None = None
-    """BACKWARD_PRE, BACKWARD_POST (FSDP2 has none: BACKWARD_PRE is used) or NONE; None (not given) is
-    Composer's default BACKWARD_POST, which runs as BACKWARD_PRE without a word."""
+    sharding_strategy: ShardingStrategy = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD
+    (sharded inside replica groups, replicated across them)."""
+    mixed_precision: MixedPrecision | dict | None = None
+    """FULL: fp32 (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient reduction,
+    fp32 buffers (default on GPU; Composer's FSDP2 meaning, torchtitan's default; FSDP2's policy has no
+    buffer dtype); PURE: low precision throughout. In a --config dict also a dict of param_dtype /
+    reduce_dtype / buffer_dtype."""
+    precision: Precision | None = None
+    """The low precision of DEFAULT and PURE (default bf16); given, DEFAULT is the default on CPU too."""
+    backward_prefetch: BackwardPrefetch | None = None
+    """Gather the next unit during backward (default: Composer's BACKWARD_POST, which FSDP2 has not: it
+    runs as BACKWARD_PRE)."""
     forward_prefetch: bool = False
-    """All-gather the next unit while the current one computes its forward."""
+    """Gather the next unit during forward."""
     activation_checkpointing: bool = False
-    """Recompute activations in backward instead of keeping them."""
+    """Recompute activations in backward instead of keeping them (Composer's module rules decide where)."""
     activation_cpu_offload: bool = False
     """Keep saved activations on the CPU until backward needs them."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on the CPU."""
     min_params: int = int(1e8)
-    """Wrap a module as its own unit once it holds this many not-yet-wrapped parameters."""
+    """Wrap a module as its own unit once it holds this many not-yet-wrapped parameters (default 1e8)."""
     wrap_cls: tuple[str, ...] = ()
-    """Class names whose instances are units (TorchAcc's wrap classes)."""
+    """Class names whose instances are FSDP units (TorchAcc's wrap classes), comma-separated."""
     replicas: int | None = None
-    """HYBRID_SHARD: number of replica groups (Composer's data_parallel_replicate_degree)."""
+    """HYBRID_SHARD: this many replica groups, each sharding the model (Composer's
+    data_parallel_replicate_degree)."""
     sync_module_states: bool = False
-    """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards."""
-    device: str | None = None
-    """Where the ranks run: cuda (a GPU each, rank r on GPU r mod G, so several may share one), cpu (gloo),
-    or auto: a GPU a rank where there are enough, else the CPU. None (not given) is ``$NBFSDP_DEVICE``, else
-    auto; a validated config holds the device chosen, cuda or cpu (``nbfsdp.shared.devices``)."""
+    """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards (without it
+    every rank initializes its own shards under the same seeds)."""
+    device: DeviceChoice | None = None
+    """cuda: every rank on a GPU, rank r on GPU r mod G (several ranks share one where there are fewer GPUs;
+    NCCL between them goes over sockets); cpu: gloo; auto (default, or $NBFSDP_DEVICE): a GPU a rank where
+    there are enough, else the CPU. A validated config holds the device chosen, cuda or cpu."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
     why: dict[str, str] = field(default_factory=dict)
@@ -287,17 +295,18 @@ class CheckpointSettings:
     """
 
     save_folder: str | None = None
-    """Interval saves go to ``<save_folder>/step-<N>/``; ``autoresume`` looks there."""
+    """Where --save-interval saves (DIR/step-N) and --autoresume looks."""
     save_interval: int | None = None
-    """Save at ``nbfsdp.log(step=s)`` when ``(s + 1) % save_interval == 0``."""
+    """Save a checkpoint at nbfsdp.log(step=s) when (s + 1) % N == 0, on every rank (needs --save-folder)."""
     save_num_checkpoints_to_keep: int = -1
-    """Keep this many newest complete checkpoints in the folder; -1 keeps all (Composer's default)."""
+    """Keep the K newest complete checkpoints in the save folder (default -1: all, Composer's default)."""
     autoresume: bool = False
-    """Load the newest complete checkpoint in ``save_folder`` (by step) before the cell, if any."""
+    """Before the cell, load the newest complete checkpoint in --save-folder, if any; resume_step is its step."""
     load_path: str | None = None
-    """A checkpoint to load before the cell (``autoresume``, when it finds one, wins, as in Composer)."""
+    """Before the cell, load this checkpoint; resume_step is its step (--autoresume, when it finds one, wins,
+    as in Composer)."""
     load_ignore_keys: list[str] = field(default_factory=list)
-    """Globs on the checkpoint's keys to skip when loading."""
+    """With --load-path or --autoresume: globs on the checkpoint's keys to skip, e.g. 'optimizers.*'."""
 
     @property
     def loads(self) -> bool:

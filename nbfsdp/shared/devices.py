@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from nbfsdp.shared.errors import ConfigError
 
 #: ``--device``'s choices.
-DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+DEVICE_CHOICES: tuple[DeviceChoice, ...] = get_args(DeviceChoice)
 
 #: The default of ``--device`` when a cell, ``--config`` and the panel say nothing (``make test-gpu`` runs the
 #: course with it set to ``cuda``, so ranks share the GPUs there are).

@@ -3,7 +3,8 @@
 Both sides import this module, so a field added or renamed here is seen by both, and a reader
 finds here everything that crosses the line:
 
-- ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``);
+- ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``): a user's cell,
+  or one of nbfsdp's own requests (``LoadCheckpoint``, ``LoadWeightsFile``), typed, never source text;
 - ``CellOutcome``: what each rank answers, or what the kernel records for a rank that gave no answer;
 - ``EngineInfo``: an engine once it joined the world;
 - ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.run.delivery`` sends it;
@@ -101,11 +102,47 @@ class IntervalSaves:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoadCheckpoint:
+    """nbfsdp's own cell: every rank reads checkpoint ``directory`` into the sharded models, optimizers and
+    schedulers of these names (``nbfsdp.engines.checkpointing.load_into``)."""
+
+    directory: str
+    models: list[str]
+    optimizers: dict[str, str]
+    """Each optimizer's name -> the name of the model it optimizes."""
+    schedulers: list[str]
+    ignore: list[str]
+    """Globs on the checkpoint's keys left unread."""
+    restore_rng: bool
+    """The world size that saved it: each rank's RNG states carry over too."""
+
+    def reads(self) -> list[str]:
+        """The notebook's names the ranks need: sent (or kept) as a user cell's would be."""
+        return [*self.models, *self.optimizers, *self.schedulers]
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadWeightsFile:
+    """nbfsdp's own cell: every rank reads its rows of a full-weights file into the sharded model ``model``
+    (``nbfsdp.engines.checkpointing.load_weights_file``)."""
+
+    path: str
+    model: str
+
+    def reads(self) -> list[str]:
+        return [self.model]
+
+
+#: What nbfsdp itself asks the ranks to run between the user's cells.
+InternalRequest = LoadCheckpoint | LoadWeightsFile
+
+
+@dataclass(kw_only=True, slots=True)
 class CellSpec:
     """One ``%%fsdp`` cell as every rank runs it; the same object goes to each rank."""
 
     code: str
-    """The cell's source."""
+    """The cell's source ('' for nbfsdp's own ``request``)."""
     filename: str
     """``<fsdp-cell-N>``: the name tracebacks show the cell's lines under."""
     generation: int
@@ -139,6 +176,9 @@ class CellSpec:
     kept: list[str] = field(default_factory=list)
     """The notebook's optimizers and schedulers the cell reads that the ranks hold as the notebook does:
     not sent; each rank takes its own from its namespace."""
+    request: InternalRequest | None = None
+    """nbfsdp's own cell, run instead of ``code``: no run record, the notebook's names as the user's cell
+    would have them."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -42,24 +42,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.kernel.planning.plans import plan
-from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.torch_private import is_iterable_loader
 
 #: Names a cell finds on the ranks without reading them from the notebook.
 _GIVEN = {"rank", "world_size", "device", "nbfsdp", "resume_step"}
-
-
-@dataclass
-class LastCell:
-    """The last ``%%fsdp`` cell, as ``export-script`` needs it."""
-
-    code: str
-    world_size: int
-    config: FSDPConfig
-    devices: Devices
-    per_rank_batches: bool
-    reads: list[str]
 
 
 @dataclass

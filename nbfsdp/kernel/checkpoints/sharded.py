@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
-from nbfsdp.kernel.cluster.world import World, visible_gpus
+from nbfsdp.kernel.cluster.world import World
 from nbfsdp.kernel.run import history
 from nbfsdp.kernel.run.session import Session, current_session
 from nbfsdp.shared import checkpoints as fmt
@@ -36,7 +36,7 @@ from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
-from nbfsdp.shared.protocol import LoaderState
+from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader
 
@@ -280,17 +280,19 @@ def load_with(
         first = next(iter(manifest.models.values()))
         saved = {**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"]), "device": None}
         config = _on_running_device(FSDPConfig(**saved), running)
-    cell = (
-        '__import__("nbfsdp.engines.checkpointing", fromlist=["load_into"]).load_into('
-        f"{str(directory)!r}, {{{', '.join(f'{n!r}: {n}' for n in models)}}}, "
-        f"{{{', '.join(f'{n!r}: ({n}, {o!r})' for n, o in optimizers.items())}}}, "
-        f"{{{', '.join(f'{n!r}: {n}' for n in schedulers)}}}, {patterns!r}, {same!r})\n"
+    request = LoadCheckpoint(
+        directory=str(directory),
+        models=list(models),
+        optimizers=dict(optimizers),
+        schedulers=list(schedulers),
+        ignore=patterns,
+        restore_rng=same,
     )
     if timeout is None:
         timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
     if patterns or any(p.is_meta for model in models.values() for p in model.parameters()):
         # part of a checkpoint, or a model with no storage yet: the notebook takes what the ranks loaded
-        session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
+        session.run_cell(request, world_size=world_size, timeout=timeout, gather=True, config=config)
     else:
         # the kernel reads the same files into the notebook's objects while the ranks load theirs: nothing
         # loaded is gathered back, and the next cell sends none of them (the notebook holds what the ranks do)
@@ -298,7 +300,7 @@ def load_with(
 
         objects = {name: (namespace[name], owner) for name, owner in optimizers.items()}
         reading = exporting.NotebookRead(directory, models, objects, {n: namespace[n] for n in schedulers})
-        session.run_cell(cell, world_size=world_size, timeout=timeout, gather=False, config=config, internal=True)
+        session.run_cell(request, world_size=world_size, timeout=timeout, gather=False, config=config)
         reading.apply()
         session.held.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
@@ -352,21 +354,18 @@ def load_file_with(
     running = session.cluster.world
     alive = running is not None and not running.broken
     if world_size is None:
-        world_size = running.world_size if alive else (session.panel_world_size or visible_gpus() or 2)
+        world_size = running.world_size if alive else (session.panel_world_size or session.cluster.default_world_size())
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
     if timeout is None:
         timeout = running.timeout if alive else DEFAULT_TIMEOUT_SECONDS
-    cell = (
-        '__import__("nbfsdp.engines.checkpointing", fromlist=["load_weights_file"]).load_weights_file('
-        f"{str(file)!r}, {name})\n"
-    )
+    request = LoadWeightsFile(path=str(file), model=name)
     if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
         try:
             config = _on_running_device(resolve_settings(None, {}, session.panel), running if alive else None)
         except ConfigError as error:
             raise UsageError(str(error)) from None
-    session.run_cell(cell, world_size=world_size, timeout=timeout, gather=True, config=config, internal=True)
+    session.run_cell(request, world_size=world_size, timeout=timeout, gather=True, config=config)
     world = session.cluster.world
     client = session.cluster.client
     read = [client[engine_id].apply_sync(checkpointing.bytes_read) for engine_id in world.engine_ids]

@@ -186,6 +186,10 @@ class AttachedCluster:
         are there to ask)."""
         return devices(self.placements_for(world_size), self._identities, device)
 
+    def default_world_size(self, device: str | None = None) -> int:
+        """Every engine of the cluster."""
+        return self.engines
+
     def host_replicas(self, world_size: int) -> int:
         """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.
         Hosts with different numbers of ranks cannot: a UsageError names them."""

@@ -62,10 +62,11 @@ from nbfsdp.kernel.cluster.world import (
     engine_layout,
     join_interruptibly,
     nccl_host_environment,
+    visible_gpus,
     wait_for_death,
 )
 from nbfsdp.shared import processes
-from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.devices import Devices, requested_device
 from nbfsdp.shared.processes import ProcessRef
 
 if TYPE_CHECKING:
@@ -183,6 +184,9 @@ class FSDPCluster:
 
     def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
         return devices_here(world_size, device, planning=planning)
+
+    def default_world_size(self, device: str | None = None) -> int:
+        return 2 if requested_device(device) == "cpu" else (visible_gpus() or 2)
 
     def rank_hosts(self) -> list[str]:
         """The running world's host per rank: this machine's, for all."""

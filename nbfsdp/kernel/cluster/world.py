@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
     from nbfsdp.shared.protocol import EngineInfo
 
+#: The notebook's cluster, which ``planned_devices`` asks (set by the session as it changes).
+_notebook_cluster: Cluster | None = None
 #: How long a world's engines may take to set up their process group.
 ENGINE_START_TIMEOUT = 120.0
 #: How often a wait for a thread lets a KeyboardInterrupt through.
@@ -84,6 +86,22 @@ def devices_here(world_size: int, requested: str | None, *, planning: bool = Fal
     return choose(requested, world_size, visible_gpus(), planning=planning)
 
 
+def planned_devices(world_size: int, requested: str | None) -> Devices:
+    """Where a plan's ``world_size`` ranks, asked ``requested``, would run: as the notebook's cluster
+    decides (an attached one from its engines' GPUs), else as this machine would; GPUs it lacks are
+    planned for (``%fsdp explain --device cuda`` from a kernel without one)."""
+    cluster = _notebook_cluster
+    if cluster is None:
+        return devices_here(world_size, requested, planning=True)
+    return cluster.devices(world_size, requested, planning=True)
+
+
+def plan_with(cluster: Cluster | None) -> None:
+    """``cluster`` is the notebook's now (the session's own, or one it attached to): plans ask it."""
+    global _notebook_cluster
+    _notebook_cluster = cluster
+
+
 def nccl_host_environment(devices: Devices, rank: int, key: str) -> dict[str, str]:
     """What a rank sets before ``init_process_group`` so that NCCL accepts ranks that share a GPU: an
     ``NCCL_HOSTID`` per "host" of ``Devices.nccl_hosts``, made unique to this cluster by ``key`` (NCCL
@@ -127,6 +145,10 @@ class Cluster(Protocol):
         """Where a world of ``world_size`` runs, asked ``device`` (``--device``; None: not given): on GPUs
         (NCCL) or the CPU (gloo). A device it cannot have raises ``ConfigError``, unless ``planning`` (a plan,
         nothing run) where it can plan for it."""
+
+    def default_world_size(self, device: str | None = None) -> int:
+        """The world size of a cell that gives none, asked ``device``: a rank per GPU where the ranks would
+        have GPUs, else 2 (an attached cluster: every engine)."""
 
     def rank_hosts(self) -> list[str]:
         """The running world's host per rank (names unique per host, even where hostnames are not)."""

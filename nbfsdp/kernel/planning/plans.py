@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nbfsdp.kernel.cluster.world import devices_here
+from nbfsdp.kernel.cluster.world import planned_devices
 from nbfsdp.kernel.planning import fitting, predicted
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.fsdp_code import render
@@ -324,7 +324,7 @@ def _traced(
 
 
 def _devices_of(planned: Plan, devices: Devices | None, config: FSDPConfig) -> Devices:
-    return devices if devices is not None else devices_here(planned.world_size, config.device, planning=True)
+    return devices if devices is not None else planned_devices(planned.world_size, config.device)
 
 
 def _replan(
@@ -341,7 +341,7 @@ def _replan(
     size = settings.pop("world_size", world_size)
     micro = settings.pop("micro_batches", 1)
     changed = dataclasses.replace(config, **settings)
-    devices = devices_here(size, config.device, planning=True)
+    devices = planned_devices(size, config.device)
     try:
         changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
         work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
@@ -359,7 +359,7 @@ def _plan(
 ) -> Plan:
     """The plan without a step: units, dtypes, the state's memory, communication, the code."""
     if devices is None:
-        devices = devices_here(world_size, config.device, planning=True)
+        devices = planned_devices(world_size, config.device)
     if hosts is not None and len(hosts) != world_size:
         raise ConfigError(f"hosts: {len(hosts)} given for world size {world_size}; one per rank")
     units = wrap_units(model, config)
@@ -498,7 +498,7 @@ def explain(
     >>> nbfsdp.explain(llama, world_size=8, device="cuda", batch={"input_ids": ids, "labels": ids}, gpu="H100")
     """
     config = resolve(settings, {})
-    devices = devices_here(world_size, config.device, planning=True)
+    devices = planned_devices(world_size, config.device)
     if batch is None and (loss is not None or per_rank_batches or autocast is not None):
         raise ConfigError("loss, per_rank_batches and autocast go with batch: the step they describe")
     workload = None if batch is None else Workload(batch, loss, per_rank_batches, autocast=autocast_dtype(autocast))

@@ -7,6 +7,7 @@ raises a failed run's error before it touches a model or a name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import sys
 import threading
@@ -27,9 +28,10 @@ from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.runner import RankRun
+from nbfsdp.kernel.run.spec import PreparedCell
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
-from nbfsdp.shared.protocol import CellOutcome
+from nbfsdp.shared.protocol import CellOutcome, CellSpec
 from nbfsdp.shared.units import wrap_rule, wrap_units
 from nbfsdp.ui.dashboard import LiveDashboard
 
@@ -88,7 +90,9 @@ class CellRun:
 
 
 class SessionCallbacks(Protocol):
-    """What a dashboard's controls call in the session."""
+    """What a cell's run needs of the session: its shell, and what a dashboard's controls call."""
+
+    shell: InteractiveShell
 
     def change_settings(self, settings: dict[str, Any]) -> str: ...
     def cancel(self) -> None: ...
@@ -105,7 +109,7 @@ def live_dashboard(
 ) -> LiveDashboard:
     """The cell's live dashboard: the plan's predicted memory, the controls wired to the session."""
     hosts = cluster.rank_hosts()
-    planned = plan(next(iter(models.values())), config, world.world_size, hosts) if models else None
+    planned = plan(next(iter(models.values())), config, world.world_size, hosts, world.devices) if models else None
     settings = {**dataclasses.asdict(config), "world_size": world.world_size}
     return LiveDashboard(
         world.world_size,
@@ -119,6 +123,44 @@ def live_dashboard(
         hosts=hosts,
         across_hosts=planned.hosts_lines() if planned else None,
     )
+
+
+def submit(
+    cluster: Cluster,
+    prepared: PreparedCell,
+    spec: CellSpec,
+    world: World,
+    record: history.RunRecord,
+    control: RunControl,
+    background: bool,
+    internal: bool,
+    started: float,
+    session: SessionCallbacks,
+) -> CellRun:
+    """The cell sent to every rank, with its dashboard and its predicted peak beside it."""
+    models, config = prepared.models, prepared.config
+    dashboard = None
+    if not internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
+        dashboard = live_dashboard(cluster, world, models, config, background, session)
+    prediction = None
+    if not internal:
+        read = [prepared.sent[name] for name in prepared.plans]
+        prediction = predict_peak(
+            models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
+        )
+    ranks = RankRun(
+        cluster,
+        spec,
+        prepared.values,
+        prepared.sending,
+        view=dashboard,
+        sink=dashboard if background else None,
+        on_records=functools.partial(stream_into, record, dashboard),
+    )
+    return CellRun(
+        ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, prepared.tokens, started,
+        prediction,
+    )  # fmt: skip
 
 
 def effective_settings(

@@ -1,9 +1,25 @@
-"""The record of every ``%%fsdp`` run, for ``nbfsdp.last_run()`` and ``nbfsdp.runs()``."""
+"""The record of every ``%%fsdp`` run, for ``nbfsdp.last_run()`` and ``nbfsdp.runs()``, and of the last
+user cell, for ``%fsdp export-script``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.shared.devices import Devices
+
+
+@dataclass
+class LastCell:
+    """The last ``%%fsdp`` cell, as ``export-script`` needs it."""
+
+    code: str
+    world_size: int
+    config: FSDPConfig
+    devices: Devices
+    per_rank_batches: bool
+    reads: list[str]
 
 
 @dataclass(kw_only=True, slots=True)

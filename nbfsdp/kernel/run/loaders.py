@@ -146,6 +146,11 @@ class NotebookLoaders:
             self._generators[loader] = torch.Generator().manual_seed(seed)
         return self._generators[loader].get_state()
 
+    def shuffle_states(self, namespace: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor | None]:
+        """``shuffle_state`` of each of ``names`` that is a DataLoader in ``namespace``."""
+        loaders = {name: namespace[name] for name in names if isinstance(namespace.get(name), DataLoader)}
+        return {name: self.shuffle_state(loader) for name, loader in loaders.items()}
+
     def continue_after(self, loader: DataLoader, state: LoaderState) -> None:
         """The loader shuffles on from where rank 0's did: the next epoch, here or in the next cell."""
         self._epochs[loader] = self._epochs.get(loader, 0) + state.epochs

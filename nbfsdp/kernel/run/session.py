@@ -8,7 +8,6 @@ only after every rank has succeeded (``cell_run.finish``).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 import threading
@@ -17,22 +16,20 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from torch.utils.data import DataLoader
 
-from nbfsdp.kernel.checkpoints.export_script import ExportedScript, LastCell, export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
-from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly
+from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly, plan_with
 from nbfsdp.kernel.run import cell_run, history, inputs
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import deliver
 from nbfsdp.kernel.run.held import EngineHoldings
+from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
-from nbfsdp.kernel.run.runner import RankRun
 from nbfsdp.kernel.run.spec import PreparedCell, cell_spec, interval_saves, prepare
 from nbfsdp.kernel.run.where import Where, where_of
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
-from nbfsdp.shared.protocol import CellSpec, LoaderState
+from nbfsdp.shared.protocol import InternalRequest, LoaderState
 from nbfsdp.ui.widget_events import pending_events
 
 
@@ -41,7 +38,7 @@ class Session:
 
     def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         self.shell = shell
-        self.cluster: Cluster = cluster or FSDPCluster()
+        self.cluster = cluster or FSDPCluster()
         self.panel: dict[str, Any] = {}
         """fsdp_config defaults set with ``%fsdp panel`` or a dashboard's controls (flags and --config win)."""
         self.panel_world_size: int | None = None
@@ -64,7 +61,7 @@ class Session:
 
     def run_cell(
         self,
-        cell: str,
+        cell: str | InternalRequest,
         *,
         world_size: int,
         timeout: float,
@@ -72,13 +69,13 @@ class Session:
         config: FSDPConfig,
         background: bool = False,
         per_rank_batches: bool = False,
-        internal: bool = False,
         checkpointing: CheckpointSettings | None = None,
     ) -> None:
-        """Run ``cell`` on every rank and bring its results back. ``internal``: nbfsdp's own cell: no dashboard
-        and no run record, so ``last_run()`` stays the user's last cell. ``checkpointing``: with a save
-        interval, the ranks save inside the cell (loads happen before it, in
+        """Run ``cell`` on every rank and bring its results back. ``cell`` a typed request (``shared.protocol``):
+        nbfsdp's own cell, with no dashboard and no run record, so ``last_run()`` stays the user's last cell.
+        ``checkpointing``: with a save interval, the ranks save inside the cell (loads happen before it, in
         ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``)."""
+        internal = not isinstance(cell, str)
         self._refuse_while_running()
         started = time.perf_counter()
         prepared = self._prepare(cell, world_size, timeout, config, per_rank_batches, internal)
@@ -102,7 +99,7 @@ class Session:
             history.record(record)
         for name, loader_plan in prepared.plans.items():
             print(loader_plan.line(name))
-        run = self._submit(prepared, spec, world, record, control, background, internal, started)
+        run = cell_run.submit(self.cluster, prepared, spec, world, record, control, background, internal, started, self)
         run.markers = saves.markers if saves else None
         self.active = run
         if background:
@@ -123,8 +120,24 @@ class Session:
             state = "still going" if alive else "done"
             raise UsageError(f"an --async run is {state}: `%fsdp wait` brings its results (`%fsdp cancel` ends it)")
 
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster the cells run on; it also decides where planned ranks would run (``planned_devices``)."""
+        return self._cluster
+
+    @cluster.setter
+    def cluster(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        plan_with(cluster)
+
     def _prepare(
-        self, cell: str, world_size: int, timeout: float, config: FSDPConfig, per_rank_batches: bool, internal: bool
+        self,
+        cell: str | InternalRequest,
+        world_size: int,
+        timeout: float,
+        config: FSDPConfig,
+        per_rank_batches: bool,
+        internal: bool,
     ) -> PreparedCell:
         """The cell parsed, its inputs read and pickled (``spec.prepare``): every refusal happens here."""
         devices = self.cluster.devices(world_size, config.device)
@@ -134,7 +147,7 @@ class Session:
         held = self.held if reusing and world is not None and world.generation == self.held.generation else None
         number = next(self._cells)
         prepared = prepare(self.shell, number, cell, config, devices, held, self.loaders, world_size, per_rank_batches)
-        if not internal:
+        if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, prepared.reads)
         return prepared
 
@@ -175,42 +188,6 @@ class Session:
         prepared.sending = {name: prepared.skeletons[name] for name in sending}
         return [n + len(prepared.values) + sum(map(len, prepared.sending.values())) for n in received]
 
-    def _submit(
-        self,
-        prepared: PreparedCell,
-        spec: CellSpec,
-        world: World,
-        record: history.RunRecord,
-        control: RunControl,
-        background: bool,
-        internal: bool,
-        started: float,
-    ) -> CellRun:
-        """The cell sent to every rank, with its dashboard and its predicted peak beside it."""
-        models, config = prepared.models, prepared.config
-        dashboard = None
-        if not internal and getattr(self.shell, "kernel", None) is not None:  # a frontend can show one
-            dashboard = cell_run.live_dashboard(self.cluster, world, models, config, background, self)
-        prediction = None
-        if not internal:
-            read = [prepared.sent[name] for name in prepared.plans]
-            prediction = cell_run.predict_peak(
-                models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
-            )
-        ranks = RankRun(
-            self.cluster,
-            spec,
-            prepared.values,
-            prepared.sending,
-            view=dashboard,
-            sink=dashboard if background else None,
-            on_records=functools.partial(cell_run.stream_into, record, dashboard),
-        )
-        return CellRun(
-            ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, prepared.tokens, started,
-            prediction,
-        )  # fmt: skip
-
     def wait(self) -> None:
         """Block until the background run ends, then finish it as a blocking cell would have."""
         run = self.active
@@ -223,13 +200,6 @@ class Session:
             run.ranks.interrupt()
             run.thread.join()
         self._finish(run)
-
-    def export_script(self, path: str) -> ExportedScript:
-        """The last cell as a torchrun script at ``path``, from the notebook's state now (``export_script``)."""
-        namespace, reads = self.shell.user_ns, self.last_cell.reads if self.last_cell is not None else []
-        loaders = {name: namespace[name] for name in reads if isinstance(namespace.get(name), DataLoader)}
-        shuffle = {name: self.loaders.shuffle_state(loader) for name, loader in loaders.items()}
-        return export_script(self.last_cell, namespace, path, shuffle)
 
     def where(self) -> Where:
         """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.run.where``)."""

@@ -23,7 +23,7 @@ from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.protocol import CellSpec, IntervalSaves, LoaderSplit, LoaderState
+from nbfsdp.shared.protocol import CellSpec, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
 from nbfsdp.shared.units import wrap_units
 
 
@@ -47,6 +47,8 @@ class PreparedCell:
     sent: dict[str, Any]
     plans: dict[str, LoaderPlan]
     per_rank_batches: bool
+    request: InternalRequest | None = None
+    """nbfsdp's own cell (``code`` is then empty)."""
     tokens: dict[str, int] = field(default_factory=dict)
     """Each model's token on the ranks (a new one for each model sent)."""
     materialize: list[str] = field(default_factory=list)
@@ -62,7 +64,7 @@ class PreparedCell:
 def prepare(
     shell: InteractiveShell,
     number: int,
-    cell: str,
+    cell: str | InternalRequest,
     config: FSDPConfig,
     devices: Devices,
     held: EngineHoldings | None,
@@ -72,7 +74,11 @@ def prepare(
 ) -> PreparedCell:
     """Parse the cell, read its inputs, pickle what the ranks do not hold (``held``: what the running world
     holds, where the cell runs in it)."""
-    reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
+    if isinstance(cell, str):
+        reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
+        code, request = cell, None
+    else:  # nbfsdp's own request: it reads the names it lists, and binds none
+        reads, assigned, code, request = cell.reads(), [], "", cell
     models, others = inputs.read_inputs(shell, reads)
     skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
     for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
@@ -82,8 +88,8 @@ def prepare(
     values, sent = inputs.pack_inputs(others, models, kept, world_size)
     plans = loaders.plan(sent, world_size, per_rank_batches)
     return PreparedCell(
-        cell, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
-        plans, per_rank_batches,
+        code, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
+        plans, per_rank_batches, request,
     )  # fmt: skip
 
 
@@ -120,6 +126,7 @@ def cell_spec(
     epochs = {name: LoaderState(epochs=loaders.epochs(sent[name]), generators=[]) for name in plans}
     return CellSpec(
         code=prepared.code,
+        request=prepared.request,
         filename=prepared.filename,
         generation=world.generation,
         models=list(prepared.models),

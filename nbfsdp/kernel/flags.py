@@ -1,0 +1,221 @@
+"""The flags of ``%%fsdp`` and ``%fsdp``'s actions, declared with IPython's ``magic_arguments``.
+
+The fsdp_config flags are made from ``FSDPConfig`` itself: one flag per setting (``--a-b`` for the field
+``a_b``), its choices the field's ``Literal``, its help the field's docstring. A new setting is one field
+with a docstring, and its flag, choices and help follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from nbfsdp.kernel.planning.peak import Workload, autocast_dtype
+from nbfsdp.shared import config
+
+WORLD_SIZE_HELP = (
+    "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
+    "attached: every engine)."
+)
+#: FSDPConfig fields that are no flag: the Composer keys without effect, nbfsdp's reasons.
+_NOT_FLAGS = ("ignored", "why")
+#: Flags whose value is read as text and checked by ``config.resolve`` (a number may be written 1e8).
+_METAVARS = {"replicas": "R", "min_params": "N", "wrap_cls": "NAME[,NAME]"}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (the string under each field), read from its source: Python keeps
+    no attribute docstrings at run time."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for field_node, doc in zip(body, body[1:], strict=False):
+        if (
+            isinstance(field_node, ast.AnnAssign)
+            and isinstance(field_node.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field_node.target.id] = " ".join(inspect.cleandoc(doc.value.value).split())
+    return docs
+
+
+def _choices(cls: type, name: str) -> tuple[str, ...] | None:
+    """The strings a field's ``Literal`` allows (``None`` and other members of a union aside), if it has one."""
+    hint = typing.get_type_hints(cls)[name]
+    literals = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal] or [hint]
+    found = [
+        value for literal in literals if typing.get_origin(literal) is typing.Literal for value in literal.__args__
+    ]
+    return tuple(found) or None
+
+
+def config_argument(name: str) -> Callable:
+    """The flag of FSDPConfig field ``name``: a switch for a bool, a choice for a ``Literal``, else text."""
+    doc = FIELD_DOCS[name].replace("%", "%%")  # argparse formats help with %
+    flag = "--" + name.replace("_", "-")
+    default = next(f.default for f in dataclasses.fields(config.FSDPConfig) if f.name == name)
+    if isinstance(default, bool):  # absent means 'not given' so --config and defaults apply
+        return argument(flag, action="store_const", const=True, default=None, help=doc)
+    choices = _choices(config.FSDPConfig, name)
+    if choices is not None:
+        return argument(flag, choices=choices, help=doc)
+    return argument(flag, metavar=_METAVARS.get(name, name.upper()), help=doc)
+
+
+FIELD_DOCS = field_docs(config.FSDPConfig)
+#: %%fsdp flags that are fsdp_config keys (flag --a-b is key a_b), in FSDPConfig's order.
+CONFIG_FLAGS = tuple(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in _NOT_FLAGS)
+#: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
+SETTABLE = (*CONFIG_FLAGS, "world_size")
+_CONFIG_ARGUMENTS = [
+    argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
+    *(config_argument(name) for name in CONFIG_FLAGS),
+]
+CHECKPOINT_DOCS = field_docs(config.CheckpointSettings)
+
+
+def _checkpoint_argument(name: str) -> Callable:
+    doc = CHECKPOINT_DOCS[name].replace("%", "%%")
+    flag = "--" + name.replace("_", "-")
+    default = next(f.default for f in dataclasses.fields(config.CheckpointSettings) if f.name == name)
+    if isinstance(default, bool):
+        return argument(flag, action="store_const", const=True, default=None, help=doc)
+    return argument(flag, metavar=name.split("_")[-1].upper(), help=doc)
+
+
+#: %%fsdp's checkpoint flags, Composer's names (flag --a-b is the --config key a_b): run settings, not fsdp_config.
+_CHECKPOINT_ARGUMENTS = [_checkpoint_argument(name) for name in config.CHECKPOINT_KEYS]
+
+
+def config_arguments(func: Callable) -> Callable:
+    """Add the fsdp_config flags to a magic's arguments."""
+    for add in reversed(_CONFIG_ARGUMENTS):
+        func = add(func)
+    return func
+
+
+def checkpoint_arguments(func: Callable) -> Callable:
+    """Add the checkpoint flags to %%fsdp's arguments."""
+    for add in reversed(_CHECKPOINT_ARGUMENTS):
+        func = add(func)
+    return func
+
+
+# -- the parsers of %fsdp's actions that take flags (parse_argstring(parser, rest)); their docstrings are usage
+@magic_arguments()
+@argument("model", help="The name of an nn.Module in the notebook.")
+@argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
+@argument("--code", action="store_true", help="Print the plain FSDP2 code these settings amount to.")
+@argument(
+    "--batch",
+    metavar="EXPR",
+    help="One step's global batch, a notebook expression (a tensor, a tuple, a dict of tensors, a DataLoader, "
+    "meta tensors): each rank's peak in a training step, traced on the meta device.",
+)
+@argument("--loss", metavar="NAME", help="With --batch: loss_fn(output, *target), where the output has no loss.")
+@argument("--per-rank-batches", action="store_true", help="With --batch: the batch is each rank's, not the global one.")
+@argument(
+    "--autocast",
+    choices=("bf16", "fp16"),
+    help="With --batch: forward and loss run under torch.autocast to this dtype, as the training loop does.",
+)
+@argument("--gpu", metavar="NAME", help="With --batch: does it fit this GPU (H100, A100 40GB, L4, ...)?")
+@argument("--device-memory", metavar="SIZE", help="With --batch: does it fit this much memory (80GiB)?")
+@argument("--suggest", action="store_true", help="With --gpu or --device-memory: the cheapest settings that fit.")
+@config_arguments
+def explain_arguments(line: str) -> None:
+    """%fsdp explain [--code] [settings] [--world-size N] [--batch EXPR [--gpu NAME] [--suggest]] MODEL"""
+
+
+@magic_arguments()
+@argument("--profile", default=None, help="The ipyparallel profile the cluster was started with (default: default).")
+@argument("--cluster-id", default=None, help="Its cluster id, where the profile has several running.")
+@argument(
+    "--shared-dir",
+    default=None,
+    help="A directory the notebook and every host see (a shared file system), for live changes, cancel and "
+    "--save-interval (default: a directory in the cluster's profile, shared where the hosts share a home).",
+)
+def attach_arguments(line: str) -> None:
+    """%fsdp attach [--profile P] [--cluster-id ID] [--shared-dir PATH]"""
+
+
+@magic_arguments()
+@argument("path", help="The checkpoint's directory.")
+@argument("--overwrite", action="store_true", help="Replace a complete checkpoint already at PATH.")
+@argument(
+    "--async",
+    dest="background",
+    action="store_true",
+    help="Return once every rank has its snapshot; the ranks write it while the next cells run "
+    "(`%%fsdp wait`, `%%fsdp stop` and the next save wait for it and raise its error).",
+)
+def save_arguments(line: str) -> None:
+    """%fsdp save PATH [--overwrite] [--async]"""
+
+
+@magic_arguments()
+@argument("path", help="The checkpoint's directory, or a .pt or .safetensors file of full weights.")
+@argument(
+    "--world-size",
+    "-n",
+    type=int,
+    default=None,
+    help="Ranks to load into (default: the running world's, or with none running the checkpoint's).",
+)
+@argument(
+    "--load-ignore-keys",
+    metavar="K[,K]",
+    default="",
+    help="Globs on the checkpoint's keys to skip, e.g. 'optimizers.*' (an optimizer skipped skips its scheduler).",
+)
+@argument(
+    "--model",
+    default=None,
+    help="With a .pt or .safetensors file: the notebook's model to load it into (default: the only one it fits).",
+)
+def load_arguments(line: str) -> None:
+    """%fsdp load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]"""
+
+
+@magic_arguments()
+@argument("folder", help="A folder holding checkpoints.")
+def checkpoints_arguments(line: str) -> None:
+    """%fsdp checkpoints FOLDER"""
+
+
+@magic_arguments()
+@argument("checkpoint", help="A complete checkpoint's directory.")
+@argument("out", help="The file to write: .pt (a plain state dict) or .safetensors.")
+@argument("--model", default=None, help="Which model, when the checkpoint holds several.")
+@argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="Cast the floating tensors.")
+def export_arguments(line: str) -> None:
+    """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}]"""
+
+
+def explain_workload(args: argparse.Namespace, namespace: dict[str, Any]) -> Workload | None:
+    """``--batch EXPR`` evaluated in the notebook, with ``--loss NAME`` and ``--per-rank-batches``."""
+    if args.batch is None:
+        if args.loss is not None or args.per_rank_batches or args.autocast is not None:
+            raise UsageError("--loss, --per-rank-batches and --autocast go with --batch EXPR")
+        return None
+    try:
+        batch = eval(args.batch, namespace)  # noqa: S307 (the user's own expression, in their notebook)
+    except Exception as error:
+        raise UsageError(f"--batch {args.batch}: {type(error).__name__}: {error}") from None
+    loss = None
+    if args.loss is not None:
+        loss = namespace.get(args.loss)
+        if not callable(loss):
+            raise UsageError(f"--loss {args.loss}: not a function in the notebook (loss_fn(output, target))")
+    return Workload(batch, loss, args.per_rank_batches, autocast=autocast_dtype(args.autocast))
