@@ -163,6 +163,24 @@ def submit(
     )  # fmt: skip
 
 
+def new_record(
+    prepared: PreparedCell, world: World, timeout: float, gather: bool, sent_bytes: list[int], internal: bool
+) -> history.RunRecord:
+    """The cell's run record, kept for ``last_run()`` (a user's cell), and its loaders' plans said."""
+    record = history.RunRecord(
+        world_size=world.world_size,
+        config=effective_settings(world, timeout, gather, prepared.config, prepared.models),
+        sent_bytes=sent_bytes,
+    )
+    if prepared.plans:
+        record.config["loaders"] = {name: loader_plan.as_dict() for name, loader_plan in prepared.plans.items()}
+    if not internal:
+        history.record(record)
+    for name, loader_plan in prepared.plans.items():
+        print(loader_plan.line(name))
+    return record
+
+
 def effective_settings(
     world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
 ) -> dict[str, Any]:

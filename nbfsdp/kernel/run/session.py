@@ -19,7 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly, plan_with
-from nbfsdp.kernel.run import cell_run, history, inputs
+from nbfsdp.kernel.run import cell_run, inputs
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import deliver
@@ -83,22 +83,8 @@ class Session:
         sent_bytes = self._send_models(prepared, world)
         control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
         saves = interval_saves(self.cluster.private_dir, prepared.number, checkpointing)
-        resume_step, loader_resume = 0, {}
-        if not internal:  # a load's step and positions are for the one cell after it
-            resume_step, self.resume_step = self.resume_step, 0
-            loader_resume, self.loader_resume = self.loader_resume, {}
-        spec = cell_spec(prepared, world, gather, control, saves, self.loaders, resume_step, loader_resume)
-        record = history.RunRecord(
-            world_size=world_size,
-            config=cell_run.effective_settings(world, timeout, gather, prepared.config, prepared.models),
-            sent_bytes=sent_bytes,
-        )
-        if prepared.plans:
-            record.config["loaders"] = {name: plan.as_dict() for name, plan in prepared.plans.items()}
-        if not internal:
-            history.record(record)
-        for name, loader_plan in prepared.plans.items():
-            print(loader_plan.line(name))
+        spec = cell_spec(prepared, world, gather, control, saves, self.loaders, *self._resume_for(internal))
+        record = cell_run.new_record(prepared, world, timeout, gather, sent_bytes, internal)
         run = cell_run.submit(self.cluster, prepared, spec, world, record, control, background, internal, started, self)
         run.markers = saves.markers if saves else None
         self.active = run
@@ -113,6 +99,15 @@ class Session:
         except BaseException as error:
             run.outcome = error
         self._finish(run)
+
+    def _resume_for(self, internal: bool) -> tuple[int, dict[str, LoaderState]]:
+        """Where a checkpoint loaded since the last cell left the steps and the loaders: for the one user
+        cell after it."""
+        if internal:
+            return 0, {}
+        resume = self.resume_step, self.loader_resume
+        self.resume_step, self.loader_resume = 0, {}
+        return resume
 
     def _refuse_while_running(self) -> None:
         if self.active is not None:
