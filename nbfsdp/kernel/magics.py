@@ -9,6 +9,7 @@ import io
 
 import torch.nn as nn
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import Image, display
@@ -167,7 +168,9 @@ def config_arguments(func):
 class FSDPMagics(Magics):
     """Train the notebook's models sharded with FSDP2 across an ipyparallel cluster."""
 
-    def __init__(self, shell, cluster: FSDPCluster | None = None) -> None:
+    shell: InteractiveShell  # always given (Magics allows None)
+
+    def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         super().__init__(shell)
         self.session = Session(shell, cluster)
 
@@ -229,8 +232,8 @@ class FSDPMagics(Magics):
         if args.profile is not None and not self.session.attached_to(args.profile, args.cluster_id):
             self._attach(args.profile, args.cluster_id, None)
         requested = args.world_size if args.world_size is not None else self.session.panel_world_size
-        if requested is None and self.session.attached:
-            requested = self.session.cluster.engines  # every engine of the attached cluster
+        if requested is None and (attached := self.session.attached_cluster) is not None:
+            requested = attached.engines  # every engine of the attached cluster
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         settings = self._settings(args)
@@ -281,7 +284,7 @@ class FSDPMagics(Magics):
         choices=LINE_ACTIONS,
         help="; ".join(LINE_ACTION_HELP.values()) + ".",
     )
-    @line_magic("fsdp")
+    @line_magic("fsdp")  # type: ignore[arg-type]  # IPython types line_magic(name) as a function or a decorator
     @as_usage_errors
     def fsdp_line(self, line: str) -> None:
         """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
@@ -381,15 +384,15 @@ class FSDPMagics(Magics):
         if not isinstance(model, nn.Module):
             found = "no such name" if model is None else f"a {type(model).__name__}"
             raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
-        attached = self.session.attached
+        attached = self.session.attached_cluster
         requested = args.world_size
-        if requested is None and attached:
-            requested = self.session.cluster.engines  # as %%fsdp: every engine of the attached cluster
+        if requested is None and attached is not None:
+            requested = attached.engines  # as %%fsdp: every engine of the attached cluster
         settings = self._settings(args)
         world_size = _world_size(requested, settings.device)
         hosts = None
-        if attached:  # the ranks' hosts, to say which collectives cross between them
-            hosts = [p.host for p in self.session.cluster.placements_for(world_size)]
+        if attached is not None:  # the ranks' hosts, to say which collectives cross between them
+            hosts = [p.host for p in attached.placements_for(world_size)]
             settings = self._replica_per_host(settings, world_size)
         devices = self.session.cluster.devices(world_size, settings.device, planning=True)
         settings = config.validate(settings, world_size, devices)
@@ -423,9 +426,10 @@ class FSDPMagics(Magics):
 
     def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
         """HYBRID_SHARD without --replicas on an attached cluster: shard inside each host, replicate across."""
-        if not (self.session.attached and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
+        attached = self.session.attached_cluster
+        if not (attached is not None and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
             return settings
-        replicas = self.session.cluster.host_replicas(world_size)
+        replicas = attached.host_replicas(world_size)
         why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
         return dataclasses.replace(settings, replicas=replicas, why=why)
 
@@ -536,7 +540,7 @@ class FSDPMagics(Magics):
 
     def _action_set(self, rest: str) -> None:
         words = rest.split()
-        settings = {}
+        settings: dict[str, bool | str | int] = {}
         for word in words:
             key, equals, value = word.partition("=")
             if not equals or not value:
