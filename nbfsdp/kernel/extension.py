@@ -63,7 +63,8 @@ def load_ipython_extension(shell: InteractiveShell) -> None:
         _register(shell)
         return
     _loading = _Loading(shell, world_size)
-    shell.register_magic_function(_loading.magic, "line_cell", "fsdp")
+    # IPython's functools.wraps of an unbound method gives it MagicsManager.register_function's self
+    shell.register_magic_function(_loading.magic, "line_cell", "fsdp")  # type: ignore[arg-type]
     shell.events.register("pre_run_cell", _loading.wait_for_imports)
     _loading.thread.start()
 
