@@ -18,7 +18,7 @@ FLOOR_BIN   := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
-.PHONY: lab test test-floor test-gpu check browser sshd lint clean bench docs
+.PHONY: lab test test-floor test-gpu check typecheck browser sshd lint clean bench docs
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -57,10 +57,11 @@ sshd:
 	    echo "sshd is missing and installing it needs root: the tests over several hosts will skip"; \
 	  fi; }
 
-## Same set-up, then the whole suite: lint, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
+## Same set-up, then the whole suite: lint, types, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
 test: $(STAMP) browser sshd
 	$(BIN)/ruff check nbfsdp tests benchmarks
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
+	$(MAKE) typecheck
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
 	$(MAKE) test-floor
@@ -77,11 +78,16 @@ GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 test-gpu:
 	$(GPU_PYTHON) -m tests.gpu_suite
 
-## The fast loop before a commit (under 5 min on 2 cores): lint, then the tests not marked slow, no notebooks
+## The fast loop before a commit (under 5 min on 2 cores): lint, types, then the tests not marked slow, no notebooks
 check: $(STAMP)
 	$(BIN)/ruff check nbfsdp tests benchmarks
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
+	$(MAKE) typecheck
 	NBFSDP_PREWARM=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests
+
+## mypy on nbfsdp/ (settings in pyproject.toml: the libraries without types are Any, nbfsdp's own code is checked)
+typecheck: $(STAMP)
+	$(BIN)/mypy nbfsdp
 
 ## Same set-up, then nbfsdp against torchrun and raw ipyparallel (about 10 min on 2 cores): the table is
 ## printed, JSON, markdown and a plot land in benchmarks/results/ (e.g. BENCH_ARGS="--quick" or "--only gpu")

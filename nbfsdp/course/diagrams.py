@@ -60,6 +60,7 @@ def collective(kind: str, world_size: int = 4, tensor_bytes: int = 2**20) -> Fig
                         ax.add_patch(Rectangle((x + 0.9 * s / n, y + 0.15), 0.9 / n, 0.6, color=colours[s]))
                     ax.add_patch(Rectangle((x, y + 0.15), 0.9, 0.6, fill=False, ec="black", lw=1.2))
                 else:
+                    assert isinstance(what, int)  # one rank's data
                     ax.add_patch(Rectangle((x, y + 0.15), 0.9, 0.6, color=colours[what]))
             ax.text(-0.1, y + 0.45, f"rank {rank}", ha="right", va="center", fontsize=9)
         ax.set(xlim=(-0.9, n), ylim=(-0.1, n), title=title)
@@ -96,7 +97,8 @@ def strategy_timeline(units: int = 4, world_size: int = 4) -> Figure:
 
     n = world_size
     phases = [f"F{u}" for u in range(1, units + 1)] + [f"B{u}" for u in range(units, 0, -1)]
-    timeline = {  # (stored, gathered, collectives) while each unit computes its forward (F) or backward (B)
+    # (stored, gathered, collectives) while each unit computes its forward (F) or backward (B)
+    timeline: dict[str, list[tuple[float, int, str]]] = {
         "FULL_SHARD": [(units / n, 1, "AG" if p[0] == "F" else "AG\nRS") for p in phases],
         "SHARD_GRAD_OP": [(units / n, u, "AG") for u in range(1, units + 1)]
         + [(units / n, u, "RS") for u in range(units, 0, -1)],

@@ -190,7 +190,7 @@ def peer_connections(rank: int, world_size: int) -> set[Connection]:
     mine = {local for local, _ in tcp_counters()}
     everyone: list[set | None] = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    others = set().union(*(ends for r, ends in enumerate(everyone) if r != rank))
+    others = set().union(*(ends for r, ends in enumerate(everyone) if r != rank and ends is not None))  # all filled in
     return {ends for ends in tcp_counters() if ends[1] in others}
 
 

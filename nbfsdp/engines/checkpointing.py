@@ -123,6 +123,7 @@ def _position(loader: DataLoader, begun: int | None) -> LoaderState:
     """Where the loader is; ``epochs`` counts every epoch begun since the notebook's first cell: this
     cell's after those before it, or ``begun`` (the kernel's count, between cells) where that is more."""
     batches = loader.batch_sampler
+    assert isinstance(batches, SplitBatchSampler)  # _find keeps only the loaders split for this world
     own = batches.epochs.started + (batches.before if isinstance(batches, PositionedBatches) else 0)
     begun = own if begun is None else max(begun, own)  # the notebook's loader may be a new one, never sent
     if isinstance(batches, PositionedBatches) and batches.part_way():
@@ -447,6 +448,7 @@ class IntervalSaver:
             if isinstance(value, DataLoader) and isinstance(value.batch_sampler, PositionedBatches)
         }
         for loader in loaders.values():
+            assert isinstance(loader.batch_sampler, PositionedBatches)  # as chosen just above
             loader.batch_sampler.finish_epoch()
         folder = Path(self._saves.folder)
         name = f"step-{step + 1}"
@@ -497,6 +499,7 @@ def load_into(
     schedulers in place (DCP reshards to this world), and, at the world size that saved it, this rank's
     RNG states. The cell's end then brings the weights and state back into the notebook's own objects."""
     world = worlds.current
+    assert world is not None  # an internal cell runs in the world
     saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     options = StateDictOptions(strict=False)
     state: dict[str, Any] = {"models": {}, "optimizers": {}, "schedulers": {}, "rng": {}}

@@ -59,6 +59,7 @@ class RankControl:
 
     def _claim(self, version: int, call: int) -> int:
         """The call at which ``version`` applies: ours, unless another rank claimed first."""
+        assert self._path is not None  # poll() read the request from it
         claim = claim_file(self._path, version)
         mine = claim.with_name(f"{claim.name}.{os.getpid()}")
         mine.write_text(str(call))

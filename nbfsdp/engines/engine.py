@@ -96,11 +96,13 @@ def setup(
     seconds = datetime.timedelta(seconds=timeout)
     if rendezvous is None:
         _use_interface(loopback_interface())
-        store = dist.FileStore(store_path, world_size)
+        assert store_path is not None  # nbfsdp's own cluster: a file in its private directory
+        store: dist.Store = dist.FileStore(store_path, world_size)
     else:
         address, port = rendezvous
         _use_interface(interface_of(source_address(address)))
         listening = hosts.take_rendezvous() if rank == 0 else None
+        given: dict[str, Any] = {"master_listen_fd": listening.detach()} if listening is not None else {}
         store = dist.TCPStore(
             address,
             port,
@@ -108,7 +110,7 @@ def setup(
             rank == 0,
             timeout=seconds,
             wait_for_workers=False,
-            **({"master_listen_fd": listening.detach()} if listening is not None else {}),  # the store owns it now
+            **given,  # the store owns the listening socket now
         )
     dist.init_process_group(
         backend,
@@ -347,7 +349,8 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
         states = {name: get_model_state_dict(models[name], options=options) for name in spec.gather}
         if world.rank == 0:
             outcome.loaders = {name: split.state() for name, split in split_loaders.items()}
-            outcome.states = states
+            # full_state_dict: plain tensors (torch types a state dict's values as any kind of tensor)
+            outcome.states = states  # type: ignore[assignment]
         return outcome
     except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
         message = f"{type(error).__name__}: {error}"

@@ -86,7 +86,7 @@ class SplitBatchSampler(Sampler[list[int]]):
                 yield part
 
     def __len__(self) -> int:
-        batches = len(self.batches)
+        batches = len(self.batches)  # type: ignore[arg-type]  # one without a length: TypeError, as len(loader)
         if self.per_rank:
             return batches // self.world_size
         size = getattr(self.batches, "batch_size", None)
@@ -128,7 +128,9 @@ class SplitIterable(IterableDataset):
         return _share(group, self.rank, self.world_size)
 
     def __len__(self) -> int:
-        full, last = divmod(len(self.dataset), self.batch_size * (self.world_size if self.per_rank else 1))
+        # a dataset without a length: TypeError, as len(loader) raises
+        group = self.batch_size * (self.world_size if self.per_rank else 1)
+        full, last = divmod(len(self.dataset), group)  # type: ignore[arg-type]
         if self.per_rank:
             return full * self.batch_size
         return full * (self.batch_size // self.world_size) + last // self.world_size
@@ -165,6 +167,8 @@ def split(
     epochs = _Epochs()
     if is_iterable_loader(loader):  # an IterableDataset: no sampler to wrap
         batch_size = global_batch_size(loader)
+        assert isinstance(loader.dataset, IterableDataset)  # what is_iterable_loader says
+        assert batch_size is not None  # the kernel's plan_split refused a loader without one
         wrapped = SplitIterable(loader.dataset, batch_size, rank, world_size, per_rank)
         size = batch_size if per_rank else batch_size // world_size
         set_after_init(loader, "dataset", wrapped)
@@ -175,8 +179,11 @@ def split(
     if loader.generator is None and seed_state is not None:
         generator = torch.Generator()
         generator.set_state(seed_state)
-        loader.generator = loader.sampler.generator = generator
-    set_after_init(loader, "batch_sampler", SplitBatchSampler(loader.batch_sampler, rank, world_size, per_rank, epochs))
+        # the sampler a loader makes for shuffle=True (RandomSampler) draws from its generator
+        loader.generator = loader.sampler.generator = generator  # type: ignore[attr-defined]
+    batches = loader.batch_sampler
+    assert batches is not None  # the kernel's plan_split refused a loader without a batch size
+    set_after_init(loader, "batch_sampler", SplitBatchSampler(batches, rank, world_size, per_rank, epochs))
     return SplitLoader(loader, epochs, shuffle_generators(loader))
 
 

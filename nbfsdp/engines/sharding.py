@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
@@ -25,15 +25,16 @@ from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, f
 def _offload_saved_activations(module: nn.Module, pin_memory: bool) -> None:
     """Keep what ``module`` saves for backward on the CPU (autograd's ``save_on_cpu``)."""
 
+    contexts: list[torch.autograd.graph.save_on_cpu] = []  # one per forward of the module under way
+
     def enter(mod: nn.Module, args: object) -> None:
         context = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
         context.__enter__()
-        mod._nbfsdp_offload_contexts.append(context)
+        contexts.append(context)
 
     def leave(mod: nn.Module, args: object, output: object) -> None:
-        mod._nbfsdp_offload_contexts.pop().__exit__(None, None, None)
+        contexts.pop().__exit__(None, None, None)
 
-    module._nbfsdp_offload_contexts = []
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave)
 
@@ -51,7 +52,7 @@ class ShardedModel:
     """A model sharded on this rank, with what run-time changes need: its units and checkpointable modules."""
 
     module: nn.Module
-    units: list[nn.Module]
+    units: list[FSDPModule]
     """FSDP units in forward order, the root first."""
     checkpointable: list[nn.Module]
     """Where activation checkpointing applies when it is on (Composer's rules)."""
@@ -71,7 +72,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
         if config.activation_cpu_offload:
             _offload_saved_activations(module, pin_memory=device.type == "cuda")
         checkpoint(module)
-    options = {"mesh": mesh, "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP"}
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP"}
     options["mp_policy"] = _mp_policy(config)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -82,7 +83,8 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
         # when the root's reshard_after_forward is left to it; True would gather it twice a step
         options["reshard_after_forward"] = None
     fully_shard(model, **options)
-    sharded = ShardedModel(model, forward_order(model, units), checkpointable, config)
+    ordered = cast(list[FSDPModule], forward_order(model, units))  # fully_shard made each an FSDPModule
+    sharded = ShardedModel(model, ordered, checkpointable, config)
     _set_prefetch(sharded, config)
     _set_checkpointing(sharded, config)
     return sharded
@@ -164,7 +166,7 @@ def _initialized_copy(module: nn.Module, root: nn.Module, device: torch.device, 
     if init_fn is not None:
         init_fn(copy)
     else:
-        copy.reset_parameters()
+        copy.reset_parameters()  # type: ignore[operator]  # torch types a module's other attributes as tensors
     return copy
 
 
@@ -187,10 +189,12 @@ def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], 
             for key, param in module._parameters.items():
                 if param is None:
                     continue
+                whole = copy._parameters[key]
+                assert whole is not None  # the copy has each parameter the module has
                 local = param.to_local() if isinstance(param, DTensor) else param
-                local.copy_(shard_slice(copy._parameters[key], index, count))
+                local.copy_(shard_slice(whole, index, count))
                 if full:
-                    state[prefix + key] = copy._parameters[key].detach().cpu()
+                    state[prefix + key] = whole.detach().cpu()
             for key, buffer in copy._buffers.items():
                 module._buffers[key] = buffer
                 if full and buffer is not None and key not in module._non_persistent_buffers_set:

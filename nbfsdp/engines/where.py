@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ class Ledger:
                 if self.inside is entry:
                     self.inside = None
 
-        counted.__wrapped_by_nbfsdp__ = True
+        counted.__wrapped_by_nbfsdp__ = True  # type: ignore[attr-defined]  # a mark on the function
         return counted
 
     def _enter(self, name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -117,7 +118,7 @@ def _words(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Each process group's global ranks, by the group's id (the group kept with them, so the id stays its own).
-_RANKS: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+_RANKS: dict[int, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = {}
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -140,7 +141,7 @@ _LIBRARIES = ("torch" + os.sep, "nbfsdp" + os.sep + "engines")
 def _caller() -> str:
     """The first frame outside torch and nbfsdp's engine code: the line that issued the collective (for
     FSDP2's own, the cell's line that ran the model)."""
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not any(library in filename for library in _LIBRARIES):
@@ -174,7 +175,9 @@ class _Watcher:
         self.rank = -1
         self.answered = 0
         self._thread = threading.Thread(target=self._serve, name="nbfsdp-where", daemon=True)
-        self._main = threading.main_thread().ident
+        main = threading.main_thread().ident
+        assert main is not None  # the main thread has started: it runs this
+        self._main = main
         self._thread.start()
 
     def _serve(self) -> None:

@@ -63,7 +63,8 @@ def load_ipython_extension(shell: InteractiveShell) -> None:
         _register(shell)
         return
     _loading = _Loading(shell, world_size)
-    shell.register_magic_function(_loading.magic, "line_cell", "fsdp")
+    # IPython's functools.wraps of an unbound method gives it MagicsManager.register_function's self
+    shell.register_magic_function(_loading.magic, "line_cell", "fsdp")  # type: ignore[arg-type]
     shell.events.register("pre_run_cell", _loading.wait_for_imports)
     _loading.thread.start()
 
@@ -120,12 +121,12 @@ class _Loading:
             import ipyparallel  # noqa: F401  (what the cluster's start imports, imported before cells run again)
 
             import nbfsdp.engines.engine  # noqa: F401  (torch, torch.distributed, FSDP2)
-            from nbfsdp.kernel.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics, _world_size
+            from nbfsdp.kernel.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics
 
             self.imported.set()
 
             magics = FSDPMagics(self.shell, cluster)
-            self.world_size = _world_size(self.world_size)  # the GPUs counted (torch is imported above)
+            self.world_size = magics.world_size_for(self.world_size)  # the GPUs counted (torch is imported above)
             magics.session.cluster.start_in_background(self.world_size, DEFAULT_TIMEOUT_SECONDS, since=self.started)
             self.shell.register_magics(magics)
             _magics = magics

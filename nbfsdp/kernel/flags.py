@@ -35,7 +35,9 @@ _METAVARS = {"replicas": "R", "min_params": "N", "wrap_cls": "NAME[,NAME]"}
 def field_docs(cls: type) -> dict[str, str]:
     """A dataclass's field docstrings (the string under each field), read from its source: Python keeps
     no attribute docstrings at run time."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    definition = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(definition, ast.ClassDef)
+    body = definition.body
     docs = {}
     for field_node, doc in zip(body, body[1:], strict=False):
         if (
@@ -77,7 +79,7 @@ FIELD_DOCS = field_docs(config.FSDPConfig)
 CONFIG_FLAGS = tuple(f.name for f in dataclasses.fields(config.FSDPConfig) if f.name not in _NOT_FLAGS)
 #: What %fsdp set (and the controls) can set: the fsdp_config fields and the world size.
 SETTABLE = (*CONFIG_FLAGS, "world_size")
-_CONFIG_ARGUMENTS = [
+_CONFIG_ARGUMENTS: list[Callable[[Callable], Callable]] = [
     argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
     *(config_argument(name) for name in CONFIG_FLAGS),
 ]
@@ -94,7 +96,9 @@ def _checkpoint_argument(name: str) -> Callable:
 
 
 #: %%fsdp's checkpoint flags, Composer's names (flag --a-b is the --config key a_b): run settings, not fsdp_config.
-_CHECKPOINT_ARGUMENTS = [_checkpoint_argument(name) for name in config.CHECKPOINT_KEYS]
+_CHECKPOINT_ARGUMENTS: list[Callable[[Callable], Callable]] = [
+    _checkpoint_argument(name) for name in config.CHECKPOINT_KEYS
+]
 
 
 def config_arguments(func: Callable) -> Callable:

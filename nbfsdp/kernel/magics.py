@@ -8,6 +8,7 @@ import dataclasses
 
 import torch.nn as nn
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
@@ -59,7 +60,9 @@ LINE_ACTIONS = tuple(LINE_ACTION_HELP)
 class FSDPMagics(Magics):
     """Train the notebook's models sharded with FSDP2 across an ipyparallel cluster."""
 
-    def __init__(self, shell, cluster: FSDPCluster | None = None) -> None:
+    shell: InteractiveShell  # always given (Magics allows None)
+
+    def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         super().__init__(shell)
         self.session = Session(shell, cluster)
 
@@ -124,7 +127,7 @@ class FSDPMagics(Magics):
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
         settings = self._settings(args)
-        world_size = self._world_size(requested, settings.device)
+        world_size = self.world_size_for(requested, settings.device)
         settings = self._replica_per_host(settings, world_size)
         saving = self._checkpointing(args)
         if saving.loads:
@@ -171,7 +174,7 @@ class FSDPMagics(Magics):
         choices=LINE_ACTIONS,
         help="; ".join(LINE_ACTION_HELP.values()) + ".",
     )
-    @line_magic("fsdp")
+    @line_magic("fsdp")  # type: ignore[arg-type]  # IPython types line_magic(name) as a function or a decorator
     @as_usage_errors
     def fsdp_line(self, line: str) -> None:
         """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
@@ -248,13 +251,13 @@ class FSDPMagics(Magics):
         if not isinstance(model, nn.Module):
             found = "no such name" if model is None else f"a {type(model).__name__}"
             raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
-        attached = self.session.attached
+        attached = self.session.attached_cluster
         requested = args.world_size
         settings = self._settings(args)
-        world_size = self._world_size(requested, settings.device)
+        world_size = self.world_size_for(requested, settings.device)
         hosts = None
-        if attached:  # the ranks' hosts, to say which collectives cross between them
-            hosts = [p.host for p in self.session.cluster.placements_for(world_size)]
+        if attached is not None:  # the ranks' hosts, to say which collectives cross between them
+            hosts = [p.host for p in attached.placements_for(world_size)]
             settings = self._replica_per_host(settings, world_size)
         devices = self.session.cluster.devices(world_size, settings.device, planning=True)
         settings = config.validate(settings, world_size, devices)
@@ -271,9 +274,10 @@ class FSDPMagics(Magics):
 
     def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
         """HYBRID_SHARD without --replicas on an attached cluster: shard inside each host, replicate across."""
-        if not (self.session.attached and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
+        attached = self.session.attached_cluster
+        if not (attached is not None and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
             return settings
-        replicas = self.session.cluster.host_replicas(world_size)
+        replicas = attached.host_replicas(world_size)
         why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
         return dataclasses.replace(settings, replicas=replicas, why=why)
 
@@ -311,7 +315,7 @@ class FSDPMagics(Magics):
 
     def _action_set(self, rest: str) -> None:
         words = rest.split()
-        settings = {}
+        settings: dict[str, bool | str | int] = {}
         for word in words:
             key, equals, value = word.partition("=")
             if not equals or not value:
@@ -322,7 +326,7 @@ class FSDPMagics(Magics):
         if "world_size" in settings:
             if not str(settings["world_size"]).isdigit():
                 raise UsageError(f"world_size must be a whole number; got {settings['world_size']!r}")
-            settings["world_size"] = self._world_size(int(settings["world_size"]))
+            settings["world_size"] = self.world_size_for(int(settings["world_size"]))
         if not settings:
             raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
         print(f"nbfsdp: {self.session.change_settings(settings) or 'defaults of the next cells set'}")
@@ -336,10 +340,10 @@ class FSDPMagics(Magics):
             model = self.shell.user_ns.get(words[0])
             if not isinstance(model, nn.Module):
                 raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
-        world_size = self._world_size(self.session.panel_world_size, self.session.panel.get("device"))
+        world_size = self.world_size_for(self.session.panel_world_size, self.session.panel.get("device"))
         display(settings_panel(self.session, model, world_size).box)
 
-    def _world_size(self, requested: int | None, device: str | None = None) -> int:
+    def world_size_for(self, requested: int | None, device: str | None = None) -> int:
         """The world size asked, or by default the cluster's (a rank per GPU, 2 on the CPU; attached: every
         engine)."""
         world_size = requested if requested is not None else self.session.cluster.default_world_size(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from nbfsdp.kernel.cluster.attached import AttachedCluster
     from nbfsdp.kernel.run.session import Session
 
 
@@ -17,8 +18,8 @@ def status(session: Session) -> None:
         print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
         return
     world = cluster.world
-    if world is None and session.attached:
-        _attached_status(session)
+    if world is None and (attached := session.attached_cluster) is not None:
+        _attached_status(attached)
         return
     if world is None:
         failed = cluster.background_error
@@ -46,10 +47,9 @@ def status(session: Session) -> None:
         )
 
 
-def _attached_status(session: Session) -> None:
+def _attached_status(cluster: AttachedCluster) -> None:
     """An attached cluster before its first cell: its engines, each with the rank, host and local rank a
     cell using every engine would give it."""
-    cluster = session.cluster
     placements = cluster.placements_for(cluster.engines)
     engines = cluster.identities()
     hosts = len({p.host for p in placements})

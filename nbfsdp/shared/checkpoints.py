@@ -172,7 +172,7 @@ def partial_path(final: str | os.PathLike) -> Path:
     return final.parent / f".{final.name}.partial-{secrets.token_hex(4)}"
 
 
-def bytes_per_rank(directory: str | os.PathLike, world_size: int) -> list[int]:
+def bytes_per_rank(directory: str | os.PathLike[str], world_size: int) -> list[int]:
     """Bytes of the data files each rank wrote (DCP names them ``__<rank>_<n>.distcp``)."""
     written = [0] * world_size
     for entry in os.scandir(directory):

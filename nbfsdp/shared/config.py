@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -117,7 +118,7 @@ class FSDPConfig:
     why: dict[str, str] = field(default_factory=dict)
     """Settings nbfsdp chose (a default for the device) or runs otherwise than asked, with why."""
 
-    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    def dtypes(self) -> tuple[torch.dtype, ...]:
         """(param, reduce, buffer) dtypes of the mixed-precision setting."""
         if self.mixed_precision is None or self.precision is None:
             raise ValueError("settings not given: validate(config, world_size, devices) fills them in")
@@ -132,12 +133,13 @@ class FSDPConfig:
             case "NO_SHARD":
                 return world_size, 1
             case "HYBRID_SHARD":
+                assert self.replicas is not None  # validate() requires it with HYBRID_SHARD
                 return self.replicas, world_size // self.replicas
             case _:
                 return 1, world_size
 
     @property
-    def effective_backward_prefetch(self) -> str:
+    def effective_backward_prefetch(self) -> str | None:
         return "BACKWARD_PRE" if self.backward_prefetch == "BACKWARD_POST" else self.backward_prefetch
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,7 +188,7 @@ def _positive_int(key: str, value: Any) -> int:
     return number
 
 
-_CONVERTERS = {
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "device": lambda v: _device(v),
     "sharding_strategy": lambda v: _choice("sharding_strategy", v, SHARDING_STRATEGIES),
     "mixed_precision": _mixed_precision,
@@ -253,7 +255,7 @@ def for_device(config: FSDPConfig, devices: Devices) -> FSDPConfig:
         backward_prefetch, why["backward_prefetch"] = "BACKWARD_PRE", _DEFAULT_PREFETCH
     elif backward_prefetch == "BACKWARD_POST":
         why["backward_prefetch"] = f"{_POST_ASKED}: FSDP2's own backward prefetch runs"
-    chosen = {
+    chosen: dict[str, Any] = {
         "device": devices.type,
         "mixed_precision": mixed_precision,
         "precision": precision,

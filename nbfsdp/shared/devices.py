@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from nbfsdp.shared.errors import ConfigError
 
@@ -72,7 +72,7 @@ class Devices:
         return f"{ranks} on {plural(self.gpus, 'GPU')}{' (shared)' if self.shared else ''}"
 
 
-def on_gpus(world_size: int, gpus: int, **extra: object) -> Devices:
+def on_gpus(world_size: int, gpus: int, **extra: Any) -> Devices:
     """``world_size`` ranks on one machine's ``gpus`` GPUs: rank ``r`` on GPU ``r mod G``. Where they share,
     ranks ``[k * G, (k + 1) * G)`` are NCCL's host ``k``: on different GPUs, so NCCL's own transports
     (NVLink, PCIe) still connect them."""

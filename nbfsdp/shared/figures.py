@@ -122,7 +122,7 @@ class DashboardFigure:
     def _predicted(self, predicted: list[dict[str, int]]) -> dict[int, Any]:
         """explain's figures: params+grads+optim as a dashed line per rank, its communication buffers
         (not measurable on CPU) as a hatched bar on top of the measured ones. Returns those bars by rank."""
-        axes, comm_buffers = self._memory_axes, {}
+        axes, comm_buffers = self._memory_axes, dict[int, Any]()
         for rank, expected in enumerate(predicted):
             if "params" not in expected:  # only a traced peak (a model explain could not plan)
                 continue

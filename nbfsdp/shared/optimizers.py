@@ -81,7 +81,7 @@ def track_steps(scheduler: Any) -> None:
     keeps (``Optimizer.__getstate__`` keeps defaults, state and groups only); without it the scheduler's
     first ``step()`` warns that ``optimizer.step()`` "has been overridden" although nothing was.
     """
-    optimizer = getattr(scheduler, "optimizer", None)
+    optimizer: Any = getattr(scheduler, "optimizer", None)
     if not isinstance(scheduler, LRScheduler) or is_step_tracked(optimizer.step):
         return
     step = type(optimizer).step

@@ -49,9 +49,9 @@ def _cpu_streams_for_fsdp2() -> None:
     stream = torch.cpu.Stream
     if not hasattr(stream, "record_event"):
         # an Event, not 2.7's None: FSDP2 2.6 asserts it has one after an all-reduce (NO_SHARD, HSDP)
-        stream.record_event = lambda self: torch.cpu.Event()
+        stream.record_event = lambda self: torch.cpu.Event()  # type: ignore[method-assign,assignment]
     if not hasattr(stream, "wait_event"):
-        stream.wait_event = lambda self, event: None
+        stream.wait_event = lambda self, event: None  # type: ignore[method-assign]
 
 
 def _cpu_copy_out_for_fsdp2() -> None:
@@ -70,10 +70,13 @@ def _cpu_copy_out_for_fsdp2() -> None:
         versions = [(t, t._version) for t in out if not t.is_inference()]
         copy(all_gather_output, split_sizes, dim=dim, out=out)
         for tensor, version in versions:
-            torch._C._autograd._unsafe_set_version_counter(tensor, version)
+            # torch 2.6's signature (one tensor, its version); the stubs are this torch's (sequences)
+            torch._C._autograd._unsafe_set_version_counter(tensor, version)  # type: ignore[arg-type]
 
-    split_with_sizes_copy.default = copy.default  # the overload FSDPMemTracker instruments
-    torch.ops.fsdp.split_with_sizes_copy = split_with_sizes_copy  # looked up at each all-gather
+    # torch 2.6's op, which the stubs (this torch's) do not know: the overload FSDPMemTracker instruments, and
+    # the op itself, looked up at each all-gather
+    split_with_sizes_copy.default = copy.default  # type: ignore[attr-defined]
+    torch.ops.fsdp.split_with_sizes_copy = split_with_sizes_copy  # type: ignore[attr-defined]
 
 
 def _gloo_gradient_mean_for_fsdp2() -> None:
@@ -94,7 +97,8 @@ def _gloo_gradient_mean_for_fsdp2() -> None:
             reduce_dtype = torch.float16  # the dtype FSDP2 divides for itself
         return factors(reduce_scatter_group, all_reduce_group, reduce_dtype)
 
-    collectives._get_gradient_divide_factors = gradient_divide_factors  # a global foreach_reduce looks up
+    # a global foreach_reduce looks up (torch 2.6's; the stubs are this torch's, without it)
+    collectives._get_gradient_divide_factors = gradient_divide_factors  # type: ignore[attr-defined]
 
 
 _cpu_streams_for_fsdp2()
@@ -139,7 +143,8 @@ def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
         return
     group = unit._get_fsdp_state()._fsdp_param_group
     if group is not None:  # a unit that owns no parameters
-        group.post_forward_mesh_info = group.mesh_info if reshard else None
+        # as FSDPParamGroup.__init__ sets it (torch annotates the two as different mesh infos)
+        group.post_forward_mesh_info = group.mesh_info if reshard else None  # type: ignore[assignment]
 
 
 def shard_whole_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
@@ -181,12 +186,12 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None | bool:
 
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """What ``LRScheduler``'s wrapper of ``optimizer.step`` sets: ``_opt_called``, read by its order check."""
-    optimizer._opt_called = True
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # LRScheduler's own mark on the instance
 
 
 def mark_step_tracked(step: Callable) -> None:
     """``_wrapped_by_lr_sched``: LRScheduler's mark that ``step`` is its wrapper (it wraps only once)."""
-    step._wrapped_by_lr_sched = True
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LRScheduler's own mark on the function
 
 
 def is_step_tracked(step: Callable) -> bool:

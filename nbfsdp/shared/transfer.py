@@ -76,8 +76,9 @@ def analyze_cell(tree: ast.Module) -> tuple[list[str], list[str]]:
     bound: set[str] = set()
     for statement in tree.body:
         for node in ast.walk(statement):
-            is_read = isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del))
-            if is_read and node.id not in bound and node.id not in reads:
+            if not (isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del))):
+                continue  # not a read
+            if node.id not in bound and node.id not in reads:
                 reads.append(node.id)
         visitor = _TopLevelStores()
         visitor.visit(statement)

@@ -62,6 +62,7 @@ def local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
         coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # the tensor is this rank's: the rank is in its mesh
         for mesh_dim, placement in enumerate(tensor.placements):
             if placement.is_replicate():
                 continue
@@ -88,8 +89,8 @@ class WeightsFile:
             import_safetensors()
             from safetensors import safe_open
 
-            self._file = safe_open(str(self.path), framework="pt", device="cpu")
-            self._tensors = None
+            self._file: safe_open | None = safe_open(str(self.path), framework="pt", device="cpu")
+            self._tensors: dict[str, torch.Tensor] | None = None
             names = self._file.keys()  # a safe_open is not iterable itself
             self._shapes = {name: tuple(self._file.get_slice(name).get_shape()) for name in names}
         else:
@@ -120,7 +121,11 @@ class WeightsFile:
         if 0 in local_shape:  # this rank holds no rows of it (an uneven first dimension)
             return torch.empty(local_shape, dtype=like.dtype)
         # .pt: the copy reads only these rows' pages of the mapped file; safetensors: only these rows
-        part = self._tensors[name][where].clone() if self._tensors is not None else self._file.get_slice(name)[where]
+        if self._tensors is not None:
+            part = self._tensors[name][where].clone()
+        else:
+            assert self._file is not None, "the file is closed"
+            part = self._file.get_slice(name)[where]
         self.bytes_read += part.numel() * part.element_size()
         return part
 
@@ -149,14 +154,14 @@ class WeightsFile:
             )
         with torch.no_grad():
             for key, group in names.items():
-                name = next((n for n in group if n in self._shapes), None)
-                if name is None:
+                stored = next((n for n in group if n in self._shapes), None)
+                if stored is None:
                     continue
                 tensor = tensors[key]
-                part = self.read(name, tensor)
+                part = self.read(stored, tensor)
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 if part.shape != local.shape:  # copy_ would broadcast a wrong split silently
-                    raise ConfigError(f"{name}: this rank holds {list(local.shape)}, read {list(part.shape)}")
+                    raise ConfigError(f"{stored}: this rank holds {list(local.shape)}, read {list(part.shape)}")
                 local.copy_(part)
 
     def close(self) -> None:

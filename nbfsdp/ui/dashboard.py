@@ -149,6 +149,7 @@ class LiveDashboard:
 
     def write(self, text: str, stderr: bool) -> None:
         """Ranks' output of a background run."""
+        assert self.output is not None  # a background run's dashboard has one
         if stderr:
             self.output.append_stderr(text)
         else:
@@ -157,6 +158,7 @@ class LiveDashboard:
     def progress(self, bar: str, text: str, ended: bool) -> None:
         """Rank 0's progress bar in a background run: one entry of the output, replaced as it moves."""
         entry = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": {}}
+        assert self.output is not None  # a background run's dashboard has one
         outputs = list(self.output.outputs)
         if bar in self._bars:
             outputs[self._bars[bar]] = entry
@@ -243,8 +245,8 @@ class LiveDashboard:
 
     def _status_table(self) -> str:
         latest: dict[int, dict[str, Any]] = {}
-        for record in self.records:
-            latest[record["rank"]] = record
+        for seen in self.records:
+            latest[seen["rank"]] = seen
         host = lambda rank: f"<td>{html.escape(self._hosts[rank])}</td>" if self._hosts else ""  # noqa: E731
         rows = ""
         for rank in range(self.world_size):

@@ -237,7 +237,7 @@ def _notebook_globals(value: Any) -> list[str]:
     its pickle's GLOBAL opcodes (protocol 2 writes each as one, with its module and name)."""
     found = []
     for opcode, argument, _ in pickletools.genops(pickle.dumps(value, protocol=2)):
-        if opcode.name == "GLOBAL" and argument.startswith("__main__ "):
+        if opcode.name == "GLOBAL" and isinstance(argument, str) and argument.startswith("__main__ "):
             found.append(argument.split(" ", 1)[1])
     return found
 

@@ -55,7 +55,7 @@ class _Checkpoint:
         return list(dict.fromkeys(str(p[1]) for p in self.paths.values() if len(p) > 2 and p[0] == section))
 
 
-def _open(checkpoint: str | Path) -> _Checkpoint:
+def _open(checkpoint: str | os.PathLike[str]) -> _Checkpoint:
     """The checkpoint at ``checkpoint``, or a UsageError saying why it is none (missing, incomplete)."""
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
@@ -81,7 +81,7 @@ def _paths(metadata: Metadata) -> dict[str, tuple[str | int, ...]]:
     """
     if isinstance(metadata.planner_data, dict) and set(metadata.planner_data) >= set(metadata.state_dict_metadata):
         return {key: tuple(metadata.planner_data[key]) for key in metadata.state_dict_metadata}
-    paths = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
     for key in metadata.state_dict_metadata:
         section, name, rest = (key.split(".", 2) + ["", ""])[:3]
         if section == "optimizers" and rest.startswith("state."):
@@ -193,7 +193,7 @@ def export(checkpoint: str | Path, out: str | Path, *, model: str | None = None,
 
 @as_usage_errors
 def load_into(
-    checkpoint: str | Path,
+    checkpoint: str | os.PathLike[str],
     module: nn.Module,
     optimizer: Optimizer | None = None,
     scheduler: Any = None,
@@ -292,8 +292,8 @@ def _plain_optimizer_state(saved: dict[str, Any], module: nn.Module, optimizer: 
     (DCP may lose ``initial_lr``, pytorch#140900) are kept.
     """
     fqns: dict[int, list[str]] = {}
-    for fqn, param in module.named_parameters(remove_duplicate=False):
-        fqns.setdefault(id(param), []).append(fqn)
+    for param_fqn, param in module.named_parameters(remove_duplicate=False):
+        fqns.setdefault(id(param), []).append(param_fqn)
     saved_groups, saved_state = saved.get("param_groups") or [], saved.get("state") or {}
     if len(saved_groups) != len(optimizer.param_groups):
         raise UsageError(

@@ -131,7 +131,7 @@ def save_with(
     namespace = session.shell.user_ns
     epochs = {name: session.loaders.epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
     if background:
-        args = (world.generation, str(partial), str(final), _resume_step(), overwrite, epochs)
+        args: tuple[Any, ...] = (world.generation, str(partial), str(final), _resume_step(), overwrite, epochs)
         snapshot = checkpointing.save_in_background
         skipped = _on_every_rank(session, world, snapshot, args, "taking a snapshot", partial)[0]
         _say_skipped(skipped)
@@ -278,8 +278,8 @@ def load_with(
         )
     if config is None:  # the saved settings, on the device the running world has (any, with none running)
         first = next(iter(manifest.models.values()))
-        saved = {**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"]), "device": None}
-        config = _on_running_device(FSDPConfig(**saved), running)
+        fsdp = {**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"]), "device": None}
+        config = _on_running_device(FSDPConfig(**fsdp), running)
     request = LoadCheckpoint(
         directory=str(directory),
         models=list(models),
@@ -323,7 +323,7 @@ def _on_running_device(config: FSDPConfig, running: World | None) -> FSDPConfig:
     """``config``, on the running world's device where it names none: a load goes into the world there is."""
     if config.device is not None or running is None or running.broken:
         return config
-    return dataclasses.replace(config, device=running.devices.type)
+    return dataclasses.replace(config, device="cuda" if running.devices.type == "cuda" else "cpu")
 
 
 def load_file_with(
@@ -352,21 +352,22 @@ def load_file_with(
     namespace = session.shell.user_ns
     name = _weights_model(path, shapes, namespace, model)
     running = session.cluster.world
-    alive = running is not None and not running.broken
+    alive = running if running is not None and not running.broken else None  # a world to load into as it is
     if world_size is None:
-        world_size = running.world_size if alive else (session.panel_world_size or session.cluster.default_world_size())
+        world_size = alive.world_size if alive else (session.panel_world_size or session.cluster.default_world_size())
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
     if timeout is None:
-        timeout = running.timeout if alive else DEFAULT_TIMEOUT_SECONDS
+        timeout = alive.timeout if alive else DEFAULT_TIMEOUT_SECONDS
     request = LoadWeightsFile(path=str(file), model=name)
     if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
         try:
-            config = _on_running_device(resolve_settings(None, {}, session.panel), running if alive else None)
+            config = _on_running_device(resolve_settings(None, {}, session.panel), alive)
         except ConfigError as error:
             raise UsageError(str(error)) from None
     session.run_cell(request, world_size=world_size, timeout=timeout, gather=True, config=config)
     world = session.cluster.world
+    assert world is not None  # the cell just ran in it
     client = session.cluster.client
     read = [client[engine_id].apply_sync(checkpointing.bytes_read) for engine_id in world.engine_ids]
     tensors = {id(t): t for t in namespace[name].state_dict(keep_vars=True).values()}  # a tie counts once
@@ -434,6 +435,7 @@ def load_before_cell(
     """
     path: str | os.PathLike | None = None
     if settings.autoresume:
+        assert settings.save_folder is not None  # checkpoint_settings requires it with autoresume
         folder = Path(settings.save_folder).expanduser().resolve()
         try:
             found = fmt.newest(folder)

@@ -105,7 +105,7 @@ class AttachedCluster:
         self.placements: list[Placement] = []
         self._identities: dict[int, HostIdentity] = {}
         self.background_error: BaseException | None = None
-        self.starting = None
+        self.starting: tuple[int, float] | None = None  # never: there is nothing to start
         if self.engines:  # every engine checks in now: its host, whether it sees the directory, its lifeline
             try:
                 self.placements = self.placements_for(self.engines)
@@ -207,6 +207,7 @@ class AttachedCluster:
     def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
         """A world of ``world_size`` of the cluster's engines, host by host, on ``device`` (None: not given)."""
         if self.reuses_world(world_size, timeout, device):
+            assert self.world is not None  # reuses_world: it runs
             return self.world
         self.placements = self.placements_for(world_size)
         try:
@@ -236,8 +237,8 @@ class AttachedCluster:
             )
             for p in self.placements
         }
-        engine_ids = {p.rank: p.engine_id for p in self.placements}
-        answers = set_up_every_rank(self.client, engine_ids, engine.setup, keywords=keywords)
+        rank_engines = {p.rank: p.engine_id for p in self.placements}
+        answers = set_up_every_rank(self.client, rank_engines, engine.setup, keywords=keywords)
         infos = [answers[p.rank] for p in self.placements]
         processes: list[Any] = [
             RegisteredEngine(self, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
@@ -264,6 +265,7 @@ class AttachedCluster:
         return wait_for_death(self.dead_ranks, rank, within)
 
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        assert self.world is not None, "no world running"
         for rank in ranks:
             self.world.processes[rank].signal(signum)
 

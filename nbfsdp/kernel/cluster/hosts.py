@@ -54,7 +54,7 @@ def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
             break
         chosen.append((key, ids[:left]))
         left -= len(chosen[-1][1])
-    placements = []
+    placements: list[Placement] = []
     for key, ids in chosen:
         for local_rank, engine_id in enumerate(ids):
             placements.append(Placement(len(placements), engine_id, names[key], local_rank, len(ids)))

@@ -55,8 +55,10 @@ class Lifelines:
         self._listener.close()  # wakes the selector
         self._thread.join(timeout=2)
         for key in list(self._selector.get_map().values()):
+            connection = key.fileobj
+            assert isinstance(connection, socket.socket)  # only sockets are registered
             with contextlib.suppress(OSError):
-                key.fileobj.close()
+                connection.close()
         self._selector.close()
 
     # ------------------------------------------------------------ the serving thread

@@ -144,6 +144,7 @@ class FSDPCluster:
         self._wait_for_background()
         self.background_error = None  # this start replaces a failed one
         if self.reuses_world(world_size, timeout, device):
+            assert self.world is not None  # reuses_world: it runs
             return self.world
         world = self.world
         if self._cluster is None and self._fork_server is None:
@@ -175,6 +176,7 @@ class FSDPCluster:
     def signal_ranks(self, ranks: list[int], signum: int) -> None:
         """Signal the ranks' engines that still run (an engine that ended is skipped, and so is its pid)."""
         self._wait_for_background()
+        assert self.world is not None, "no world running"
         for rank in ranks:
             self.world.processes[rank].signal(signum)
 
@@ -249,6 +251,7 @@ class FSDPCluster:
         self._background = None
 
     def _how_it_ended(self, pid: int) -> str:
+        assert self._fork_server is not None  # it started the world's engines, and stops only with them
         code = self._fork_server.wait(pid, timeout=1.0)
         if code is None:
             return "exited"
@@ -336,6 +339,7 @@ class FSDPCluster:
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
         self._wait_for_background()
+        assert self._fork_server is not None, "no cluster running"
         return [self._fork_server.pid, *ipyparallel_private.launched_pids(self._cluster)]
 
     def _rank_order(self, devices: Devices) -> list[int]:
@@ -349,6 +353,7 @@ class FSDPCluster:
     def _setup_world(self, devices: Devices, timeout: float) -> World:
         from nbfsdp.engines import engine  # torch: imported by the first world, not by importing this module
 
+        assert self._private_dir is not None  # _start_engines made it, or an earlier world's start
         self._generation += 1
         world_size = devices.world_size
         store_path = os.path.join(self._private_dir, f"store-{self._generation}")

@@ -124,23 +124,38 @@ def join_interruptibly(thread: threading.Thread) -> None:
 
 class Cluster(Protocol):
     """The cluster the session runs cells on: nbfsdp's own (``FSDPCluster``) or one it attached to
-    (``nbfsdp.kernel.cluster.attached.AttachedCluster``). The session, the runner and delivery use only this."""
+    (``nbfsdp.kernel.cluster.attached.AttachedCluster``). The session, the runner and delivery use only this;
+    what only an attached cluster has (its engines, hosts, profile) is asked of ``Session.attached_cluster``."""
 
     world: World | None
+    """The running world; None before the first and after ``kill_engines`` or ``stop``."""
     background_error: BaseException | None
+    """Why the last background start failed, for ``%fsdp status`` (the next ``ensure_world`` starts again)."""
 
     @property
-    def client(self) -> ipp.Client: ...
+    def client(self) -> ipp.Client:
+        """The ipyparallel client that reaches the engines."""
+
     @property
     def private_dir(self) -> str:
         """Where the notebook and the ranks meet: run control files, interval-save markers."""
 
     @property
-    def starting(self) -> tuple[int, float] | None: ...
-    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None: ...
-    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool: ...
-    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World: ...
-    def unsteerable(self) -> str | None: ...
+    def starting(self) -> tuple[int, float] | None:
+        """While a background start runs: its world size and the seconds since it began. Never waits."""
+
+    def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
+        """Start what ``ensure_world(world_size, timeout)`` would, without waiting (nothing, where it runs)."""
+
+    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
+        """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
+
+    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
+        """A healthy world of ``world_size`` ranks on ``device`` (None: not given), reusing what already runs."""
+
+    def unsteerable(self) -> str | None:
+        """Why a cell cannot be steered mid-run (live changes, cancel, interval saves), or None."""
+
     def devices(self, world_size: int, device: str | None = None, *, planning: bool = False) -> Devices:
         """Where a world of ``world_size`` runs, asked ``device`` (``--device``; None: not given): on GPUs
         (NCCL) or the CPU (gloo). A device it cannot have raises ``ConfigError``, unless ``planning`` (a plan,
@@ -153,8 +168,18 @@ class Cluster(Protocol):
     def rank_hosts(self) -> list[str]:
         """The running world's host per rank (names unique per host, even where hostnames are not)."""
 
-    def dead_ranks(self) -> dict[int, str]: ...
-    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None: ...
-    def signal_ranks(self, ranks: list[int], signum: int) -> None: ...
-    def kill_engines(self) -> None: ...
-    def stop(self) -> None: ...
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks of the running world whose engine has ended, with how."""
+
+    def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
+        """How the rank's engine ended, waiting up to ``within`` seconds to see it end; None while it runs."""
+
+    def signal_ranks(self, ranks: list[int], signum: int) -> None:
+        """Signal the engines of these ranks of the running world (those that ended are skipped)."""
+
+    def kill_engines(self) -> None:
+        """Give up the running world now, even one stuck in a collective (nbfsdp's own engines are killed,
+        an attached cluster's interrupted); the next world starts afresh."""
+
+    def stop(self) -> None:
+        """End the cluster (an attached one refuses: UsageError, it is not nbfsdp's to stop)."""

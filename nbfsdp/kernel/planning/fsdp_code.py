@@ -49,13 +49,14 @@ def _statements(model: nn.Module, paths: list[str], call: str) -> list[str]:
         split = _split(paths[i])
         if split is not None:
             container, _, _ = split
-            run = []
+            run: list[tuple[str, int, str]] = []
             while i + len(run) < len(paths):
                 s = _split(paths[i + len(run)])
                 if s is None or s[0] != container:
                     break
                 run.append(s)
-            size = len(model.get_submodule(container)) if container else 0
+            # numbered children: a ModuleList or Sequential (torch types a submodule as any Module)
+            size = len(model.get_submodule(container)) if container else 0  # type: ignore[arg-type]
             per_item = [[rest for c, index, rest in run if index == k] for k in range(size)]
             in_order = [index for _, index, _ in run] == sorted(index for _, index, _ in run)
             if size > 1 and in_order and all(rests == per_item[0] for rests in per_item) and per_item[0]:

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +103,7 @@ class _Live(TorchDispatchMode):
         self.on_change()
         return out
 
-    def hold(self, tensors: Iterator[torch.Tensor]) -> None:
+    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
         """These tensors' storages are the ledger's: never counted here."""
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -345,6 +345,7 @@ class _Step:
                     self._gather(following)
 
             def accumulated(param: torch.Tensor, unit=unit) -> None:
+                assert param.grad is not None  # autograd has just accumulated it
                 self.live.reclassify(param.grad, "grads")
                 unit.reduced += 1
                 if unit.reduced == len(unit.params):
@@ -390,6 +391,7 @@ class _Step:
         finally:
             for handle in handles:
                 handle.remove()
+        assert self.best is not None  # the optimizer's step checked the peak
         return self.best
 
     def _optimizer_state(self) -> int:
@@ -413,7 +415,7 @@ class _Step:
             optimizer = torch.optim.AdamW(shards, lr=1e-3, foreach=self.on_gpu)
             optimizer.step()  # the first step makes the state
         state = [t for per_param in optimizer.state.values() for t in per_param.values() if isinstance(t, torch.Tensor)]
-        self.live.hold([*shards, *(s.grad for s in shards), *state])
+        self.live.hold([*shards, *(s.grad for s in shards if s.grad is not None), *state])  # every grad is set
         optimizer.step()
         self._check()
 
@@ -558,10 +560,10 @@ def _sdpa(
 def _cpu_flash(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
     """Whether PyTorch runs its CPU flash kernel for attention of these dtypes and head sizes: asked on
     one-token tensors of the same layout."""
-    small = [torch.zeros(1, 1, 1, t.shape[-1], dtype=t.dtype) for t in (query, key, key)]
+    q, k, v = (torch.zeros(1, 1, 1, t.shape[-1], dtype=t.dtype) for t in (query, key, key))
     mask = None if attn_mask is None else torch.zeros(1, 1, 1, 1, dtype=attn_mask.dtype)
-    choice = torch._fused_sdp_choice(*small, mask, 0.0, is_causal)
-    return choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal)
+    return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
 
 
 #: One trace at a time replaces attention: a second one (an explain while a cell's prediction traces in its
@@ -680,7 +682,8 @@ def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, target: tuple) -> Call
         if loss_fn is not None:
             return loss_fn(output, *target)
         floating = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        return sum(t.float().sum() for t in floating)
+        # a tensor (typeshed's sum starts at 0: with no floating tensors it is 0, which backward rejects)
+        return sum(t.float().sum() for t in floating)  # type: ignore[return-value]
 
     return loss_of
 

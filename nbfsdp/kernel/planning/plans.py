@@ -425,7 +425,7 @@ def _plan(
     }
     several = hosts is not None and len(set(hosts)) > 1
     cross_host: dict[str, dict[str, int]] = {}
-    if several:
+    if hosts is not None and several:
         mesh_groups = {"shard": _shard_groups(replicas, shards), "replicate": _replicate_groups(replicas, shards)}
         for kind, w in wire.items():
             groups_of = mesh_groups["replicate" if kind == "all_reduce" else "shard"]
@@ -458,7 +458,7 @@ def _plan(
         code=render(model, config, world_size, devices),
         devices=str(devices),
         mesh=(replicas, shards),
-        hosts=list(hosts) if several else [],
+        hosts=list(hosts) if hosts is not None and several else [],
         cross_host=cross_host,
     )
 

@@ -70,8 +70,8 @@ def cell_autocast(cell: str, devices: Devices) -> torch.dtype | None:
             enabled = keywords.get("enabled")
             if name != "autocast" or (isinstance(enabled, ast.Constant) and not enabled.value):
                 continue
-            if isinstance(keywords.get("dtype"), ast.Attribute):
-                return _DTYPES.get(keywords["dtype"].attr, torch.bfloat16)
+            if isinstance(dtype := keywords.get("dtype"), ast.Attribute):
+                return _DTYPES.get(dtype.attr, torch.bfloat16)
             return torch.float16 if devices.type == "cuda" else torch.bfloat16
     return None
 

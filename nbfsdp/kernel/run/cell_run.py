@@ -283,8 +283,8 @@ def _apply_results(
     for name, state in first.in_place.items():
         run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
         held.object_held(name, run.sent[name])
-    for name, state in first.loaders.items():
-        loaders.continue_after(run.sent[name], state)
+    for name, position in first.loaders.items():
+        loaders.continue_after(run.sent[name], position)
     objects = dict(run.sent)
     for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
         objects[name] = shell.user_ns[name] = transfer.load_result(data, run.models, objects)

@@ -58,7 +58,8 @@ class LoaderPlan:
 
 def _dataset_length(loader: DataLoader) -> int | None:
     try:
-        return len(loader.dataset) if is_iterable_loader(loader) else len(loader.sampler)
+        # a dataset or sampler without a length raises TypeError (torch types them as maybe unsized)
+        return len(loader.dataset) if is_iterable_loader(loader) else len(loader.sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
 
@@ -81,7 +82,7 @@ def plan_split(name: str, loader: DataLoader, world_size: int, per_rank_batches:
     if per_rank_batches:
         batches = None if full is None else full + (1 if last else 0)
         steps = None if batches is None else batches // world_size
-        dropped = 0 if batches is None else batches - steps * world_size
+        dropped = 0 if batches is None else batches % world_size
         note = f"the last {dropped} batch(es) dropped: every rank takes as many steps" if dropped else ""
         return LoaderPlan(
             mode="per_rank", batch_size=batch_size, per_rank=batch_size, steps_per_epoch=steps,
@@ -99,6 +100,7 @@ def plan_split(name: str, loader: DataLoader, world_size: int, per_rank_batches:
     if last:
         kept = last - last % world_size
         if kept:
+            assert steps is not None  # a last batch: the length is known
             steps += 1
         if kept == 0:
             note = f"the last batch of {last} dropped (fewer samples than ranks)"

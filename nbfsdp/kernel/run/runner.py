@@ -186,7 +186,9 @@ class RankRun:
         on_records: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.cluster = cluster
-        self.world = cluster.world
+        world = cluster.world
+        assert world is not None, "no world running"  # the session ensured the cell's world before the run
+        self.world = world
         self.config = spec.fsdp
         engine_ids = dict(enumerate(self.world.engine_ids))
         arguments = dict.fromkeys(engine_ids, (spec, values, skeletons))
@@ -268,7 +270,7 @@ def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[],
 def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: bool) -> None:
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
     results, cluster = run.results, run.cluster
-    steps = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
+    steps: list[tuple[signal.Signals | None, float]] = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
     if not immediately:
         steps.insert(0, (None, PEER_GRACE_SECONDS))
     for signum, grace in steps:

@@ -12,7 +12,7 @@ import itertools
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -31,6 +31,9 @@ from nbfsdp.kernel.run.where import Where, where_of
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
 from nbfsdp.shared.protocol import InternalRequest, LoaderState
 from nbfsdp.ui.widget_events import pending_events
+
+if TYPE_CHECKING:
+    from nbfsdp.kernel.cluster.attached import AttachedCluster
 
 
 class Session:
@@ -53,7 +56,7 @@ class Session:
         """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
         self.loader_resume: dict[str, LoaderState] = {}
         """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
-        self._own_cluster: FSDPCluster | None = None
+        self._own_cluster: Cluster | None = None
         """nbfsdp's own cluster, set aside while ``self.cluster`` is an attached one."""
         self.pending_save: Any = None
         """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.sharded.PendingSave``):
@@ -260,23 +263,36 @@ class Session:
 
     def attached_to(self, profile: str, cluster_id: str | None) -> bool:
         """The cells run on the cluster of ``profile`` (and ``cluster_id``, where given) already."""
-        cluster = self.cluster
-        return self.attached and cluster.profile == profile and cluster_id in (None, cluster.cluster_id)
+        cluster = self.attached_cluster
+        return cluster is not None and cluster.profile == profile and cluster_id in (None, cluster.cluster_id)
 
     @property
     def attached(self) -> bool:
         """The cells run on a cluster nbfsdp did not start."""
         return self._own_cluster is not None
 
+    @property
+    def attached_cluster(self) -> AttachedCluster | None:
+        """The cluster the cells run on while ``attached``, else None: what only an attached cluster has
+        (its engines, their hosts, its profile) is asked of it."""
+        if self._own_cluster is None:
+            return None
+        from nbfsdp.kernel.cluster.attached import AttachedCluster
+
+        cluster = self.cluster
+        assert isinstance(cluster, AttachedCluster)  # attach() set it; detach() puts nbfsdp's own back
+        return cluster
+
     def detach(self) -> bool:
         """Let go of an attached cluster (it goes on running); the next cell starts nbfsdp's own again.
         Whether one was attached."""
-        if self._own_cluster is None:
+        own, attached = self._own_cluster, self.attached_cluster
+        if own is None or attached is None:
             return False
         if self.pending_save is not None:
             self.pending_save.wait()
-        self.cluster.detach()
-        self.cluster, self._own_cluster = self._own_cluster, None
+        attached.detach()
+        self.cluster, self._own_cluster = own, None
         self.held.forget()
         return True
 

@@ -97,6 +97,7 @@ def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSetti
     """``--save-interval``: where the ranks save, and the directory they agree on each save in."""
     if checkpointing is None or checkpointing.save_interval is None:
         return None
+    assert checkpointing.save_folder is not None  # checkpoint_settings requires it with save_interval
     folder = Path(checkpointing.save_folder).expanduser().resolve()  # the engines may run elsewhere
     folder.mkdir(parents=True, exist_ok=True)
     markers = Path(private_dir, f"saves-{number}")

@@ -53,7 +53,9 @@ class RankPosition:
 
     def recent(self, group: tuple[int, ...]) -> dict[int, dict[str, Any]]:
         """Its latest collectives on ``group``, by number."""
-        entries = next((g["recent"] for g in self.ledger.get("groups", []) if tuple(g["ranks"]) == group), [])
+        entries: list[dict[str, Any]] = next(
+            (g["recent"] for g in self.ledger.get("groups", []) if tuple(g["ranks"]) == group), []
+        )
         return {entry["seq"]: entry for entry in entries}
 
     def state(self, now: float) -> str:
@@ -147,8 +149,8 @@ def diagnose(positions: list[RankPosition]) -> list[str]:
             most = max(counts.values())
             behind = sorted(rank for rank, count in counts.items() if count < most)
             ahead = sorted(rank for rank, count in counts.items() if count == most)
-            waiting = [p for p in members if p.rank in ahead and p.inside and p.inside["seq"] == most]
-            what = f"{waiting[0].inside['op']} #{most}" if waiting else f"collective #{most}"
+            waiting = [inside for p in members if p.rank in ahead and (inside := p.inside) and inside["seq"] == most]
+            what = f"{waiting[0]['op']} #{most}" if waiting else f"collective #{most}"
             issued = ", ".join(f"rank {rank} issued {counts[rank]}" for rank in behind)
             where_behind = "; ".join(
                 f"rank {p.rank} is {p.state(time.time()).split(',')[0]}" for p in members if p.rank in behind
@@ -161,9 +163,9 @@ def diagnose(positions: list[RankPosition]) -> list[str]:
     if missing:
         findings.append(f"{_ranks(missing)} did not answer: a rank holding the GIL in Python code, or gone")
     if not findings:
-        counts = sorted({sum(g["count"] for g in p.ledger.get("groups", [])) for p in answered})
+        totals = sorted({sum(g["count"] for g in p.ledger.get("groups", [])) for p in answered})
         findings.append(
-            f"every rank has issued the same collectives ({counts[-1] if counts else 0}), in the same order: "
+            f"every rank has issued the same collectives ({totals[-1] if totals else 0}), in the same order: "
             "no rank is waiting for another"
         )
     return findings
