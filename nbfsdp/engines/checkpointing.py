@@ -3,7 +3,7 @@
 ``save`` gathers this rank's part of its world (the sharded models, the optimizers and LR schedulers in
 the cells' namespace, its RNG states, its split DataLoaders' positions) into DCP's state dict and writes
 only its own shards; rank 0 completes the checkpoint once every rank has written. ``load_into`` runs
-inside an internal cell over the notebook's objects (``nbfsdp.kernel.checkpoints.sharded``): DCP reads into
+for a ``LoadCheckpoint`` request over the notebook's objects (``nbfsdp.kernel.checkpoints.sharded``): DCP reads into
 the sharded models and optimizers in place, resharding from whatever world size wrote them.
 """
 
@@ -499,7 +499,7 @@ def load_into(
     schedulers in place (DCP reshards to this world), and, at the world size that saved it, this rank's
     RNG states. The cell's end then brings the weights and state back into the notebook's own objects."""
     world = worlds.current
-    assert world is not None  # an internal cell runs in the world
+    assert world is not None  # a request runs in the world, as a cell does
     saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     options = StateDictOptions(strict=False)
     state: dict[str, Any] = {"models": {}, "optimizers": {}, "schedulers": {}, "rng": {}}
