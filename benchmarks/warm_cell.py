@@ -4,8 +4,8 @@ A: ``view.execute("pass", block=True)`` on the bench's own ipyparallel cluster o
 (controller on 127.0.0.1): what any cell on that many engines costs at least.
 B: ``%%fsdp --world-size N`` + ``pass`` sent to a kernel whose world already runs, timed from sending the
 execute request to having its reply and the idle status (what a notebook waits for), dashboard included.
-Alternating A B after a warm-up; medians of the samples. Target: B's median at most 100 ms. N is 4
-(``--quick``: 2).
+Alternating A B after a warm-up; medians of the samples. Target: B's median at most 36 ms (what an older
+commit measured; issue 38), aiming at 1.5x A; the note gives B / A. N is 4 (``--quick``: 2).
 
 Run alone: ``python -m benchmarks --only warm_cell``.
 """
@@ -25,7 +25,9 @@ from benchmarks.context import Context
 from benchmarks.measurement import Measurement, median
 
 NAME = "warm_cell"
-TARGET_MS = 100.0
+TARGET_MS = 36.0
+#: What B aims at beyond the target: this many times A (said in the row's note).
+AIM_RATIO = 1.5
 
 
 class RawCluster:
@@ -93,6 +95,6 @@ def run(ctx: Context) -> dict:
         ab_unit="ms",
         samples_a=a,
         samples_b=b,
-        note=f"%%fsdp / raw: {median(b) / median(a):.2f}x",
+        note=f"%%fsdp / raw: {median(b) / median(a):.2f}x (aim: {AIM_RATIO}x)",
     )
     return {"measurements": [row], "world_size": world_size, "samples": samples, "warmup": warmup}

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_bool import CheckboxStyle
+from ipywidgets.widgets.widget_description import DescriptionStyle
 
 from nbfsdp.shared.config import BACKWARD_PREFETCHES, DEVICE_CHOICES, MIXED_PRECISIONS, SHARDING_STRATEGIES
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
@@ -23,13 +25,40 @@ GAP = "2px 1.2em 2px 0"
 _LAYOUT = {"width": "auto", "margin": GAP}
 _STYLE = {"description_width": "initial"}
 
+_shared: dict[tuple[Any, ...], widgets.Widget] = {}
+
+
+def shared(kind: type[widgets.Widget], **traits: Any) -> widgets.Widget:
+    """One ``kind`` (a ``Layout`` or a style) of these traits for every widget drawn so, made once per kernel.
+
+    Each layout and style is a widget of its own, its comm opened and its state sent when it is made: given
+    as dicts or left to their defaults they were 30 of a dashboard's 47 widgets, made again for every cell.
+    Nothing changes one once it is made; one that was closed is made anew."""
+    from IPython import get_ipython
+
+    key = (kind, id(getattr(get_ipython(), "kernel", None)), tuple(sorted(traits.items())))
+    made = _shared.get(key)
+    if made is None or made.comm is None:
+        made = _shared[key] = kind(**traits)
+    return made
+
 
 def _dropdown(description: str, options: tuple[str, ...]) -> widgets.Dropdown:
-    return widgets.Dropdown(options=options, description=description, layout=_LAYOUT, style=_STYLE)
+    return widgets.Dropdown(
+        options=options,
+        description=description,
+        layout=shared(widgets.Layout, **_LAYOUT),
+        style=shared(DescriptionStyle, **_STYLE),
+    )
 
 
 def _checkbox(description: str) -> widgets.Checkbox:
-    return widgets.Checkbox(description=description, indent=False, layout=_LAYOUT)
+    return widgets.Checkbox(
+        description=description,
+        indent=False,
+        layout=shared(widgets.Layout, **_LAYOUT),
+        style=shared(CheckboxStyle),
+    )
 
 
 class SettingsControls:
@@ -50,8 +79,8 @@ class SettingsControls:
                 min=1,
                 max=MAX_WORLD_SIZE,
                 description="world size",
-                layout={"width": "11em", "margin": GAP},
-                style=_STYLE,
+                layout=shared(widgets.Layout, width="11em", margin=GAP),
+                style=shared(DescriptionStyle, **_STYLE),
             ),
         }
         shown = {**values, "mixed_precision": CUSTOM_PRECISION if custom else precision}
@@ -59,7 +88,7 @@ class SettingsControls:
             control.value = shown[key]  # before observing: only a person's changes are reported
             control.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")
         self._on_change = on_change
-        self.box = widgets.HBox(list(self.widgets.values()), layout={"flex_flow": "row wrap"})
+        self.box = widgets.HBox(list(self.widgets.values()), layout=shared(widgets.Layout, flex_flow="row wrap"))
 
     def _changed(self, key: str, value: Any) -> None:
         if value != CUSTOM_PRECISION:

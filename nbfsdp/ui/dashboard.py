@@ -26,12 +26,13 @@ from typing import Any
 import ipywidgets as widgets
 import psutil
 from IPython.display import display
+from ipywidgets.widgets.widget_string import HTMLStyle
 from matplotlib.figure import Figure
 
 from nbfsdp.shared import figures
 from nbfsdp.shared.devices import Devices
 from nbfsdp.ui import renderer
-from nbfsdp.ui.controls import GAP, SettingsControls
+from nbfsdp.ui.controls import GAP, SettingsControls, shared
 from nbfsdp.ui.widget_events import answer_while_cells_run
 
 #: Live drawings start at least this long apart...
@@ -45,8 +46,14 @@ DRAWING_CPU_SHARE = 0.1
 #: drawing with 12% of a core slowed every step by 6%, though the ranks preempt it whenever they wake.
 #: A blitted live drawing (about 28 ms) then comes every 2.8 s, as a whole one (61 ms) did at a fiftieth.
 BUSY_DRAWING_CPU_SHARE = 0.01
+#: The mimetype of a widget's view in a display (ipywidgets 8's ``Widget._repr_mimebundle_``).
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
 FINAL_DRAWING_SECONDS = 10.0
+
+
+def _html(value: str = "") -> widgets.HTML:
+    return widgets.HTML(value, layout=shared(widgets.Layout), style=shared(HTMLStyle))
 
 
 class LiveDashboard:
@@ -93,29 +100,39 @@ class LiveDashboard:
         self._devices = devices
         self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
         self._stop = widgets.Button(
-            description="Stop", button_style="danger", tooltip="end at the next step", layout={"margin": GAP}
+            description="Stop",
+            button_style="danger",
+            tooltip="end at the next step",
+            layout=shared(widgets.Layout, margin=GAP),
+            style=shared(widgets.ButtonStyle),
         )
         self._stop.on_click(lambda _: on_stop())
         # each rank's stack and collectives, and which rank left the others waiting (%fsdp where)
-        self._where = widgets.Button(description="Where?", tooltip="each rank's stack and collectives, now")
-        self._where_text = widgets.HTML()
+        self._where = widgets.Button(
+            description="Where?",
+            tooltip="each rank's stack and collectives, now",
+            layout=shared(widgets.Layout),
+            style=shared(widgets.ButtonStyle),
+        )
+        self._where_text = _html()
         self._where.on_click(lambda _: self._show_where(on_where))
         self._where.disabled = on_where is None
-        self._notes_area = widgets.HTML()
-        self._status = widgets.HTML(self._status_table())
-        self._figure = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self._notes_area = _html()
+        self._status = _html(self._status_table())
+        self._figure = widgets.Image(format="png", layout=shared(widgets.Layout, max_width="100%"))
         # a background run's output lines go here: the cell that started it has ended
         self.output = widgets.Output() if with_output else None
         self._bars: dict[str, int] = {}  # a progress bar's place among the output's entries
         rows = [
-            widgets.HBox([self.controls.box, self._stop, self._where]),
+            widgets.HBox([self.controls.box, self._stop, self._where], layout=shared(widgets.Layout)),
             self._notes_area,
             self._where_text,
             self._status,
             self._figure,
         ]
-        self._box = widgets.VBox(rows + ([self.output] if self.output else []))
-        self._handle = display(self._bundle(), raw=True, display_id=True)
+        self._box = widgets.VBox(rows + ([self.output] if self.output else []), layout=shared(widgets.Layout))
+        self._shown = self._bundle()
+        self._handle = display(self._shown, raw=True, display_id=True)
         answer_while_cells_run([*self.controls.widgets.values(), self._stop, self._where])
 
     def _show_where(self, on_where: Callable[[], str] | None) -> None:
@@ -191,8 +208,10 @@ class LiveDashboard:
                 self._finished = True  # a live drawing that ends later must not replace the final one
             if self.records:
                 self._show(self._final_drawing())
-            if self._handle is not None:
-                self._handle.update(self._bundle(), raw=True)
+            bundle = self._bundle()
+            if self._handle is not None and bundle != self._shown:  # the same bundle again would change nothing
+                self._shown = bundle
+                self._handle.update(bundle, raw=True)
         elif self.records:  # only the records since the last drawing travel to the worker's figure
             first, self._drawing_records = self._drawn_records, len(self.records)
             self._drawing = renderer.render(self._key, self.world_size, self.predicted, self.records[first:], first)
@@ -237,7 +256,9 @@ class LiveDashboard:
 
     # -- drawing
     def _bundle(self) -> dict[str, Any]:
-        bundle = self._box._repr_mimebundle_() or {}
+        # the box's view by its model id, as its ``_repr_mimebundle_`` gives it, without the text repr of every
+        # widget inside that it would build first (milliseconds a cell) and which is replaced here anyway
+        bundle: dict[str, Any] = {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self._box.model_id}}
         if self._figure.value:
             bundle["image/png"] = bytes(self._figure.value)
         bundle["text/plain"] = f"nbfsdp dashboard: {self.world_size} ranks, {len(self.records)} records"
