@@ -63,7 +63,7 @@ test: $(STAMP) browser sshd
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
 	$(MAKE) typecheck
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider
+	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider --durations=25
 	$(MAKE) test-floor
 
 ## The tests marked floor (the core: FSDP2 parity, the private APIs, a real kernel, live changes) on the
