@@ -29,7 +29,16 @@ WORLD_SIZE_HELP = (
 #: FSDPConfig fields that are no flag: the Composer keys without effect, nbfsdp's reasons.
 _NOT_FLAGS = ("ignored", "why")
 #: Flags whose value is read as text and checked by ``config.resolve`` (a number may be written 1e8).
-_METAVARS = {"replicas": "R", "min_params": "N", "wrap_cls": "NAME[,NAME]"}
+_METAVARS = {
+    "replicas": "R",
+    "min_params": "N",
+    "wrap_cls": "NAME[,NAME]",
+    "save_folder": "FOLDER",
+    "save_interval": "INTERVAL",
+    "save_num_checkpoints_to_keep": "KEEP",
+    "load_path": "PATH",
+    "load_ignore_keys": "KEYS",
+}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -61,14 +70,15 @@ def _choices(cls: type, name: str) -> tuple[str, ...] | None:
     return tuple(found) or None
 
 
-def config_argument(name: str) -> Callable:
-    """The flag of FSDPConfig field ``name``: a switch for a bool, a choice for a ``Literal``, else text."""
-    doc = FIELD_DOCS[name].replace("%", "%%")  # argparse formats help with %
+def field_argument(cls: type, docs: dict[str, str], name: str) -> Callable:
+    """The flag of dataclass field ``name`` of ``cls`` (``FSDPConfig`` or ``CheckpointSettings``), its help
+    the field's docstring: a switch for a bool, a choice for a ``Literal``, else text."""
+    doc = docs[name].replace("%", "%%")  # argparse formats help with %
     flag = "--" + name.replace("_", "-")
-    default = next(f.default for f in dataclasses.fields(config.FSDPConfig) if f.name == name)
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
     if isinstance(default, bool):  # absent means 'not given' so --config and defaults apply
         return argument(flag, action="store_const", const=True, default=None, help=doc)
-    choices = _choices(config.FSDPConfig, name)
+    choices = _choices(cls, name)
     if choices is not None:
         return argument(flag, choices=choices, help=doc)
     return argument(flag, metavar=_METAVARS.get(name, name.upper()), help=doc)
@@ -81,23 +91,14 @@ CONFIG_FLAGS = tuple(f.name for f in dataclasses.fields(config.FSDPConfig) if f.
 SETTABLE = (*CONFIG_FLAGS, "world_size")
 _CONFIG_ARGUMENTS: list[Callable[[Callable], Callable]] = [
     argument("--config", metavar="NAME", help="A dict in the notebook in Composer's fsdp_config form; flags win."),
-    *(config_argument(name) for name in CONFIG_FLAGS),
+    *(field_argument(config.FSDPConfig, FIELD_DOCS, name) for name in CONFIG_FLAGS),
 ]
 CHECKPOINT_DOCS = field_docs(config.CheckpointSettings)
 
 
-def _checkpoint_argument(name: str) -> Callable:
-    doc = CHECKPOINT_DOCS[name].replace("%", "%%")
-    flag = "--" + name.replace("_", "-")
-    default = next(f.default for f in dataclasses.fields(config.CheckpointSettings) if f.name == name)
-    if isinstance(default, bool):
-        return argument(flag, action="store_const", const=True, default=None, help=doc)
-    return argument(flag, metavar=name.split("_")[-1].upper(), help=doc)
-
-
 #: %%fsdp's checkpoint flags, Composer's names (flag --a-b is the --config key a_b): run settings, not fsdp_config.
 _CHECKPOINT_ARGUMENTS: list[Callable[[Callable], Callable]] = [
-    _checkpoint_argument(name) for name in config.CHECKPOINT_KEYS
+    field_argument(config.CheckpointSettings, CHECKPOINT_DOCS, name) for name in config.CHECKPOINT_KEYS
 ]
 
 
