@@ -198,6 +198,36 @@ def test_a_rank_error_is_named_with_its_host_and_the_next_cell_runs(shell, two_h
     assert shell.user_ns["who"] == 4 and nbfsdp.last_run().ok
 
 
+TORCHRUN = """%%fsdp --world-size {n}
+import os, torch.distributed as dist
+NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+mine = [os.environ.get(name) for name in NAMES]
+seen = [None] * world_size
+dist.all_gather_object(seen, mine)
+"""
+
+
+def test_torchruns_variables_on_every_host_at_two_and_four_ranks_and_after_a_restart(shell, two_hosts):
+    """What ``torchrun --nnodes H --nproc-per-node 2`` gives each worker, host by host (issue 42, point 1); the
+    address is the world's own rendezvous, on rank 0's host."""
+    machines, _ = two_hosts
+    run_ok(shell, "%fsdp attach --profile gpus")
+    runs = set()
+    for world_size in (2, 4, 2):
+        run_ok(shell, TORCHRUN.format(n=world_size))
+        seen = shell.user_ns["seen"]
+        hosts = world_size // 2
+        expected = [
+            [str(r), str(r % 2), str(world_size), "2", str(r // 2), str(hosts), str(r)] for r in range(world_size)
+        ]
+        assert [row[:7] for row in seen] == expected, seen
+        assert {(row[7], row[8], row[9]) for row in seen} == {tuple(seen[0][7:])}  # one rendezvous, one run
+        assert seen[0][7] == machines.hosts[0].address and int(seen[0][8]) > 0
+        runs.add(seen[0][9])
+    assert len(runs) == 3  # each world its own run, as a new torchrun job
+
+
 def _received(machines) -> list[int]:
     """Bytes each host's network interface has received so far."""
     return [int(machines.run(h, "cat", "/sys/class/net/eth0/statistics/rx_bytes").stdout) for h in machines.hosts]

@@ -167,3 +167,108 @@ def test_a_script_for_ranks_sharing_a_gpu_sets_the_device_and_tells_them_apart(t
     assert hostid < script.index('dist.init_process_group("nccl")') < script.index("torch.cuda.set_device(device)")
     assert "NCCL_HOSTS = ('h0', 'h1')" in script
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in script  # DEFAULT
+
+
+CONFIGURED = """
+import cloudpickle, pickle
+import torch, torch.nn as nn
+import torch.nn.functional as F
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+class Base(nn.Module):
+    def count(self):
+        return sum(p.numel() for p in self.parameters())
+
+class Attention(Base):
+    def __init__(self, args):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(args.dim, 3 * args.dim), nn.Linear(args.dim, args.dim), args.heads
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+class FeedForward(Base):
+    def __init__(self, args):
+        super().__init__()
+        self.up, self.down = nn.Linear(args.dim, args.hidden), nn.Linear(args.hidden, args.dim)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+class Block(Base):
+    attention_cls = Attention  # class attributes: these classes must be defined before Block
+    feed_forward_cls = FeedForward
+
+    def __init__(self, args):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
+        self.attention, self.feed_forward = self.attention_cls(args), self.feed_forward_cls(args)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.feed_forward(self.norm2(x))
+
+class Transformer(Base):
+    def __init__(self, args):
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.dim)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
+        self.head = nn.Linear(args.dim, args.vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+class Shape(NamedTuple):
+    batch: int = 4
+    seq: int = 8
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    vocab: int = 32
+    dim: int = 16
+    heads: int = 2
+    hidden: int = 32
+    layers: int = 2
+    shape: Shape = field(default_factory=Shape)
+
+args = ModelArgs()
+torch.manual_seed(0)
+model = Transformer(args)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+# what cloudpickle's own load does to a notebook class it has sent: its methods' code now names no cell
+pickle.loads(cloudpickle.dumps(model))
+"""
+CONFIGURED_CELL = """%%fsdp --world-size 2 --wrap-cls Block
+for step in range(3):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    tokens = torch.randint(0, args.vocab, (args.shape.batch, args.shape.seq + 1), generator=g).to(device)
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(loss=loss.item())
+"""
+
+
+def test_dataclass_configs_named_tuples_and_a_class_hierarchy_export_by_their_cells(shell, tmp_path):
+    """Every class a cell defined, by its cell's source (found through the input history, whatever its methods'
+    code objects say: a dataclass's and a ``NamedTuple``'s are generated, and these were rewritten by a round
+    trip), each after what its definition needs; under torchrun the same losses, bit for bit."""
+    run_ok(shell, CONFIGURED)
+    assert shell.user_ns["Block"].forward.__code__.co_filename == "<dynamic-code>"  # the upstream rewrite, above
+    run_ok(shell, CONFIGURED_CELL)
+    run_ok(shell, f"%fsdp export-script {tmp_path / 'configured.py'}")
+    script = (tmp_path / "configured.py").read_text()
+    for header in ("class ModelArgs:", "class Shape(NamedTuple):", "class Base(nn.Module):", "class Block(Base):"):
+        assert header in script, header
+    assert "@dataclass(frozen=True, slots=True)" in script and "shape: Shape = field(default_factory=Shape)" in script
+    order = [script.index(f"class {name}") for name in ("Base", "Attention", "FeedForward", "Block", "Transformer")]
+    assert order[:3] == sorted(order[:3]) and max(order[:3]) < order[3]  # bases and class attributes first
+    assert script.index("class Shape") < script.index("class ModelArgs")  # its default_factory
+    run_ok(shell, CONFIGURED_CELL)  # the cell again, from the state the script starts from
+    in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
+    assert _torchrun(tmp_path / "configured.py", 2) == in_notebook and len(in_notebook[0]) == 3

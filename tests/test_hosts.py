@@ -29,7 +29,13 @@ def test_ranks_go_host_by_host_whatever_order_the_engines_registered_in():
     assert [(p.rank, p.engine_id, p.host, p.local_rank, p.local_world_size) for p in placed] == [
         (0, 0, "a", 0, 2), (1, 2, "a", 1, 2), (2, 1, "b", 0, 2), (3, 3, "b", 1, 2), (4, 4, "c", 0, 1),
     ]  # fmt: skip
-    assert placed[3].environment(5) == {"RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "5"}
+    assert [p.group_rank for p in placed] == [0, 0, 1, 1, 2]  # torchrun's node rank: the host's place
+    assert placed[3].environment(5, 3, ("10.0.0.1", 29500), "run") == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "5", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3", "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "5",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "run",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }  # fmt: skip
 
 
 def test_a_subset_fills_hosts_one_after_another():

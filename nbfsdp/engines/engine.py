@@ -78,7 +78,8 @@ def setup(
     rank 0's address and port, ``nbfsdp.engines.hosts.open_rendezvous``) the store is a TCPStore on
     rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
     user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables, and
-    ``NCCL_HOSTID`` where ranks share a GPU. ``gpu``: the index of this rank's GPU among those the engine sees
+    ``NCCL_HOSTID`` where ranks share a GPU; on nbfsdp's own cluster rank 0 also serves the loopback store
+    they name (``_serve_script_store``). ``gpu``: the index of this rank's GPU among those the engine sees
     (NCCL), None on the CPU (gloo). ``where_dir``: where ``%fsdp where`` asks this rank where it is (a
     directory the notebook sees; None where it sees none).
     """
@@ -94,10 +95,14 @@ def setup(
     else:
         device = torch.device("cpu")
     seconds = datetime.timedelta(seconds=timeout)
+    script_store = None
     if rendezvous is None:
         _use_interface(loopback_interface())
         assert store_path is not None  # nbfsdp's own cluster: a file in its private directory
         store: dist.Store = dist.FileStore(store_path, world_size)
+        listening = hosts.take_rendezvous() if rank == 0 else None
+        if listening is not None:
+            script_store = _serve_script_store(listening, world_size, seconds)
     else:
         address, port = rendezvous
         _use_interface(interface_of(source_address(address)))
@@ -120,9 +125,26 @@ def setup(
         timeout=seconds,
         device_id=device if backend == "nccl" else None,
     )
-    worlds.current = World(rank=rank, world_size=world_size, device=device, generation=generation)
+    worlds.current = World(
+        rank=rank, world_size=world_size, device=device, generation=generation, script_store=script_store
+    )
     where.watch(where_dir, rank)
     return describe()
+
+
+def _serve_script_store(listening: Any, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """Rank 0 of nbfsdp's own cluster: the store ``MASTER_ADDR:MASTER_PORT`` name, on the loopback socket the
+    kernel had this rank open (``hosts.open_rendezvous``). A script that opens a store of its own at torchrun's
+    address finds one there, as torchrun's agent store would be; the world's group keeps its private FileStore."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        listening.getsockname()[1],
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listening.detach(),  # the store owns the listening socket now
+    )
 
 
 def describe() -> EngineInfo:
@@ -325,7 +347,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             )
             failed = True
             try:
-                with pasted.world_owned_calls(world.rank):
+                with pasted.world_owned_calls(world.rank, world.device, spec.filename):
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
                     else:

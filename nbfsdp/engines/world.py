@@ -24,6 +24,8 @@ class World:
     models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
     meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
     incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
+    script_store: Any = None
+    """Rank 0 of nbfsdp's own cluster: the store at ``MASTER_ADDR:MASTER_PORT``, kept as long as the world."""
 
 
 current: World | None = None

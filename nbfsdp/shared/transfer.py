@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from nbfsdp.shared.cloudpickle_private import OwnDefinitions
+
 #: Names every cell gets on the engines; never sent, never brought back.
 INJECTED_NAMES = frozenset({"rank", "world_size", "device", "nbfsdp"})
 
@@ -385,11 +387,19 @@ def model_references(models: dict[str, nn.Module]) -> dict[int, tuple]:
 
 
 class _ResultUnpickler(pickle.Unpickler):
-    """In the notebook: references resolve to the notebook's own models and objects."""
+    """In the notebook: references resolve to the notebook's own models and objects, and the notebook's
+    classes and functions stay its own (``cloudpickle_private.OwnDefinitions``): a value from the ranks
+    never rewrites what the notebook defined."""
 
-    def __init__(self, data: bytes, models: dict[str, nn.Module], objects: dict[str, Any]) -> None:
+    def __init__(
+        self, data: bytes, models: dict[str, nn.Module], objects: dict[str, Any], namespace: dict[str, Any]
+    ) -> None:
         super().__init__(io.BytesIO(data))
         self._models, self._objects = models, objects
+        self._own = OwnDefinitions(namespace)
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self._own.reconstructor(super().find_class(module, name))
 
     def persistent_load(self, pid: tuple) -> Any:
         kind, *rest = pid
@@ -400,6 +410,7 @@ class _ResultUnpickler(pickle.Unpickler):
         return _model_part(self._models, kind, *rest)
 
 
-def load_result(data: bytes, models: dict[str, nn.Module], objects: dict[str, Any]) -> Any:
-    """A value rank 0 sent back, bound to the notebook's own models and to ``objects`` (by name)."""
-    return _ResultUnpickler(data, models, objects).load()
+def load_result(data: bytes, models: dict[str, nn.Module], objects: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """A value rank 0 sent back, bound to the notebook's own models, to ``objects`` (by name), and to the
+    classes and functions the notebook (``namespace``) defined."""
+    return _ResultUnpickler(data, models, objects, namespace).load()

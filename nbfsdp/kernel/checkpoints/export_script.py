@@ -55,7 +55,7 @@ class _Parts:
     """What the script is made of, sorted out of the notebook's namespace."""
 
     imports: list[str] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # a notebook definition's name -> its source
     values: dict[str, Any] = field(default_factory=dict)
     models: list[str] = field(default_factory=list)
     optimizers: list[str] = field(default_factory=list)
@@ -108,12 +108,12 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
         if isinstance(value, types.ModuleType):
             parts.imports.append(_import_module(name, value))
         elif _defined_here(value):
-            source = _source_of(value)
+            source = _source_of(value, namespace)
             if source is None:
                 refused.append(f"{name} (its source cannot be read)")
                 continue
-            parts.sources.append(source)
-            todo += _globals_of(value) + _header_names(source)
+            parts.sources[name] = source
+            todo += _globals_of(value) + _definition_names(source)
         elif (line := _import_object(name, value)) is not None:
             parts.imports.append(line)
         else:
@@ -138,8 +138,26 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
         raise UsageError(f"%fsdp export-script: cannot export {'; '.join(refused)}")
     if not parts.models:
         raise UsageError("%fsdp export-script: the last %%fsdp cell reads no model of the notebook")
-    parts.sources.sort(key=lambda source: not source.startswith("class "))  # classes first: bases before uses
+    parts.sources = _in_definition_order(parts.sources)
     return parts
+
+
+def _in_definition_order(sources: dict[str, str]) -> dict[str, str]:
+    """The definitions, each after those its definition runs (a base, a decorator, a default, a class
+    attribute, a dataclass's ``default_factory``): what a method only calls may come later, as in a file."""
+    ordered: dict[str, str] = {}
+
+    def place(name: str, visiting: frozenset[str]) -> None:
+        if name in ordered or name in visiting:
+            return  # placed already, or a cycle (which Python would not run either): kept as gathered
+        for needed in _definition_names(sources[name]):
+            if needed in sources and needed != name:
+                place(needed, visiting | {name})
+        ordered[name] = sources[name]
+
+    for name in sources:
+        place(name, frozenset())
+    return ordered
 
 
 @contextlib.contextmanager
@@ -169,31 +187,44 @@ def _defined_here(value: Any) -> bool:
     return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
-def _source_of(value: Any) -> str | None:
+def _source_of(value: Any, namespace: dict[str, Any]) -> str | None:
     """The source of a notebook function or class. ``inspect.getsource`` finds a function's through its
-    code, but a class's only through its module's file, which a notebook's ``__main__`` has not: a class
-    is found in the cell (IPython keeps each cell in ``linecache``) that one of its methods was compiled
-    from, else in the latest cell that defines a class of its name."""
+    code, but a class's only through its module's file, which a notebook's ``__main__`` has not. A class is
+    found in a cell that defines a class of its name at the top: first the cells its methods were compiled
+    from, then the notebook's input history, newest first. Generated methods (a dataclass's, a
+    ``NamedTuple``'s) name no cell, and neither does a method that made a round trip through cloudpickle, so
+    the history decides for them."""
     try:
         return textwrap.dedent(inspect.getsource(value))
     except (OSError, TypeError):
         if not isinstance(value, type):
             return None
-    methods = [code.co_filename for code in _codes(value)]
-    cells = methods or [f for f in reversed(list(linecache.cache)) if f.startswith("<") or "ipykernel" in f]
-    for filename in cells:
-        text = "".join(linecache.getlines(filename))
+    for text in _cells_for(value, namespace):
         try:
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        found = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == value.__name__]
+        found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == value.__name__]
         if found:
             node = found[-1]
             lines = text.splitlines(keepends=True)
             start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
             return textwrap.dedent("".join(lines[start : node.end_lineno]))
     return None
+
+
+def _cells_for(value: type, namespace: dict[str, Any]) -> Iterator[str]:
+    """The cells that may define ``value``: those its methods were compiled from (IPython keeps each cell in
+    ``linecache`` with no modification time, which no file on disk has), then the input history (``_ih``,
+    IPython's inputs as Python), newest first, then every cell ``linecache`` holds, newest first."""
+    cells = [name for name, entry in linecache.cache.items() if len(entry) == 4 and entry[1] is None]
+    methods = [code.co_filename for code in _codes(value)]
+    for filename in dict.fromkeys(methods):
+        if filename in cells:
+            yield "".join(linecache.getlines(filename))
+    yield from reversed([cell for cell in namespace.get("_ih", []) if isinstance(cell, str)])
+    for filename in reversed(cells):
+        yield "".join(linecache.getlines(filename))
 
 
 def _codes(value: Any) -> list[types.CodeType]:
@@ -210,8 +241,10 @@ def _codes(value: Any) -> list[types.CodeType]:
 
 
 def _globals_of(value: Any) -> list[str]:
-    """The global names a notebook function or class uses: its code's, its methods', its bases'."""
-    codes = _codes(value)
+    """The global names a notebook function or class uses: its code's, its methods', its bases'. Methods a
+    library made (a ``NamedTuple``'s ``_make``) are left out: their names are the library's."""
+    installed = (sys.prefix, sys.base_prefix)
+    codes = [code for code in _codes(value) if not code.co_filename.startswith(installed)]
     names = [base.__name__ for base in getattr(value, "__bases__", ()) if _defined_here(base)]
     while codes:
         code = codes.pop()
@@ -220,16 +253,35 @@ def _globals_of(value: Any) -> list[str]:
     return names
 
 
-def _header_names(source: str) -> list[str]:
-    """The names a definition's header uses, which its code objects do not hold: a class's bases and
-    keywords (``class Windows(Dataset)``, ``nn.Module``), decorators, a function's defaults."""
-    node = ast.parse(source).body[0]
-    header: list[ast.AST] = list(getattr(node, "decorator_list", []))
-    if isinstance(node, ast.ClassDef):
-        header += [*node.bases, *(keyword.value for keyword in node.keywords)]
-    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        header += [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
-    return [name.id for part in header for name in ast.walk(part) if isinstance(name, ast.Name)]
+def _definition_names(source: str) -> list[str]:
+    """The names a definition runs when it is defined, which its code objects do not hold: a class's bases,
+    keywords and decorators and its body outside its methods (class attributes, annotations, a dataclass's
+    ``field(default_factory=...)``), and a function's decorators, defaults and annotations, its methods'
+    too."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.ClassDef):
+            parts: list[ast.AST] = [*node.decorator_list, *node.bases, *(k.value for k in node.keywords)]
+            for statement in node.body:
+                visit(statement)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+            every += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+            parts = [*node.decorator_list, *arguments.defaults, *(d for d in arguments.kw_defaults if d)]
+            parts += [a.annotation for a in every if a.annotation is not None]
+            parts += [node.returns] if node.returns is not None else []
+        else:
+            parts = [node]
+        names.extend(n.id for part in parts for n in ast.walk(part) if isinstance(n, ast.Name) and _read(n))
+
+    visit(ast.parse(source).body[0])
+    return names
+
+
+def _read(name: ast.Name) -> bool:
+    return isinstance(name.ctx, ast.Load)
 
 
 def _notebook_globals(value: Any) -> list[str]:
@@ -298,7 +350,7 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
             "",
             "# -- the notebook's definitions the cell uses",
             "",
-            *[s.rstrip() + "\n\n" for s in parts.sources],
+            *[s.rstrip() + "\n\n" for s in parts.sources.values()],
         ]
     lines += [
         "",

@@ -34,6 +34,7 @@ from nbfsdp.kernel.cluster.world import (
     World,
     cpu_threads_per_rank,
     nccl_host_environment,
+    run_id,
     wait_for_death,
 )
 from nbfsdp.shared.config import ConfigError
@@ -218,6 +219,7 @@ class AttachedCluster:
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1
         threads = cpu_threads_per_rank(max(p.local_world_size for p in self.placements))
+        host_count = self.placements[-1].group_rank + 1
         keywords = {
             p.rank: dict(
                 rank=p.rank,
@@ -229,7 +231,9 @@ class AttachedCluster:
                 generation=self._generation,
                 rendezvous=tuple(rendezvous),
                 environment={
-                    **p.environment(world_size),
+                    **p.environment(
+                        world_size, host_count, tuple(rendezvous), run_id(self._private_dir, self._generation)
+                    ),
                     **nccl_host_environment(chosen, p.rank, self._private_dir),
                 },
                 gpu=chosen.rank_gpus[p.rank] if chosen.type == "cuda" else None,

@@ -1,5 +1,6 @@
 """Ranks given host by host, as torchrun gives them: the ranks of one host are consecutive, and each
-engine learns its ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``.
+engine learns the variables torchrun sets for a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``...), so a script written for torchrun finds them in a cell.
 
 An HSDP mesh ``(replicate, shard)`` is row-major, so sharding inside a host needs exactly that:
 ranks ``[r * S, (r + 1) * S)`` on one host. The engines say which host they are on
@@ -25,15 +26,34 @@ class Placement:
     """The host's name (its hostname; made unique where two hosts share one)."""
     local_rank: int
     local_world_size: int
+    group_rank: int = 0
+    """The host's place among the world's hosts (torchrun's node rank)."""
 
-    def environment(self, world_size: int) -> dict[str, str]:
-        """What torchrun sets for this rank."""
+    def environment(self, world_size: int, hosts: int, rendezvous: tuple[str, int], run_id: str) -> dict[str, str]:
+        """What torchrun sets for this rank's worker, in a world of ``hosts`` hosts whose store listens at
+        ``rendezvous`` (``MASTER_ADDR``, ``MASTER_PORT``). One role ("default"), never restarted: torchrun's
+        values for ``torchrun --nnodes H --nproc-per-node L`` without ``--max-restarts``."""
         return {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.group_rank),
+            "GROUP_WORLD_SIZE": str(hosts),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": rendezvous[0],
+            "MASTER_PORT": str(rendezvous[1]),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
         }
+
+
+def one_host(world_size: int) -> list[Placement]:
+    """Every rank on this machine (nbfsdp's own cluster): rank ``r`` is engine ``r``'s, local rank ``r``."""
+    return [Placement(rank, rank, "", rank, world_size) for rank in range(world_size)]
 
 
 def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
@@ -55,9 +75,9 @@ def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
         chosen.append((key, ids[:left]))
         left -= len(chosen[-1][1])
     placements: list[Placement] = []
-    for key, ids in chosen:
+    for group_rank, (key, ids) in enumerate(chosen):
         for local_rank, engine_id in enumerate(ids):
-            placements.append(Placement(len(placements), engine_id, names[key], local_rank, len(ids)))
+            placements.append(Placement(len(placements), engine_id, names[key], local_rank, len(ids), group_rank))
     return placements
 
 

@@ -19,6 +19,9 @@ listens on 127.0.0.1, connection files live in a fresh 0700 directory, and the
 process group's rendezvous is a ``FileStore`` in that directory (torch's
 ``TCPStore`` would listen on every interface). Each new world gets a fresh
 store file, since a reused store can hang a second ``init_process_group``.
+Each rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``...)
+for a script pasted into a cell; the address they name is a second store that
+rank 0 serves on 127.0.0.1 for such a script, never the world's own.
 
 ``start_in_background`` runs what ``ensure_world`` would on a daemon thread
 (``%load_ext`` uses it so the first cell finds the engines ready). The
@@ -62,6 +65,7 @@ from nbfsdp.kernel.cluster.world import (
     engine_layout,
     join_interruptibly,
     nccl_host_environment,
+    run_id,
     visible_gpus,
     wait_for_death,
 )
@@ -351,7 +355,9 @@ class FSDPCluster:
         return [engine_id for _, engine_id in sorted(zip(ranks, ids, strict=True))]
 
     def _setup_world(self, devices: Devices, timeout: float) -> World:
-        from nbfsdp.engines import engine  # torch: imported by the first world, not by importing this module
+        # torch: imported by the first world, not by importing this module
+        from nbfsdp.engines import engine, hosts
+        from nbfsdp.kernel.cluster.hosts import one_host
 
         assert self._private_dir is not None  # _start_engines made it, or an earlier world's start
         self._generation += 1
@@ -359,6 +365,12 @@ class FSDPCluster:
         store_path = os.path.join(self._private_dir, f"store-{self._generation}")
         engine_ids = self._rank_order(devices)
         threads = cpu_threads_per_rank(world_size)
+        # the address torchrun's variables name (MASTER_ADDR, MASTER_PORT): a store rank 0 serves on loopback
+        script_store = tuple(self.client[engine_ids[0]].apply_sync(hosts.open_rendezvous, "127.0.0.1"))
+        torchrun = [
+            p.environment(world_size, 1, script_store, run_id(self._private_dir, self._generation))
+            for p in one_host(world_size)
+        ]
         keywords = {
             rank: dict(
                 rank=rank,
@@ -369,7 +381,7 @@ class FSDPCluster:
                 threads=threads,
                 generation=self._generation,
                 gpu=0 if devices.type == "cuda" else None,  # the one GPU the engine sees
-                environment=nccl_host_environment(devices, rank, self._private_dir),
+                environment={**torchrun[rank], **nccl_host_environment(devices, rank, self._private_dir)},
                 where_dir=self._private_dir,
             )
             for rank in range(world_size)

@@ -111,6 +111,12 @@ def nccl_host_environment(devices: Devices, rank: int, key: str) -> dict[str, st
     return {"NCCL_HOSTID": f"nbfsdp-{os.path.basename(key)}-{devices.nccl_hosts[rank]}"}
 
 
+def run_id(private_dir: str, generation: int) -> str:
+    """The world's ``TORCHELASTIC_RUN_ID``: one per world of this cluster, as torchrun's ``--rdzv-id`` is one
+    per job."""
+    return f"nbfsdp-{os.path.basename(private_dir)}-{generation}"
+
+
 def cpu_threads_per_rank(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // world_size)

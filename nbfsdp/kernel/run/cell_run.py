@@ -287,7 +287,7 @@ def _apply_results(
         loaders.continue_after(run.sent[name], position)
     objects = dict(run.sent)
     for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
-        objects[name] = shell.user_ns[name] = transfer.load_result(data, run.models, objects)
+        objects[name] = shell.user_ns[name] = transfer.load_result(data, run.models, objects, shell.user_ns)
         optimizers.track_steps(objects[name])
         held.object_held(name, objects[name])
     if first.skipped:
