@@ -347,7 +347,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             )
             failed = True
             try:
-                with pasted.world_owned_calls(world.rank, world.device, spec.filename):
+                with pasted.world_owned_calls(world.rank, world.device, spec.filename, spec.cwd):
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
                     else:

@@ -164,6 +164,9 @@ class CellSpec:
     control: str
     """The path of the cell's live-control request file (``control_file``), or '' where the ranks cannot
     all see one (hosts that share no directory with the notebook): then nothing steers the cell."""
+    cwd: str = ""
+    """The notebook's working directory: a rank runs the cell there where its host has it (a pasted script's
+    relative paths mean what they mean in the notebook, as a torchrun worker's mean the launch directory)."""
     loaders: dict[str, LoaderSplit] = field(default_factory=dict)
     """The notebook's DataLoaders the cell reads, and how each rank splits each."""
     resume_step: int = 0

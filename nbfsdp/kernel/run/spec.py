@@ -7,6 +7,7 @@ world is known, into the ``CellSpec`` the ranks receive.
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def cell_spec(
         materialize=prepared.materialize,
         seed=torch.initial_seed() % 2**63,
         control=control.for_ranks,
+        cwd=os.getcwd(),
         loaders={
             name: LoaderSplit(per_rank=prepared.per_rank_batches, seed_state=loaders.shuffle_state(sent[name]))
             for name in plans
