@@ -9,9 +9,12 @@ import pickle
 import textwrap
 
 import cloudpickle
+import pytest
 from cloudpickle import cloudpickle as private
 
 from nbfsdp.shared.cloudpickle_private import OwnDefinitions
+
+pytestmark = pytest.mark.floor
 
 SOURCE = textwrap.dedent(
     """

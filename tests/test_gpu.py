@@ -262,3 +262,29 @@ for step in range(3):
         "first = next(model.parameters()).full_tensor().cpu()",
     )
     torch.testing.assert_close(shell.user_ns["first"], next(iter(saved.values())), rtol=0, atol=0)
+
+
+def test_a_pasted_script_on_ranks_sharing_a_gpu_finds_torchruns_variables_and_its_device(shell, capsys):
+    """Issue 42 on GPU ranks: torchrun's variables with ``CUDA_VISIBLE_DEVICES`` as the placement made it (each
+    engine sees its GPU, as cuda:0), and an ``init_process_group("nccl", device_id=...)`` of the rank's own
+    device taken and said."""
+    run_ok(shell, "import torch")
+    capsys.readouterr()
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2 --device cuda
+import os, torch.distributed as dist
+local_rank = int(os.environ["LOCAL_RANK"])
+dist.init_process_group(backend="nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+t = torch.ones(1, device=device) * (local_rank + 1)
+dist.all_reduce(t)
+mine = (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["CUDA_VISIBLE_DEVICES"], t.item(), str(device))
+seen = [None] * world_size
+dist.all_gather_object(seen, mine)
+dist.destroy_process_group()
+""",
+    )
+    gpus = torch.cuda.device_count()
+    assert shell.user_ns["seen"] == [(str(r), "2", str(r % gpus), 3.0, "cuda:0") for r in range(2)]
+    said = capsys.readouterr().out
+    assert "init_process_group(device_id=cuda:0): the world is bound to this rank's cuda:0 already" in said, said

@@ -125,3 +125,23 @@ def test_dcp_load_in_one_process_reads_whole_tensors_with_no_process_group(tmp_p
         torch_private.dcp_load_in_one_process(state, dcp.FileSystemReader(str(tmp_path)))
     torch.testing.assert_close(state["models"]["m"]["weight"], saved["models"]["m"]["weight"], rtol=0, atol=0)
     assert state["step"] == 7
+
+
+def test_a_store_on_a_socket_bound_to_loopback_serves_there_alone():
+    """``store_on``: the server takes the socket it is given (libuv where this torch's takes a listen fd, the
+    legacy server on torch 2.6), and a client reaches it; nothing else listens for it."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from nbfsdp.shared.torch_private import store_on
+
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(8)
+    port = listening.getsockname()[1]
+    server = store_on(listening, 2, datetime.timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+    client.set("key", "value")
+    assert server.get("key") == b"value" and server.port == port

@@ -13,7 +13,7 @@ import pytest
 import nbfsdp
 from tests.conftest import run_ok
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
 
 #: torchrun's variables for one worker, as each rank reads them in a cell.
 READ = """%%fsdp --world-size {n}

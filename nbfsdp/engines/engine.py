@@ -33,7 +33,7 @@ from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBo
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
 from nbfsdp.engines.world import World
-from nbfsdp.shared import optimizers, transfer
+from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
 from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAllocation
@@ -79,7 +79,7 @@ def setup(
     rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
     user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables, and
     ``NCCL_HOSTID`` where ranks share a GPU; on nbfsdp's own cluster rank 0 also serves the loopback store
-    they name (``_serve_script_store``). ``gpu``: the index of this rank's GPU among those the engine sees
+    they name. ``gpu``: the index of this rank's GPU among those the engine sees
     (NCCL), None on the CPU (gloo). ``where_dir``: where ``%fsdp where`` asks this rank where it is (a
     directory the notebook sees; None where it sees none).
     """
@@ -102,21 +102,18 @@ def setup(
         store: dist.Store = dist.FileStore(store_path, world_size)
         listening = hosts.take_rendezvous() if rank == 0 else None
         if listening is not None:
-            script_store = _serve_script_store(listening, world_size, seconds)
+            # the store MASTER_ADDR:MASTER_PORT name, on the loopback socket the kernel had rank 0 open: a script
+            # that opens a store of its own at torchrun's address finds one there, as torchrun's agent store
+            # would be; the world's group keeps its private FileStore
+            script_store = torch_private.store_on(listening, world_size, seconds)
     else:
         address, port = rendezvous
         _use_interface(interface_of(source_address(address)))
         listening = hosts.take_rendezvous() if rank == 0 else None
-        given: dict[str, Any] = {"master_listen_fd": listening.detach()} if listening is not None else {}
-        store = dist.TCPStore(
-            address,
-            port,
-            world_size,
-            rank == 0,
-            timeout=seconds,
-            wait_for_workers=False,
-            **given,  # the store owns the listening socket now
-        )
+        if listening is not None:
+            store = torch_private.store_on(listening, world_size, seconds)  # the store owns the socket now
+        else:
+            store = dist.TCPStore(address, port, world_size, rank == 0, timeout=seconds, wait_for_workers=False)
     dist.init_process_group(
         backend,
         store=store,
@@ -130,21 +127,6 @@ def setup(
     )
     where.watch(where_dir, rank)
     return describe()
-
-
-def _serve_script_store(listening: Any, world_size: int, timeout: datetime.timedelta) -> dist.Store:
-    """Rank 0 of nbfsdp's own cluster: the store ``MASTER_ADDR:MASTER_PORT`` name, on the loopback socket the
-    kernel had this rank open (``hosts.open_rendezvous``). A script that opens a store of its own at torchrun's
-    address finds one there, as torchrun's agent store would be; the world's group keeps its private FileStore."""
-    return dist.TCPStore(
-        "127.0.0.1",
-        listening.getsockname()[1],
-        world_size,
-        True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listening.detach(),  # the store owns the listening socket now
-    )
 
 
 def describe() -> EngineInfo:

@@ -7,8 +7,10 @@ a cell. Runs wherever torch runs: the notebook's kernel and the engines.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import inspect
+import socket
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +40,7 @@ __all__ = [
     "set_mixed_precision",
     "set_reshard_after_forward",
     "shard_whole_tensor",
+    "store_on",
     "top_saved_tensors_hooks",
 ]
 
@@ -223,3 +226,19 @@ def dcp_load_in_one_process(state: dict[str, Any], reader: Any) -> None:
             dcp.load(state, storage_reader=reader, no_dist=True)
         else:
             dcp.load(state, storage_reader=reader)
+
+
+def store_on(listening: socket.socket, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The server of a ``TCPStore`` on a socket bound and listening already (an address of nbfsdp's choosing:
+    TCPStore's own server listens on every interface, pytorch#173909); the store owns the socket then.
+
+    torch 2.6's default libuv server refuses a listen fd ("does not support initialization with an listen
+    fd") before it takes the socket; the legacy server, its ``use_libuv=False``, takes it then."""
+    address, port = listening.getsockname()[:2]
+    descriptor = listening.detach()
+    try:
+        return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=descriptor)  # fmt: skip
+    except NotImplementedError:
+        return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=descriptor, use_libuv=False)  # fmt: skip
