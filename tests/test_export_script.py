@@ -5,6 +5,7 @@ under a real ``torchrun`` (gloo, 2 ranks); and a torchrun script pasted into a c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -254,18 +255,38 @@ for step in range(3):
 """
 
 
+BESIDE = """
+import torch.nn as nn
+
+class Scale(nn.Module):
+    def forward(self, x):
+        return 0.5 * x
+"""
+
+
 def test_dataclass_configs_named_tuples_and_a_class_hierarchy_export_by_their_cells(shell, tmp_path):
     """Every class a cell defined, by its cell's source (found through the input history, whatever its methods'
     code objects say: a dataclass's and a ``NamedTuple``'s are generated, and these were rewritten by a round
-    trip), each after what its definition needs; under torchrun the same losses, bit for bit."""
-    run_ok(shell, CONFIGURED)
+    trip), each after what its definition needs; a class from a file beside the notebook imported; under
+    torchrun the same losses, bit for bit."""
+    (tmp_path / "beside.py").write_text(BESIDE)
+    before, path = os.getcwd(), list(sys.path)
+    shell.run_line_magic("cd", str(tmp_path))  # the notebook beside its module: the ranks import it there too
+    sys.path.insert(0, "")  # as a Jupyter kernel's path starts (this test shell's does not)
+    try:
+        run_ok(shell, "from beside import Scale")
+        run_ok(shell, CONFIGURED.replace("x = block(x)", "x = Scale()(block(x))"))
+        run_ok(shell, CONFIGURED_CELL)
+    finally:
+        shell.run_line_magic("cd", before)
+        sys.path[:] = path
     assert shell.user_ns["Block"].forward.__code__.co_filename == "<dynamic-code>"  # the upstream rewrite, above
-    run_ok(shell, CONFIGURED_CELL)
     run_ok(shell, f"%fsdp export-script {tmp_path / 'configured.py'}")
     script = (tmp_path / "configured.py").read_text()
     for header in ("class ModelArgs:", "class Shape(NamedTuple):", "class Base(nn.Module):", "class Block(Base):"):
         assert header in script, header
     assert "@dataclass(frozen=True, slots=True)" in script and "shape: Shape = field(default_factory=Shape)" in script
+    assert "from beside import Scale" in script and "class Scale" not in script  # imported, as the notebook did
     order = [script.index(f"class {name}") for name in ("Base", "Attention", "FeedForward", "Block", "Transformer")]
     assert order[:3] == sorted(order[:3]) and max(order[:3]) < order[3]  # bases and class attributes first
     assert script.index("class Shape") < script.index("class ModelArgs")  # its default_factory

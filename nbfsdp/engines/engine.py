@@ -284,11 +284,16 @@ def _apply_live(models: list[ShardedModel], settings: dict[str, Any]) -> list[st
 
 
 def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> CellOutcome:
-    """Run one cell on this rank; return its outcome, never raise.
+    """Run one cell on this rank, in the notebook's working directory; return its outcome, never raise.
 
     On any error the process group is torn down at once: peers blocked in a
     collective then fail within a second instead of waiting for the timeout.
     """
+    with pasted.notebook_directory(spec.cwd):
+        return _run_cell(spec, values, skeletons)
+
+
+def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> CellOutcome:
     world = worlds.current
     if world is None or world.generation != spec.generation:
         return CellOutcome.failed("world not set up")
@@ -329,7 +334,7 @@ def run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cell
             )
             failed = True
             try:
-                with pasted.world_owned_calls(world.rank, world.device, spec.filename, spec.cwd):
+                with pasted.world_owned_calls(world.rank, world.device, spec.filename):
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
                     else:

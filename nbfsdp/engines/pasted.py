@@ -9,8 +9,8 @@ that does not is a clear error naming both; its ``device_id`` binds nothing (the
 rank's device), and a line says what it would have done; ``destroy_process_group()`` of the default group
 keeps the world. Each says so once, on rank 0. The script's ``argparse`` sees what torchrun would give a
 script started without arguments (``sys.argv`` is the cell's name alone), not the engine's own command
-line, and its relative paths start from the notebook's working directory, as a torchrun worker's start from
-the directory it was launched in. torchrun's variables (``RANK``, ``LOCAL_RANK``...) are set when the world
+line, and its relative paths and imports start from the notebook's working directory, as a torchrun worker's
+start from the directory it was launched in. torchrun's variables (``RANK``, ``LOCAL_RANK``...) are set when the world
 starts (``engine.setup``). Runs on the ranks.
 """
 
@@ -48,12 +48,26 @@ def device_id_line(device_id: Any, device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def world_owned_calls(rank: int, device: torch.device, filename: str, cwd: str) -> Iterator[None]:
+def notebook_directory(cwd: str) -> Iterator[None]:
+    """While a cell's inputs are read and it runs: the notebook's working directory ``cwd``, where this host
+    has it, first on ``sys.path`` too, so a module beside the notebook imports on the ranks as in the notebook
+    (IPython puts the working directory first on the kernel's path)."""
+    before, path = os.getcwd(), list(sys.path)
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+        sys.path[:] = path
+
+
+@contextlib.contextmanager
+def world_owned_calls(rank: int, device: torch.device, filename: str) -> Iterator[None]:
     """While a cell runs: ``dist.init_process_group`` and ``dist.destroy_process_group`` as described above,
-    ``sys.argv`` as a script's without arguments (``filename``: the cell's), and the notebook's working
-    directory ``cwd`` where this host has it."""
+    and ``sys.argv`` as a script's without arguments (``filename``: the cell's)."""
     original_init, original_destroy, original_argv = dist.init_process_group, dist.destroy_process_group, sys.argv
-    original_cwd = os.getcwd()
     said: set[str] = set()
 
     def say(key: str, line: str) -> None:
@@ -84,11 +98,8 @@ def world_owned_calls(rank: int, device: torch.device, filename: str, cwd: str) 
 
     dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group
     sys.argv = [filename]
-    if cwd and os.path.isdir(cwd):
-        os.chdir(cwd)
     try:
         yield
     finally:
         dist.init_process_group, dist.destroy_process_group = original_init, original_destroy
         sys.argv = original_argv
-        os.chdir(original_cwd)
