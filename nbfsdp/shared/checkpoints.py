@@ -162,7 +162,12 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if not is_complete(path):
-        raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}: its save did not finish)")
+        if (path / ".metadata").exists() or any(path.glob("*.distcp")) or path.name.startswith("."):  # DCP's files
+            raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}: its save did not finish)")
+        raise CheckpointError(
+            f"{path}: not a checkpoint: no {MANIFEST} (nbfsdp's) and no model.safetensors or "
+            "model.safetensors.index.json (a Hugging Face checkpoint's)"
+        )
     return Manifest.from_json((path / MANIFEST).read_text())
 
 

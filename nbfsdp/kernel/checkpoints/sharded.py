@@ -38,7 +38,7 @@ from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
 from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
-from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader
+from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader, hugging_face_checkpoint, match_names
 
 #: How many differing keys an error names.
 _NAMED = 5
@@ -242,13 +242,15 @@ def load_with(
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
     if session.pending_save is not None:
         session.pending_save.wait()  # a load may read what it writes, or start another world
-    if Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir():
+    full_weights = hugging_face_checkpoint(os.fspath(path)) is not None
+    if full_weights or (Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir()):
         if ignore:
-            raise UsageError("--load-ignore-keys applies to checkpoints; a weights file loads whole into one model")
+            raise UsageError("--load-ignore-keys applies to checkpoints; full weights load whole into one model")
         return load_file_with(session, path, world_size, model, config=config, timeout=timeout)
     if model is not None:
         raise UsageError(
-            "--model names the notebook's model for a .pt or .safetensors file; a checkpoint loads by name"
+            "--model names the notebook's model for a .pt or .safetensors file or a Hugging Face checkpoint "
+            "directory; an nbfsdp checkpoint loads by name"
         )
     patterns = [p.strip() for p in ignore.split(",")] if isinstance(ignore, str) else list(ignore or [])
     patterns = [p for p in patterns if p]
@@ -335,12 +337,14 @@ def load_file_with(
     config: FSDPConfig | None = None,
     timeout: float | None = None,
 ) -> list[int]:
-    """A ``.pt`` or ``.safetensors`` file of full weights into the notebook's model ``model``, sharded.
+    """A ``.pt`` or ``.safetensors`` file of full weights, or a Hugging Face checkpoint directory (or its
+    index file), into the notebook's model ``model``, sharded.
 
-    The file's names and shapes are checked here against the model first (its header only: nothing is
-    read). Then an internal cell over the model has each rank read only its rows of each tensor
-    (``full_weights_reader``), not the kernel sending whole weights; its end brings them back into the
-    notebook's model in place. Returns the bytes of tensor data each rank read.
+    The names and shapes are checked here against the model first (the files' headers only: nothing is
+    read), matched as ``from_pretrained`` matches them (``weights_files.match_names``). Then an internal
+    cell over the model has each rank read only its rows of each tensor (``full_weights_reader``), not the
+    kernel sending whole weights; its end brings them back into the notebook's model in place. Returns the
+    bytes of tensor data each rank read.
     """
     file = Path(path).expanduser().resolve()  # the engines may run in another directory
     try:
@@ -407,21 +411,10 @@ def _weights_model(
 
 
 def _weights_problems(shapes: dict[str, tuple], module: nn.Module) -> str:
-    """What keeps a file of these names and shapes from loading into ``module`` ("" when nothing does).
+    """What keeps weights of these names and shapes from loading into ``module`` ("" when nothing does).
 
-    A tie is one tensor under several names: the file needs one of them (Hugging Face keeps one)."""
-    groups: dict[int, list[str]] = {}
-    expected: dict[str, tuple] = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(key)
-        expected[key] = tuple(tensor.shape)
-    missing = [group[0] for group in groups.values() if not any(key in shapes for key in group)]
-    unexpected = [key for key in shapes if key not in expected]
-    differ = [f"{k} {list(shapes[k])} vs {list(v)}" for k, v in expected.items() if k in shapes and shapes[k] != v]
-    found = (("not in the file", missing), ("only in the file", unexpected), ("shapes differ (file vs model)", differ))
-    return "; ".join(
-        f"{label}: {', '.join(keys[:_NAMED])}{' ...' if len(keys) > _NAMED else ''}" for label, keys in found if keys
-    )
+    A tie is one tensor under several names: the weights need one of them (Hugging Face keeps one)."""
+    return match_names(module, shapes).problems(_NAMED)
 
 
 def load_before_cell(
