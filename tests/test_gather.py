@@ -74,7 +74,8 @@ def test_only_rank_0_materializes_the_full_state(shell, cluster):
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear --no-gather\nbig\n")  # sharded, not gathered
     growth = {rank: -procmem.reset_peak(pid) for rank, pid in enumerate(cluster.world.pids)}
-    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\nbig\n")  # the same shards, now gathered
+    touch = "with torch.no_grad():\n    big[0].bias.add_(0.0)\n"  # a write: the ranks' copy is the one to gather
+    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\n" + touch)  # the same shards, now gathered
     for rank, pid in enumerate(cluster.world.pids):
         growth[rank] += procmem.read(pid)["hwm"]
     assert growth[0] > 0.9 * full  # rank 0 holds the whole state dict
@@ -102,12 +103,41 @@ def test_the_controller_keeps_no_copy_of_what_a_cell_sends_or_gathers(shell, clu
     # 131 MiB after this 64 MiB model; without a database, what the allocator keeps of the messages passed on)
     shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    run_ok(shell, "%%fsdp --world-size 2\nbig\n")  # sent to the ranks, gathered back: the allocator's pools grown
+    touch = "%%fsdp --world-size 2\nwith torch.no_grad():\n    big[0].bias.add_(0.0)\n"  # a write: gathered back
+    run_ok(shell, touch)  # sent to the ranks, gathered back: the allocator's pools grown
     controller = psutil.Process(cluster.cluster_pids()[1])
     before = settled_rss(controller)
     for _ in range(2):  # a database keeps each cell's messages (about 2x the model a cell); pools are reused
         shell.user_ns["big"] = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # sent anew
-        run_ok(shell, "%%fsdp --world-size 2\nbig\n")
+        run_ok(shell, touch)
     kept = settled_rss(controller) - before
     assert kept < 0.5 * full, f"the controller kept {kept / 2**20:.0f} MiB over two cells of {full / 2**20:.0f} MiB"
     del shell.user_ns["big"]
+
+
+def _writes(model) -> list[int]:
+    """How often each of the notebook model's tensors was written: a gather loads in place, and bumps them."""
+    return [t._version for t in [*model.parameters(), *model.buffers()]]
+
+
+def test_a_cell_that_writes_no_weights_gathers_nothing_and_one_that_does_gathers(shell, tiny_model):
+    """Issue 43 (point 3, part): the ranks count each shard's writes; a read-only cell brings nothing back
+    (the notebook's tensors are not written), a cell where one rank alone writes its shard brings the model
+    back on every rank's agreement, and weights trained under --no-gather come back with the next cell that
+    gathers, though that cell writes nothing."""
+    run_ok(shell, "%%fsdp --world-size 2\nmode = model.training")  # the world, and the model sent
+    written = _writes(tiny_model)
+    run_ok(shell, "%%fsdp --world-size 2\nmode = model.training\nn = sum(p.numel() for p in model.parameters())")
+    assert _writes(tiny_model) == written  # nothing loaded into the notebook's model
+    before = tiny_model.head.weight.detach().clone()
+    one_rank = """%%fsdp --world-size 2
+if rank == 0:
+    with torch.no_grad():
+        model.head.weight.to_local().add_(1.0)
+"""
+    run_ok(shell, one_rank)
+    assert torch.equal(tiny_model.head.weight.detach(), before + 1.0)  # head.weight (1 x 16): rank 0 holds it all
+    run_ok(shell, "%%fsdp --world-size 2 --no-gather\n" + TRAIN)
+    assert torch.equal(tiny_model.head.weight.detach(), before + 1.0)  # not brought back yet
+    run_ok(shell, "%%fsdp --world-size 2\nmode = model.training")
+    assert torch.equal(tiny_model.head.weight.detach(), shell.user_ns["trained"]["head.weight"])

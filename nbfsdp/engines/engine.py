@@ -203,6 +203,10 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
                 sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
             cast_buffers(sharded.module, config.dtypes()[2])
             world.models[name] = (token, sharded)
+            if name in spec.materialize:
+                world.in_notebook.pop(name, None)  # initialized here: the notebook has only its meta skeleton
+            else:
+                world.in_notebook[name] = _writes(sharded.module)  # what the notebook sent, as it has it
         elif world.models.get(name, (None,))[0] != token:
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
 
@@ -263,6 +267,29 @@ def _names_back(world: World, spec: CellSpec, read: dict[str, Any], outcome: Cel
         except Exception as error:
             outcome.skipped[name] = f"{type(error).__name__}: {str(error)[:80]}"
     outcome.in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
+
+
+def _writes(model: nn.Module) -> list[tuple[int, int, int]]:
+    """Each of ``model``'s parameters and buffers on this rank, and how often it was written (``Tensor._version``,
+    which every in-place write bumps: the DTensor's for a write through it, an optimizer's step, its local
+    shard's for a write to ``to_local()``): whether the notebook's copy is still the ranks', told without
+    reading any data."""
+    found = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = torch_private.local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
+        found.append((id(tensor), tensor._version, local._version))
+    return found
+
+
+def _on_any_rank(world: World, stale: list[bool]) -> list[bool]:
+    """Which models some rank holds otherwise than the notebook has them (``World.in_notebook``): only those are
+    gathered back, and every rank must agree, the gather being a collective. One small all-reduce; none
+    when the cell gathers nothing."""
+    if not stale:
+        return []
+    flags = torch.tensor(stale, dtype=torch.int32, device=world.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in flags.tolist()]
 
 
 def _split_loaders(world: World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
@@ -355,7 +382,11 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
         )
         _names_back(world, spec, read, outcome)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        states = {name: get_model_state_dict(models[name], options=options) for name in spec.gather}
+        seen = [world.in_notebook.get(name) == _writes(models[name]) for name in spec.gather]
+        stale = _on_any_rank(world, [not same for same in seen])
+        gathered = [name for name, differs in zip(spec.gather, stale, strict=True) if differs]
+        states = {name: get_model_state_dict(models[name], options=options) for name in gathered}
+        world.in_notebook.update((name, _writes(models[name])) for name in gathered)
         if world.rank == 0:
             outcome.loaders = {name: split.state() for name, split in split_loaders.items()}
             # full_state_dict: plain tensors (torch types a state dict's values as any kind of tensor)

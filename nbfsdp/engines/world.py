@@ -24,6 +24,10 @@ class World:
     models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
     meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups
     incoming: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # delivered shards
+    in_notebook: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Each model's shards as the notebook last got them (``engine._writes``): sent, or gathered back. A model
+    whose shards are written since (a step, a load; a cell under --no-gather) is gathered by the next cell
+    that gathers; one that is not, is not: a read-only cell costs no gather."""
     script_store: Any = None
     """Rank 0 of nbfsdp's own cluster: the store at ``MASTER_ADDR:MASTER_PORT``, kept as long as the world."""
 
