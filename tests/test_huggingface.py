@@ -104,3 +104,60 @@ def test_wrapping_lm_head_apart_from_wte_is_refused_before_anything_runs(shell, 
     assert "transformer.wte.weight and lm_head.weight are one tied parameter" in str(error)
     assert "leave out Linear" in str(error) and "the tie stays in the root" in str(error)
     assert len(nbfsdp.runs()) == runs
+
+
+BERT = """
+from transformers import BertConfig, BertForMaskedLM
+
+bert_config = BertConfig(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)
+torch.manual_seed(0)
+bert = BertForMaskedLM(bert_config)
+masked = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+"""
+BERT_TRAIN = f"""%%fsdp --world-size 2 --mixed-precision FULL
+opt = torch.optim.SGD(bert.parameters(), lr=0.1)
+for step in range({STEPS}):
+    half = masked[rank * 2:(rank + 1) * 2]
+    loss = bert(input_ids=half, labels=half).loss
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(loss=loss.item())
+tied_on_ranks = bert.cls.predictions.decoder.weight is bert.bert.embeddings.word_embeddings.weight
+"""
+
+
+def test_a_hub_bert_trains_with_its_default_units_its_tie_kept_in_the_root(shell, capsys):
+    """Issue 43, point 5: BERT's ``_no_split_modules`` names ``BertEmbeddings``, whose word embeddings are its
+    decoder's weight. The default rule leaves that unit out (said in a line and in explain), and the model
+    trains as one process does; an explicit ``--wrap-cls`` that splits the tie stays an error."""
+    run_ok(shell, "import torch, nbfsdp" + BERT)
+    reference = copy.deepcopy(shell.user_ns["bert"])
+    capsys.readouterr()
+    shell.run_line_magic("fsdp", "explain bert")
+    out = capsys.readouterr().out
+    assert "units: BertLayer x 2, from the model's _no_split_modules" in out, out
+    assert "BertEmbeddings bert.embeddings is not a unit: bert.embeddings.word_embeddings.weight and " in out
+    run_ok(shell, BERT_TRAIN)
+    said = capsys.readouterr().err
+    assert said.count("bert: BertEmbeddings bert.embeddings is not a unit") == 1, said
+    assert "kept in the root" in said and shell.user_ns["tied_on_ranks"]
+    run = nbfsdp.last_run()
+    assert run.config["fsdp_units"]["bert"] == ["bert.encoder.layer.0", "bert.encoder.layer.1", ""]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    masked, expected = shell.user_ns["masked"], []
+    for _ in range(STEPS):  # one process, the global batch: the mean of the two ranks' mean losses
+        losses = [
+            reference(input_ids=masked[r * 2 : (r + 1) * 2], labels=masked[r * 2 : (r + 1) * 2]).loss for r in (0, 1)
+        ]
+        loss = sum(losses) / 2
+        loss.backward(), opt.step(), opt.zero_grad()
+        expected.append(loss.item())
+    sharded = [(a + b) / 2 for a, b in zip(run.metric("loss", 0), run.metric("loss", 1), strict=True)]
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected))
+    bert = shell.user_ns["bert"]
+    for (name, trained), (_, wanted) in zip(bert.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, wanted, msg=lambda m, name=name: f"{name}: {m}")
+    error, _ = run_failing(shell, "%%fsdp --world-size 2 --wrap-cls BertEmbeddings,BertLayer\nbert.training")
+    assert isinstance(error, UsageError) and "are one tied parameter" in str(error)

@@ -16,9 +16,13 @@ When none of the first three is given, the classes the model names in
 models inside it, as Accelerate does) are the wrap classes. The root is always
 a unit. nbfsdp never imports transformers: the attribute is read as it is.
 
-FSDP2 (torch 2.13) refuses a parameter that two units share, so a rule that
-puts the names of one tied parameter (GPT-2's ``lm_head.weight`` and
+FSDP2 (torch 2.13) refuses a parameter that two units share. A rule the user
+gives that puts the names of one tied parameter (GPT-2's ``lm_head.weight`` and
 ``transformer.wte.weight``) in two units is refused here, before anything runs.
+The default rules (``_no_split_modules``, ``min_params``) leave such a unit out
+instead, so the tie stays in its names' common parent's unit (a BERT's
+``BertEmbeddings``, whose word embeddings are its decoder's weight), and
+``ties_kept`` says so (``%fsdp explain``, and a line before a cell).
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class WrapRule:
     sources: tuple[str, ...]
     """Which rules are given: ``_fsdp_wrap``, ``fsdp_wrap_fn``, ``wrap_cls``, or ``_no_split_modules`` alone."""
 
+    @property
+    def explicit(self) -> bool:
+        """The user chose the units (``_fsdp_wrap``, ``fsdp_wrap_fn``, ``wrap_cls``), not the model's defaults."""
+        return bool(set(self.sources) - {"_no_split_modules"})
+
     def __str__(self) -> str:
         if not self.sources:
             return "from min_params alone (Composer's FSDP1 size rule; its FSDP2 path has none)"
@@ -97,8 +106,19 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
     """The non-root units in post-order (a unit's descendants come before it).
 
     Raises ``ConfigError`` when a rule picks a container that FSDP2 cannot shard,
-    or splits a tied parameter between units.
+    or a rule the user gave splits a tied parameter between units (a default rule
+    leaves the unit out: ``ties_kept``).
     """
+    return _units_and_ties(model, config)[0]
+
+
+def ties_kept(model: nn.Module, config: FSDPConfig) -> list[str]:
+    """The units a default rule would have made that split a tied parameter, left out so that the tie stays in
+    its common parent's unit: one line each, naming the module, the tie and where it stays."""
+    return _units_and_ties(model, config)[1]
+
+
+def _units_and_ties(model: nn.Module, config: FSDPConfig) -> tuple[list[nn.Module], list[str]]:
     wrap_fn = root_method(model, "fsdp_wrap_fn")
     rule = wrap_rule(model, config)
     units: list[nn.Module] = []
@@ -127,12 +147,30 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
         return count
 
     unwrapped_params("", model)
-    _check_ties(model, units, rule)
-    return units
+    notes: list[str] = []
+    while (split := _split_tie(model, units)) is not None:
+        fqns, apart, keeper = split
+        if rule.explicit:
+            classes = sorted({type(model.get_submodule(u)).__name__ for u in apart})
+            raise ConfigError(
+                f"{' and '.join(fqns)} are one tied parameter, but {', '.join(apart)} is a unit of its own "
+                f"({rule}), and FSDP2 cannot share a parameter between units: change the rule so that "
+                f"{', '.join(apart)} is not a unit (with --wrap-cls, leave out {', '.join(classes)}) and the tie "
+                f"stays in {keeper or 'the root'}"
+            )
+        left_out = {id(model.get_submodule(path)) for path in apart}
+        units = [unit for unit in units if id(unit) not in left_out]
+        notes += [
+            f"{type(model.get_submodule(path)).__name__} {path} is not a unit: {' and '.join(fqns)} are one tied "
+            f"parameter (FSDP2 cannot share one between units), kept in {keeper or 'the root'}"
+            for path in apart
+        ]
+    return units, notes
 
 
-def _check_ties(model: nn.Module, units: list[nn.Module], rule: WrapRule) -> None:
-    """Refuse units that split a tied parameter: FSDP2 would fail on the ranks with a ValueError."""
+def _split_tie(model: nn.Module, units: list[nn.Module]) -> tuple[list[str], list[str], str] | None:
+    """The first tied parameter whose names fall in different units: its names, the units that hold a name
+    apart from their common parent's unit, and that unit ('' the root). None where every tie is whole."""
     unit_ids = {id(u) for u in units}
     unit_names = {name for name, module in model.named_modules() if id(module) in unit_ids} | {""}
     names_of: dict[int, list[str]] = {}
@@ -148,13 +186,8 @@ def _check_ties(model: nn.Module, units: list[nn.Module], rule: WrapRule) -> Non
         if len({owner(path) for path in paths}) < 2:
             continue
         keeper = owner(".".join(_common_prefix([path.split(".") for path in paths])))
-        apart = sorted({owner(path) for path in paths} - {keeper})
-        classes = sorted({type(model.get_submodule(u)).__name__ for u in apart})
-        raise ConfigError(
-            f"{' and '.join(fqns)} are one tied parameter, but {', '.join(apart)} is a unit of its own ({rule}), "
-            f"and FSDP2 cannot share a parameter between units: change the rule so that {', '.join(apart)} is not "
-            f"a unit (with --wrap-cls, leave out {', '.join(classes)}) and the tie stays in {keeper or 'the root'}"
-        )
+        return fqns, sorted({owner(path) for path in paths} - {keeper}), keeper
+    return None
 
 
 def _common_prefix(paths: list[list[str]]) -> list[str]:

@@ -36,7 +36,7 @@ from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.units import activation_modules, forward_order, wrap_rule, wrap_units
+from nbfsdp.shared.units import activation_modules, forward_order, ties_kept, wrap_rule, wrap_units
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,7 +65,8 @@ class Plan:
     """Where the ranks run, in words: "4 ranks on 1 GPU (shared)", "2 ranks on the CPU (gloo)"."""
     """In forward order: the root first."""
     wrap_rule: dict[str, Any]
-    """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words."""
+    """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words;
+    ``ties_kept``: the units a default rule left out to keep a tie whole (``units.ties_kept``)."""
     checkpointed: list[str]
     dtypes: dict[str, str]
     """param_dtype, reduce_dtype, buffer_dtype."""
@@ -130,6 +131,7 @@ class Plan:
         counts = Counter(u.cls for u in self.units[1:])
         chosen = ", ".join(f"{cls} x {n}" for cls, n in counts.items()) or "the root alone"
         lines.append(f"units: {chosen}, {self.wrap_rule['rule']}")
+        lines += [f"  {kept}" for kept in self.wrap_rule.get("ties_kept", [])]
         lines.append(f"activation checkpointing: {', '.join(map(name, self.checkpointed)) or 'none'}")
         lines.append(f"forward order: {' -> '.join(name(u.name) for u in self.units)}")
         prefetch = ", ".join(f"{name(a)} prefetches {name(b)}" for a, b in self.forward_prefetch) or "off"
@@ -441,7 +443,10 @@ def _plan(
         world_size=world_size,
         config=config.as_dict(),
         units=unit_plans,
-        wrap_rule=wrap_rule(model, config).as_dict(),
+        wrap_rule={
+            **wrap_rule(model, config).as_dict(),
+            **({"ties_kept": kept} if (kept := ties_kept(model, config)) else {}),
+        },
         checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
         if config.activation_checkpointing
         else [],

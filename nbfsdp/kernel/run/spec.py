@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import CellSpec, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
-from nbfsdp.shared.units import wrap_units
+from nbfsdp.shared.units import ties_kept, wrap_units
 
 
 @dataclass(eq=False)
@@ -82,8 +83,9 @@ def prepare(
         reads, assigned, code, request = cell.reads(), [], "", cell
     models, others = inputs.read_inputs(shell, reads)
     skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
-    for model in models.values():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
+    for name, model in models.items():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
         wrap_units(model, config)
+        _say_ties_kept(name, model, config)
     fingerprints = {name: fingerprint(model, skeletons[name], config) for name, model in models.items()}
     kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
     values, sent = inputs.pack_inputs(others, models, kept, world_size)
@@ -92,6 +94,19 @@ def prepare(
         code, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
         plans, per_rank_batches, request,
     )  # fmt: skip
+
+
+#: The models whose kept ties were said, by id and the lines said: once each, not at every cell.
+_TIES_SAID: dict[int, list[str]] = {}
+
+
+def _say_ties_kept(name: str, model: nn.Module, config: FSDPConfig) -> None:
+    """One line per unit the default rule left out to keep a tie whole (``units.ties_kept``), the first time."""
+    kept = ties_kept(model, config)
+    if kept and _TIES_SAID.get(id(model)) != kept:
+        _TIES_SAID[id(model)] = kept
+        for line in kept:
+            print(f"nbfsdp: {name}: {line}", file=sys.stderr)
 
 
 def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSettings | None) -> IntervalSaves | None:
