@@ -10,6 +10,8 @@ Benchmarks (each module's docstring says what it measures and how):
 3. ``warm_cell``    a trivial ``%%fsdp --world-size 4`` cell on a warm cluster vs a raw ipyparallel execute
 4. ``cold_start``   the first ``%%fsdp --world-size 4`` cell in a fresh kernel vs torchrun's cold start
 5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
+   ``read_only_cell`` a cell that moves no weights vs ``--no-gather``, at 50M and 1B parameters, and the
+                    kernel's memory beyond the model
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
    ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
@@ -46,6 +48,7 @@ from benchmarks import (
     log_overhead,
     machine,
     model_transfer,
+    read_only_cell,
     report,
     step_time,
     warm_cell,
@@ -61,6 +64,7 @@ BENCHMARKS = {
         warm_cell,
         cold_start,
         model_transfer,
+        read_only_cell,
         log_overhead,
         gpu,
         gpu_loop,
@@ -77,6 +81,7 @@ RUN_ORDER = (
     "warm_cell",
     "cold_start",
     "transfer",
+    "read_only_cell",
     "checkpoint",
     "hosts",
     "gpu",

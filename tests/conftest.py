@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -203,3 +206,19 @@ def one_process_losses(shell, model, optimizer, world_size: int, steps: int, **b
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def torchrun(script, ranks: int = 2, cwd=None) -> str:
+    """A script's standard output under a real ``torchrun --standalone --nproc-per-node ranks``, run from ``cwd``."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
+        capture_output=True, text=True, timeout=240, cwd=cwd,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    return ran.stdout
+
+
+def logged_losses(stdout: str, ranks: int = 2) -> list[list[float]]:
+    """Each rank's ``nbfsdp.log(loss=...)`` from an exported script's JSON lines."""
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]

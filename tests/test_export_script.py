@@ -4,9 +4,7 @@ under a real ``torchrun`` (gloo, 2 ranks); and a torchrun script pasted into a c
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +16,7 @@ from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices
-from tests.conftest import run_failing, run_ok
+from tests.conftest import logged_losses, run_failing, run_ok, torchrun
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,13 +72,7 @@ for x, y in loader:
 
 def _torchrun(script, ranks: int) -> list[list[float]]:
     """Each rank's logged losses from the script run under torchrun."""
-    ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-    lines = [json.loads(line) for line in ran.stdout.splitlines() if line.startswith("{")]
-    return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]
+    return logged_losses(torchrun(script, ranks), ranks)
 
 
 def test_the_exported_script_computes_what_the_cell_computes(shell, tmp_path, capsys):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # the examples extra: make test installs it, so these tests always run there
 from IPython.core.error import UsageError
 
 from tests.conftest import run_failing, run_ok
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 LLAMA = dict(

@@ -13,39 +13,20 @@ In the notebook the script runs as written (nbfsdp takes the call, and says what
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import nbfsdp
-from tests.conftest import run_ok
+from tests.conftest import logged_losses, run_ok, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPTS = Path(__file__).parent / "pasted_scripts"
 FLOAT = r"(-?\d+\.\d+(?:e[-+]?\d+)?)"
-
-
-def _torchrun(script: Path, cwd: Path, ranks: int = 2) -> str:
-    """The script's standard output under ``torchrun``, run from ``cwd``."""
-    ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
-        capture_output=True, text=True, timeout=240, cwd=cwd,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-    return ran.stdout
-
-
-def _logged(stdout: str, ranks: int = 2) -> list[list[float]]:
-    """Each rank's ``nbfsdp.log(loss=...)`` from an exported script's JSON lines."""
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]
 
 
 def _in_the_notebook_at(shell, directory: Path):
@@ -72,7 +53,7 @@ def test_the_pytorch_examples_fsdp2_script_runs_pasted_as_under_torchrun(shell, 
     train = (launched / "train.py").read_text()
     train = train.replace("device_id=device)", 'device_id=device if device.type == "cuda" else None)')  # see above
     (launched / "train.py").write_text(train)
-    expected = re.findall(rf"step (\d+) loss {FLOAT}", _torchrun(launched / "train.py", launched))
+    expected = re.findall(rf"step (\d+) loss {FLOAT}", torchrun(launched / "train.py", cwd=launched))
     assert len(expected) == 5
 
     before = _in_the_notebook_at(shell, tmp_path / "notebook")
@@ -114,7 +95,7 @@ for step in range(5):
     assert "@dataclass\nclass ModelArgs:" in exported and "class TransformerBlock(nn.Module):" in exported
     run_ok(shell, loop)  # again, from the state the script starts from
     in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
-    assert _logged(_torchrun(tmp_path / "exported" / "train.py", tmp_path / "exported")) == in_notebook
+    assert logged_losses(torchrun(tmp_path / "exported" / "train.py", cwd=tmp_path / "exported")) == in_notebook
 
 
 def test_a_tutorial_script_with_an_env_init_and_a_distributed_sampler_runs_pasted(shell, tmp_path, capsys):
@@ -122,7 +103,7 @@ def test_a_tutorial_script_with_an_env_init_and_a_distributed_sampler_runs_paste
     losses on every rank as under torchrun; its loop on the notebook's objects exports."""
     script = (SCRIPTS / "tutorial.py").read_text()
     pattern = rf"rank (\d) epoch (\d) step (\d) loss {FLOAT}"
-    expected = sorted(re.findall(pattern, _torchrun(SCRIPTS / "tutorial.py", tmp_path)))
+    expected = sorted(re.findall(pattern, torchrun(SCRIPTS / "tutorial.py", cwd=tmp_path)))
     assert len(expected) == 16
     capsys.readouterr()
     run_ok(shell, "%%fsdp --world-size 2\n" + script)
@@ -144,7 +125,7 @@ for x, y in loader:
     run_ok(shell, f"%fsdp export-script {tmp_path / 'exported.py'}")
     run_ok(shell, loop)
     in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
-    assert _logged(_torchrun(tmp_path / "exported.py", tmp_path)) == in_notebook and len(in_notebook[0]) == 4
+    assert logged_losses(torchrun(tmp_path / "exported.py", cwd=tmp_path)) == in_notebook and len(in_notebook[0]) == 4
 
 
 def test_a_nanogpt_style_script_of_module_globals_runs_pasted(shell, tmp_path, capsys):
@@ -152,7 +133,7 @@ def test_a_nanogpt_style_script_of_module_globals_runs_pasted(shell, tmp_path, c
     the world size with ``set_requires_gradient_sync``, tied embeddings in the root's unit."""
     script = (SCRIPTS / "nanogpt.py").read_text()
     pattern = rf"iter (\d+): loss {FLOAT}"
-    expected = re.findall(pattern, _torchrun(SCRIPTS / "nanogpt.py", tmp_path))
+    expected = re.findall(pattern, torchrun(SCRIPTS / "nanogpt.py", cwd=tmp_path))
     assert len(expected) == 4
     capsys.readouterr()
     run_ok(shell, "%%fsdp --world-size 2\n" + script)

@@ -2,6 +2,7 @@
 with tied input and output embeddings), with FSDP2 where nanoGPT has DDP. Run with ``torchrun
 --nproc-per-node 2 nanogpt.py``; without torchrun it runs as one process."""
 
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -146,4 +147,6 @@ for iter_num in range(max_iters):
         print(f"iter {iter_num}: loss {lossf}")
 
 if ddp:
+    del model, optimizer
+    gc.collect()  # the sharded model's last collectives freed while the group lives: gloo aborts otherwise
     destroy_process_group()

@@ -2,6 +2,7 @@
 group from the environment (env://), a ``DistributedSampler`` given this rank, the optimizer built after
 ``fully_shard``. Run with ``torchrun --nproc-per-node 2 tutorial.py``."""
 
+import gc
 import os
 
 import torch
@@ -49,6 +50,8 @@ def main():
             optimizer.step()
             optimizer.zero_grad()
             print(f"rank {rank} epoch {epoch} step {step} loss {loss.item()}")
+    del model, optimizer
+    gc.collect()  # the sharded model's last collectives freed while the group lives: gloo aborts otherwise
     dist.barrier()
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import CellSpec, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
-from nbfsdp.shared.units import ties_kept, wrap_units
+from nbfsdp.shared.units import ties_kept
 
 
 @dataclass(eq=False)
@@ -84,7 +84,6 @@ def prepare(
     models, others = inputs.read_inputs(shell, reads)
     skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
     for name, model in models.items():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
-        wrap_units(model, config)
         _say_ties_kept(name, model, config)
     fingerprints = {name: fingerprint(model, skeletons[name], config) for name, model in models.items()}
     kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
@@ -101,7 +100,8 @@ _TIES_SAID: dict[int, list[str]] = {}
 
 
 def _say_ties_kept(name: str, model: nn.Module, config: FSDPConfig) -> None:
-    """One line per unit the default rule left out to keep a tie whole (``units.ties_kept``), the first time."""
+    """Choose the model's units as the ranks will (a ``ConfigError`` for a rule that splits a tie), and say, the
+    first time, each unit the default rule left out to keep a tie whole (``units.ties_kept``), one line each."""
     kept = ties_kept(model, config)
     if kept and _TIES_SAID.get(id(model)) != kept:
         _TIES_SAID[id(model)] = kept

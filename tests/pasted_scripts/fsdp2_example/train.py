@@ -2,6 +2,7 @@
 ``example.py``: run with ``torchrun --nproc-per-node 2 train.py``."""
 
 import argparse
+import gc
 import os
 
 import torch
@@ -65,6 +66,8 @@ def main(args):
             print(f"step {step} loss {loss.item()}")
 
     checkpointer.save(model, optim)
+    del model, optim
+    gc.collect()  # the sharded model's last collectives freed while the group lives: gloo aborts otherwise
     torch.distributed.destroy_process_group()
 
 
