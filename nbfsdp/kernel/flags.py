@@ -26,6 +26,12 @@ WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
     "attached: every engine)."
 )
+#: ``--dtype`` of exports and ``--hf`` saves.
+HF_DTYPES = ("fp32", "bf16", "fp16")
+MAX_SHARD_SIZE_HELP = (
+    "With --hf: the largest safetensors file, e.g. 200MB or 5GB (decimal units, as save_pretrained's; default "
+    "5GB); a tensor larger than that gets a file of its own."
+)
 #: FSDPConfig fields that are no flag: the Composer keys without effect, nbfsdp's reasons.
 _NOT_FLAGS = ("ignored", "why")
 #: Flags whose value is read as text and checked by ``config.resolve`` (a number may be written 1e8).
@@ -165,8 +171,17 @@ def attach_arguments(line: str) -> None:
     help="Return once every rank has its snapshot; the ranks write it while the next cells run "
     "(`%%fsdp wait`, `%%fsdp stop` and the next save wait for it and raise its error).",
 )
+@argument(
+    "--hf",
+    action="store_true",
+    help="Write PATH as save_pretrained does (safetensors files, their index, config.json) for from_pretrained, "
+    "each rank writing its shards; the kernel never holds the model.",
+)
+@argument("--model", default=None, help="With --hf: which model, when the engines hold several.")
+@argument("--max-shard-size", metavar="SIZE", default=None, help=MAX_SHARD_SIZE_HELP)
+@argument("--dtype", choices=HF_DTYPES, default=None, help="With --hf: cast the floating tensors (default: as held).")
 def save_arguments(line: str) -> None:
-    """%fsdp save PATH [--overwrite] [--async]"""
+    """%fsdp save PATH [--overwrite] [--async] [--hf [--model NAME] [--max-shard-size SIZE] [--dtype D]]"""
 
 
 @magic_arguments()
@@ -201,11 +216,31 @@ def checkpoints_arguments(line: str) -> None:
 
 @magic_arguments()
 @argument("checkpoint", help="A complete checkpoint's directory.")
-@argument("out", help="The file to write: .pt (a plain state dict) or .safetensors.")
+@argument("out", help="The file to write: .pt (a plain state dict) or .safetensors; with --hf a directory.")
 @argument("--model", default=None, help="Which model, when the checkpoint holds several.")
-@argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="Cast the floating tensors.")
+@argument("--dtype", choices=HF_DTYPES, default=None, help="Cast the floating tensors.")
+@argument(
+    "--hf",
+    action="store_true",
+    help="Write the directory OUT as save_pretrained does (safetensors files, their index, config.json from the "
+    "notebook's model of that name), one file's tensors in the kernel at a time.",
+)
+@argument("--max-shard-size", metavar="SIZE", default=None, help=MAX_SHARD_SIZE_HELP)
+@argument("--overwrite", action="store_true", help="With --hf: replace a model directory already at OUT.")
 def export_arguments(line: str) -> None:
-    """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}]"""
+    """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}] [--hf [--max-shard-size SIZE]]"""
+
+
+def save_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``%fsdp save``'s flags as ``save_with``'s keywords."""
+    return {"background": args.background, "hf": args.hf, "max_shard_size": args.max_shard_size, "model": args.model,
+            "dtype": args.dtype}  # fmt: skip
+
+
+def export_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``%fsdp export``'s flags as ``exporting.export``'s keywords."""
+    return {"model": args.model, "dtype": args.dtype, "hf": args.hf, "max_shard_size": args.max_shard_size,
+            "overwrite": args.overwrite}  # fmt: skip
 
 
 def explain_workload(args: argparse.Namespace, namespace: dict[str, Any]) -> Workload | None:

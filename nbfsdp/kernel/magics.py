@@ -22,7 +22,6 @@ from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.status import status
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
-from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
 from nbfsdp.ui.panel import SettingsPanel
 
@@ -42,12 +41,14 @@ LINE_ACTION_HELP = {
     "cancel": "cancel: end the running cell at its next step",
     "where": "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting",
     "interrupt": "interrupt: end an --async run now, as Ctrl-C ends a blocking one",
-    "save": "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold",
+    "save": "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
+    "[--max-shard-size SIZE] [--model NAME]: one model as save_pretrained writes it, for from_pretrained",
     "load": "load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a "
     ".pt/.safetensors file of full weights, each rank reading its shard) into the engines and the notebook's objects",
     "checkpoints": "checkpoints FOLDER: the checkpoints there",
     "export": "export CHECKPOINT OUT [--model NAME] [--dtype D]: one model's full weights into one .pt or "
-    ".safetensors file, in the kernel",
+    ".safetensors file, in the kernel; with --hf [--max-shard-size SIZE]: into the directory OUT as "
+    "save_pretrained writes it, one file at a time",
     "export-script": "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it",
     "attach": "attach [--profile P] [--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp "
     "did not start (any launcher, several hosts)",
@@ -292,13 +293,12 @@ class FSDPMagics(Magics):
             from nbfsdp.kernel.checkpoints import exporting
 
             args = parse_argstring(flags.export_arguments, line)
-            written = exporting.export(args.checkpoint, args.out, model=args.model, dtype=args.dtype)
-            print(f"nbfsdp: wrote {written} ({size_text(written.stat().st_size)})")
+            print(exporting.wrote(exporting.export(args.checkpoint, args.out, **flags.export_options(args))))
             return
 
         if action == "save":
             args = parse_argstring(flags.save_arguments, line)
-            checkpoints.save_with(self.session, args.path, args.overwrite, background=args.background)
+            checkpoints.save_with(self.session, args.path, args.overwrite, **flags.save_options(args))
         elif action == "load":
             args = parse_argstring(flags.load_arguments, line)
             checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys, model=args.model)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from nbfsdp.kernel.usage_errors import as_usage_errors
+from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import check_suffix, import_safetensors
 
@@ -157,7 +158,16 @@ def _listed(found: list[str]) -> str:
 
 
 @as_usage_errors
-def export(checkpoint: str | Path, out: str | Path, *, model: str | None = None, dtype: str | None = None) -> Path:
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    model: str | None = None,
+    dtype: str | None = None,
+    hf: bool = False,
+    max_shard_size: str | int | None = None,
+    overwrite: bool = False,
+) -> Path:
     """One model's full weights from ``checkpoint`` into one ``.pt`` or ``.safetensors`` file; returns its path.
 
     ``.pt`` is a plain state dict (``load_state_dict(torch.load(out), strict=True)`` on the plain model);
@@ -166,7 +176,25 @@ def export(checkpoint: str | Path, out: str | Path, *, model: str | None = None,
     present keeps a strict ``load_state_dict`` working (``safetensors.torch.load_model`` then needs
     ``strict=False``: it expects Hugging Face's convention of one name per tie).
     ``dtype`` ("fp32", "bf16", "fp16") casts floating tensors only. The file appears complete or not at all.
+
+    ``hf=True`` (``--hf``): ``out`` is a directory written as ``save_pretrained`` writes it (safetensors files
+    of at most ``max_shard_size``, their index, the config of the notebook's model of that name), read one
+    file's tensors at a time (``nbfsdp.kernel.checkpoints.hf_export``); ``overwrite`` replaces such a directory.
     """
+    if hf:
+        from nbfsdp.kernel.checkpoints import hf_export  # the --hf writer: imported only when used
+
+        opened = _open(checkpoint)
+        name = _model_name(opened, model)
+        keys = {str(p[2]): key for key, p in opened.paths.items() if p[:2] == ("models", name) and len(p) == 3}
+        saved = opened.manifest.get("models", {}).get(name, {})
+        saved_class = saved.get("class") if isinstance(saved, dict) else None
+        return hf_export.export(
+            opened.path, opened.metadata, keys, name, saved_class, out, max_shard_size=max_shard_size, dtype=dtype,
+            overwrite=overwrite,
+        )  # fmt: skip
+    if max_shard_size is not None or overwrite:
+        raise UsageError("--max-shard-size and --overwrite go with --hf (a file of full weights is one file)")
     out = Path(out).expanduser()
     suffix = check_suffix(out)
     if dtype is not None and dtype not in DTYPES:
@@ -189,6 +217,15 @@ def export(checkpoint: str | Path, out: str | Path, *, model: str | None = None,
     finally:
         partial.unlink(missing_ok=True)
     return out
+
+
+def wrote(out: Path) -> str:
+    """What ``%fsdp export`` says it wrote: a file, or a directory's safetensors files (``--hf``)."""
+    if out.is_dir():
+        files = len(list(out.glob("*.safetensors")))
+        size = size_text(sum(f.stat().st_size for f in out.iterdir() if f.is_file()))
+        return f"nbfsdp: wrote {out} as save_pretrained does ({files} safetensors file{'s' * (files > 1)}, {size})"
+    return f"nbfsdp: wrote {out} ({size_text(out.stat().st_size)})"
 
 
 @as_usage_errors

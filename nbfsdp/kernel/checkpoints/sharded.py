@@ -55,7 +55,16 @@ def _usage(error: CheckpointError) -> UsageError:
 
 
 # ------------------------------------------------------------------ save
-def save(path: str | os.PathLike, overwrite: bool = False, *, background: bool = False) -> Manifest | PendingSave:
+def save(
+    path: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    background: bool = False,
+    hf: bool = False,
+    max_shard_size: str | int | None = None,
+    model: str | None = None,
+    dtype: str | None = None,
+) -> Manifest | PendingSave | Path:
     """Save what the engines hold now as a sharded checkpoint at ``path`` (``%fsdp save PATH``).
 
     Every sharded model of the running world, the optimizers and LR schedulers the cells left on the
@@ -65,8 +74,14 @@ def save(path: str | os.PathLike, overwrite: bool = False, *, background: bool =
     ``background=True`` (``--async``): returns once every rank has its snapshot, while the ranks write it
     and the next cells run; returns a ``PendingSave`` whose ``wait()`` gives the manifest (so do
     ``%fsdp wait``, ``%fsdp stop`` and the next save, which wait for it and raise its error).
+
+    ``hf=True`` (``--hf``): the model ``model`` (default: the only one) as ``save_pretrained`` writes it,
+    safetensors files of at most ``max_shard_size`` ("5GB" by default) with their index and the config, in
+    ``dtype`` ("fp32", "bf16", "fp16"; default: what the ranks hold), never gathered in the kernel
+    (``nbfsdp.kernel.checkpoints.hf_export``). Returns the directory.
     """
-    return save_with(_session(), path, overwrite, background=background)
+    hf_options = {"max_shard_size": max_shard_size, "model": model, "dtype": dtype}
+    return save_with(_session(), path, overwrite, background=background, hf=hf, **hf_options)
 
 
 def _resume_step() -> int | None:
@@ -110,8 +125,19 @@ def _left(partial: Path) -> str:
 
 
 def save_with(
-    session: Session, path: str | os.PathLike, overwrite: bool, *, background: bool = False
-) -> Manifest | PendingSave:
+    session: Session,
+    path: str | os.PathLike,
+    overwrite: bool,
+    *,
+    background: bool = False,
+    hf: bool = False,
+    **hf_options: Any,
+) -> Manifest | PendingSave | Path:
+    if not hf and any(value is not None for value in hf_options.values()):
+        given = ", ".join(f"--{key.replace('_', '-')}" for key, value in hf_options.items() if value is not None)
+        raise UsageError(f"{given}: only with --hf (a Hugging Face directory); an nbfsdp checkpoint takes every model")
+    if hf and background:
+        raise UsageError("--hf writes in the foreground: leave out --async")
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then save")
     if session.pending_save is not None:
@@ -121,6 +147,10 @@ def save_with(
         raise UsageError("nothing to save: no world is running (run a %%fsdp cell, or %fsdp load a checkpoint)")
     if not session.engine_models():
         raise UsageError("nothing to save: the engines hold no model (run a %%fsdp cell that reads one)")
+    if hf:
+        from nbfsdp.kernel.checkpoints import hf_export  # the --hf writer: imported only when used
+
+        return hf_export.save(session, path, overwrite, on_every_rank=_on_every_rank, **hf_options)
     final = Path(path).expanduser().resolve()  # the engines may run in another directory
     try:
         fmt.check_target(final, overwrite)
