@@ -34,9 +34,11 @@ from nbfsdp.kernel.extension import prewarm_world_size as prewarm_world_size  # 
 
 if TYPE_CHECKING:
     from nbfsdp.engines.metrics import log
+    from nbfsdp.kernel.checkpoints.pretrained import from_pretrained
     from nbfsdp.kernel.checkpoints.sharded import checkpoints, load, save
     from nbfsdp.kernel.comparison import compare
     from nbfsdp.kernel.planning.plans import Plan, explain
+    from nbfsdp.kernel.run.gathering import gather
     from nbfsdp.kernel.run.history import RunRecord, last_run, runs
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "compare",
     "explain",
     "export",
+    "from_pretrained",
+    "gather",
     "last_run",
     "load",
     "load_ipython_extension",
@@ -69,6 +73,8 @@ _LAZY = {
     "load": "nbfsdp.kernel.checkpoints.sharded",
     "checkpoints": "nbfsdp.kernel.checkpoints.sharded",
     "export": "nbfsdp.kernel.checkpoints.exporting",
+    "from_pretrained": "nbfsdp.kernel.checkpoints.pretrained",
+    "gather": "nbfsdp.kernel.run.gathering",
     "where": "nbfsdp.kernel.run.session",
 }
 

@@ -141,3 +141,18 @@ if rank == 0:
     assert torch.equal(tiny_model.head.weight.detach(), before + 1.0)  # not brought back yet
     run_ok(shell, "%%fsdp --world-size 2\nmode = model.training")
     assert torch.equal(tiny_model.head.weight.detach(), shell.user_ns["trained"]["head.weight"])
+
+
+def test_weights_a_cell_loads_with_dcp_come_back(shell, tiny_model, tmp_path):
+    """DCP's readers copy into the tensors without bumping their write counts: the cell counts them itself, or
+    the notebook would keep its old weights after a cell that loaded others (a pasted script's resume)."""
+    where = repr(str(tmp_path / "ckpt"))
+    save = f"import torch.distributed.checkpoint as dcp\ndcp.save(model.state_dict(), checkpoint_id={where})\n"
+    run_ok(shell, "%%fsdp --world-size 2\n" + TRAIN + save)
+    saved = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    run_ok(shell, "%%fsdp --world-size 2\n" + TRAIN)  # trained on: the ranks' and the notebook's weights move on
+    assert not torch.equal(tiny_model.head.weight.detach(), saved["head.weight"])
+    load = f"state = model.state_dict()\ndcp.load(state, checkpoint_id={where})\ndel state\n"
+    run_ok(shell, "%%fsdp --world-size 2\nimport torch.distributed.checkpoint as dcp\n" + load)
+    for name, param in tiny_model.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
@@ -42,8 +43,14 @@ from nbfsdp.engines.loaders import SplitBatchSampler, set_after_init, shuffle_ge
 from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
+from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.protocol import InternalRequest, IntervalSaves, LoadCheckpoint, LoaderState, LoadWeightsFile
-from nbfsdp.shared.weights_files import full_weights_reader
+from nbfsdp.shared.weights_files import Weights, WeightsDirectory, full_weights_reader
+
+try:  # public since torch 2.8; the floor (2.6) reads Hugging Face checkpoints with nbfsdp's own reader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+except ImportError:
+    HuggingFaceStorageReader = None  # type: ignore[misc, assignment]
 
 
 def _class_name(module: nn.Module) -> str:
@@ -483,8 +490,10 @@ def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
                 request.ignore,
                 request.restore_rng,
             )
-        case LoadWeightsFile():
+        case LoadWeightsFile() if not request.read_when_sharded:
             load_weights_file(request.path, namespace[request.model])
+        case _:  # read as the model was sharded, or gathered at the cell's end (GatherModel): nothing more
+            pass
 
 
 def load_into(
@@ -537,8 +546,36 @@ def load_weights_file(path: str, model: nn.Module) -> None:
     brings the weights back into the notebook's model, as after a checkpoint's load."""
     global _bytes_read
     with full_weights_reader(path) as reader:
-        reader.load_into(model)
-    _bytes_read = reader.bytes_read
+        _bytes_read = _read_into(reader, model, strict=True)
+
+
+def load_pretrained(path: str, model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int) -> None:
+    """A sharded model built on the meta device, filled from the full weights at ``path`` (a Hugging Face
+    checkpoint directory, as ``from_pretrained`` reads it): each rank reads only its rows of each tensor; what
+    the weights lack (non-persistent buffers such as rotary ``inv_freq``, a new head) is made as the model
+    makes it (``units.init_function``), the same on every rank. The kernel checked both beforehand."""
+    global _bytes_read
+    with full_weights_reader(path) as reader:
+        covered = reader.matched(model, strict=False).covered
+        materialize(model, device, shard, seed, full=False, loaded=frozenset(covered))
+        _bytes_read = _read_into(reader, model, strict=False)
+
+
+def _read_into(reader: Weights, model: nn.Module, *, strict: bool) -> int:
+    """This rank's rows of each of ``model``'s tensors, read from ``reader``'s weights in place; the bytes read.
+
+    A Hugging Face checkpoint directory is read by DCP's own ``HuggingFaceStorageReader`` where torch has it
+    (2.8 on), as torchtitan reads one: DCP plans each rank's reads (the same ``safe_open`` slices) and casts to
+    the model's dtype. Elsewhere (torch 2.6, a single file) ``reader`` reads them itself."""
+    if HuggingFaceStorageReader is None or not isinstance(reader, WeightsDirectory):
+        reader.load_into(model, strict=strict)
+        return reader.bytes_read
+    match = reader.matched(model, strict=strict)
+    state = model.state_dict()  # detached views of the parameters: DCP writes into their local shards
+    wanted = {stored: state[key] for key, stored in match.stored.items()}
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(reader.path)))
+    local = [value.to_local() if isinstance(value, DTensor) else value for value in wanted.values()]
+    return sum(t.numel() * t.element_size() for t in local)  # in the model's dtype
 
 
 def bytes_read() -> int:

@@ -15,7 +15,7 @@ import linecache
 import os
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,16 +27,17 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where, writes
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
-from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, materialize, shard_model
+from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, shard_model
 from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
+from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAllocation
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, GatherModel, ShardAllocation
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
 #: Errors a rank raises only because a peer tore the world down first.
@@ -195,7 +196,11 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
             skeleton = transfer.load_skeleton(skeletons[name])
             if name in spec.materialize:
                 sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
-                _materialize(world, sharded.module, config, shape[1], spec.seed)
+                shard = (world.rank % shape[1], shape[1])
+                if name in spec.sources:  # a pretrained model: its checkpoint, read here, is its "notebook" state
+                    checkpointing.load_pretrained(spec.sources[name], sharded.module, world.device, shard, spec.seed)
+                else:
+                    _materialize(world, sharded.module, config, shard, spec.seed)
             else:
                 delivered_token, shards = world.incoming.pop(name, (None, {}))
                 if delivered_token != token:
@@ -203,18 +208,17 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
                 sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
             cast_buffers(sharded.module, config.dtypes()[2])
             world.models[name] = (token, sharded)
-            if name in spec.materialize:
+            if name in spec.materialize and name not in spec.sources:
                 world.in_notebook.pop(name, None)  # initialized here: the notebook has only its meta skeleton
             else:
-                world.in_notebook[name] = _writes(sharded.module)  # what the notebook sent, as it has it
+                world.in_notebook[name] = writes.written(sharded.module)  # what the notebook sent, as it has it
         elif world.models.get(name, (None,))[0] != token:
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
 
 
-def _materialize(world: World, model: nn.Module, config: FSDPConfig, shard_degree: int, seed: int) -> None:
+def _materialize(world: World, model: nn.Module, config: FSDPConfig, shard: tuple[int, int], seed: int) -> None:
     """A model built on the meta device: every rank initializes its shards under the same seeds;
     with sync_module_states rank 0 initializes the whole model and broadcasts each rank its shards."""
-    shard = (world.rank % shard_degree, shard_degree)
     if not config.sync_module_states:
         materialize(model, world.device, shard, seed, full=False)
         return
@@ -269,22 +273,21 @@ def _names_back(world: World, spec: CellSpec, read: dict[str, Any], outcome: Cel
     outcome.in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
 
 
-def _writes(model: nn.Module) -> list[tuple[int, int, int]]:
-    """Each of ``model``'s parameters and buffers on this rank, and how often it was written (``Tensor._version``,
-    which every in-place write bumps: the DTensor's for a write through it, an optimizer's step, its local
-    shard's for a write to ``to_local()``): whether the notebook's copy is still the ranks', told without
-    reading any data."""
-    found = []
-    for tensor in [*model.parameters(), *model.buffers()]:
-        local = torch_private.local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-        found.append((id(tensor), tensor._version, local._version))
-    return found
+def _full_state(model: nn.Module, request: GatherModel | None) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU (rank 0's; the others' are empty), in the dtype ``nbfsdp.gather``
+    asked for."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: plain tensors
+    if request is None or request.dtype is None:
+        return state
+    dtype = getattr(torch, request.dtype)
+    return {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
 
 
 def _on_any_rank(world: World, stale: list[bool]) -> list[bool]:
     """Which models some rank holds otherwise than the notebook has them (``World.in_notebook``): only those are
-    gathered back, and every rank must agree, the gather being a collective. One small all-reduce; none
-    when the cell gathers nothing."""
+    gathered back, and every rank must agree, the gather being a collective; of a model that lives on the
+    ranks, what a world that ends would lose. One small all-reduce; none when the cell reads no model."""
     if not stale:
         return []
     flags = torch.tensor(stale, dtype=torch.int32, device=world.device)
@@ -361,7 +364,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             )
             failed = True
             try:
-                with pasted.world_owned_calls(world.rank, world.device, spec.filename):
+                with pasted.world_owned_calls(world.rank, world.device, spec.filename), writes.dcp_loads_counted():
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
                     else:
@@ -381,16 +384,18 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             settings={name: world.models[name][1].config for name in spec.models},
         )
         _names_back(world, spec, read, outcome)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        seen = [world.in_notebook.get(name) == _writes(models[name]) for name in spec.gather]
+        seen = [world.in_notebook.get(name) == writes.written(models[name]) for name in spec.models]
         stale = _on_any_rank(world, [not same for same in seen])
-        gathered = [name for name, differs in zip(spec.gather, stale, strict=True) if differs]
-        states = {name: get_model_state_dict(models[name], options=options) for name in gathered}
-        world.in_notebook.update((name, _writes(models[name])) for name in gathered)
+        written = [name for name, differs in zip(spec.models, stale, strict=True) if differs]
+        request = spec.request if isinstance(spec.request, GatherModel) else None
+        # nbfsdp.gather: the notebook has only the skeleton, so the weights go whatever was written
+        gathered = [name for name in spec.gather if name in written or request is not None]
+        states = {name: _full_state(models[name], request) for name in gathered}
+        world.in_notebook.update((name, writes.written(models[name])) for name in gathered)
         if world.rank == 0:
+            outcome.written = written
             outcome.loaders = {name: split.state() for name, split in split_loaders.items()}
-            # full_state_dict: plain tensors (torch types a state dict's values as any kind of tensor)
-            outcome.states = states  # type: ignore[assignment]
+            outcome.states = states
         return outcome
     except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
         message = f"{type(error).__name__}: {error}"

@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
 from nbfsdp.shared.torch_private import checkpoint, set_checkpointing, set_mixed_precision, set_reshard_after_forward
-from nbfsdp.shared.transfer import shard_slice
-from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, root_method, wrap_units
+from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, wrap_units
 
 
 def _offload_saved_activations(module: nn.Module, pin_memory: bool) -> None:
@@ -148,58 +147,6 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
     new.why = {key: why for key, why in old.why.items() if key not in changed}  # now as asked
     sharded.config = new
     return [f"{key}={getattr(new, key)}" for key in changed]
-
-
-def _initialized_copy(module: nn.Module, root: nn.Module, device: torch.device, seed: int) -> nn.Module:
-    """``module`` alone (no children), its own tensors full-size and initialized under ``seed``."""
-    copy = object.__new__(type(module))
-    copy.__dict__ = dict(module.__dict__)
-    copy._modules = {}
-    empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)  # noqa: E731
-    copy._parameters = {  # None stays: reset_parameters reads it (a Linear without bias)
-        key: None if p is None else nn.Parameter(empty(p), requires_grad=p.requires_grad)
-        for key, p in module._parameters.items()
-    }
-    copy._buffers = {key: None if b is None else empty(b) for key, b in module._buffers.items()}
-    torch.manual_seed(seed)
-    init_fn = root_method(root, "param_init_fn")
-    if init_fn is not None:
-        init_fn(copy)
-    else:
-        copy.reset_parameters()  # type: ignore[operator]  # torch types a module's other attributes as tensors
-    return copy
-
-
-def materialize(model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int, full: bool) -> dict:
-    """Fill a sharded model that was built on the meta device, one module at a time.
-
-    Every rank initializes each module's own tensors full-size under the same
-    seed (so all ranks agree), keeps its shard ``shard = (index, count)`` and
-    frees the rest: the peak is one module's tensors, never the model's. With
-    ``full`` the full tensors are also returned (rank 0, for sync_module_states).
-    """
-    index, count = shard
-    state: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for position, (name, module) in enumerate(model.named_modules()):
-            if not module._parameters and not module._buffers:
-                continue
-            copy = _initialized_copy(module, model, device, seed + position)
-            prefix = f"{name}." if name else ""
-            for key, param in module._parameters.items():
-                if param is None:
-                    continue
-                whole = copy._parameters[key]
-                assert whole is not None  # the copy has each parameter the module has
-                local = param.to_local() if isinstance(param, DTensor) else param
-                local.copy_(shard_slice(whole, index, count))
-                if full:
-                    state[prefix + key] = whole.detach().cpu()
-            for key, buffer in copy._buffers.items():
-                module._buffers[key] = buffer
-                if full and buffer is not None and key not in module._non_persistent_buffers_set:
-                    state[prefix + key] = buffer.cpu()
-    return state
 
 
 def shard_model(

@@ -26,6 +26,10 @@ WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
     "attached: every engine)."
 )
+KEEP_ON_RANKS_HELP = (
+    "The cell's models live on the ranks from now on: never gathered after a cell, the notebook's copy freed (its "
+    "repr says where the weights are); nbfsdp.gather(model) brings them on demand."
+)
 #: ``--dtype`` of exports and ``--hf`` saves.
 HF_DTYPES = ("fp32", "bf16", "fp16")
 MAX_SHARD_SIZE_HELP = (

@@ -86,6 +86,7 @@ class FSDPMagics(Magics):
         action="store_true",
         help="Leave the trained weights on the engines; the notebook's models keep their old weights.",
     )
+    @argument("--keep-on-ranks", action="store_true", help=flags.KEEP_ON_RANKS_HELP)
     @argument(
         "--per-rank-batches",
         action="store_true",
@@ -147,6 +148,7 @@ class FSDPMagics(Magics):
             background=args.background,
             per_rank_batches=args.per_rank_batches,
             checkpointing=saving,
+            keep_on_ranks=args.keep_on_ranks,
         )
 
     def _checkpointing(self, args) -> config.CheckpointSettings:

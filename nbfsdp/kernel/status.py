@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nbfsdp.shared.collectives import size_text
+
 if TYPE_CHECKING:
     from nbfsdp.kernel.cluster.attached import AttachedCluster
     from nbfsdp.kernel.run.session import Session
@@ -32,6 +34,7 @@ def status(session: Session) -> None:
     )
     if (saving := session.pending_save) is not None:
         print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
+    _models(session)
     hosts = cluster.rank_hosts()
     by_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
@@ -62,3 +65,19 @@ def _attached_status(cluster: AttachedCluster) -> None:
     for p in placements:
         info = engines[p.engine_id]
         print(f"{p.rank:>4}  {p.host:<{width}}  {p.local_rank:>5}  {p.engine_id:>6}  {info.pid:>7}  {info.gpus:>4}")
+
+
+def _models(session: Session) -> None:
+    """The notebook's models the world holds, and where each one's weights are."""
+    from nbfsdp.kernel.run import residence
+
+    named = {name: session.shell.user_ns.get(name) for name in session.engine_models()}
+    lines = []
+    for name, model in named.items():
+        record = residence.of(model) if model is not None else None
+        if record is None:
+            lines.append(f"{name} (in the notebook too)")
+        else:
+            lines.append(f"{name} (on the ranks only: {size_text(record.nbytes)}, {record.history()})")
+    if lines:
+        print(f"models: {', '.join(lines)}")

@@ -128,13 +128,28 @@ class LoadWeightsFile:
 
     path: str
     model: str
+    read_when_sharded: bool = False
+    """The model is on the meta device in the notebook: the ranks read the file as they shard it
+    (``CellSpec.sources``), and the request itself has nothing left to do."""
+
+    def reads(self) -> list[str]:
+        return [self.model]
+
+
+@dataclass(kw_only=True, slots=True)
+class GatherModel:
+    """nbfsdp's own cell (``nbfsdp.gather``): rank 0 sends the full weights of model ``model``, which lives on
+    the ranks, in ``dtype`` (a ``torch`` dtype's name) where given; the ranks keep theirs."""
+
+    model: str
+    dtype: str | None = None
 
     def reads(self) -> list[str]:
         return [self.model]
 
 
 #: What nbfsdp itself asks the ranks to run between the user's cells.
-InternalRequest = LoadCheckpoint | LoadWeightsFile
+InternalRequest = LoadCheckpoint | LoadWeightsFile | GatherModel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,11 +169,15 @@ class CellSpec:
     assigned: list[str]
     """The names the cell binds at top level: candidates to bring back to the notebook."""
     gather: list[str]
-    """The models whose trained weights come back whole (rank 0 sends them); empty with ``--no-gather``."""
+    """The models whose trained weights come back whole (rank 0 sends them), where the cell changed them;
+    empty with ``--no-gather``; never a model that lives on the ranks."""
     fsdp: FSDPConfig
     """The cell's settings, validated by the kernel (the object itself, so a rank gets types, not a dict)."""
     materialize: list[str]
     """Models built on the meta device: each rank initializes its shards instead of receiving them."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Of ``materialize``, the models whose weights each rank reads from a Hugging Face checkpoint directory
+    (``nbfsdp.engines.checkpointing.load_pretrained``): only what the checkpoint lacks is initialized."""
     seed: int
     """The notebook's torch seed: meta-built models initialize under it."""
     control: str
@@ -207,6 +226,9 @@ class CellOutcome:
     """Rank 0's state of each split DataLoader (``SplitLoader.state``): the notebook's shuffles on from it."""
     states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """The gathered models' full state dicts, on the CPU."""
+    written: list[str] = field(default_factory=list)
+    """The cell's models some rank holds otherwise than the notebook last had them (or than they were read
+    from their checkpoint): what a world that ends would lose of a model that lives on the ranks."""
     settings: dict[str, FSDPConfig] = field(default_factory=dict)
     """Each model's settings at the end, live changes included: what the engine holds it under now."""
     metrics: list[dict[str, Any]] = field(default_factory=list)

@@ -147,7 +147,14 @@ def model_skeleton(model: nn.Module) -> bytes:
         references[id(param)] = ("meta_param", fqn, tuple(param.shape), _dtype_name(param.dtype), param.requires_grad)
     for fqn, buffer in model.named_buffers():
         references[id(buffer)] = ("meta_buffer", fqn, tuple(buffer.shape), _dtype_name(buffer.dtype))
-    return _dumps(model, references)
+    # an extra_repr of the object's own is the notebook's note on where its weights live
+    # (nbfsdp.kernel.run.residence), not part of the model: the ranks get the class's
+    note = model.__dict__.pop("extra_repr", None)
+    try:
+        return _dumps(model, references)
+    finally:
+        if note is not None:
+            model.__dict__["extra_repr"] = note
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

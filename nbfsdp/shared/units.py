@@ -231,14 +231,46 @@ def activation_modules(model: nn.Module, units: list[nn.Module], config: FSDPCon
     return chosen
 
 
-def check_initializable(model: nn.Module) -> str | None:
-    """Why a meta-device model could not be materialized on the ranks (``sharding.materialize`` calls
-    ``param_init_fn`` or each module's ``reset_parameters``), or None."""
-    if root_method(model, "param_init_fn"):
+def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] | None:
+    """What initializes the own tensors of ``root``'s module ``name`` on the ranks (``initializing.materialize``),
+    or None: the root's ``param_init_fn(module)``; else the ``_init_weights(module)`` of the nearest Hugging Face
+    model holding it (as transformers' ``smart_apply`` dispatches), which is what ``from_pretrained`` runs for the
+    tensors a checkpoint lacks (the rotary ``inv_freq`` buffers included); else its own ``reset_parameters()``."""
+    if (method := root_method(root, "param_init_fn")) is not None:
+        return method
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        if (method := root_method(root.get_submodule(".".join(parts[:depth])), "_init_weights")) is not None:
+            return method
+    if not callable(getattr(root.get_submodule(name), "reset_parameters", None)):
         return None
+    return _reset_parameters
+
+
+def _reset_parameters(copy: nn.Module) -> None:
+    """A module's own initialization, on the copy ``materialize`` makes of it."""
+    copy.reset_parameters()  # type: ignore[operator]  # torch types a module's other attributes as tensors
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def check_initializable(model: nn.Module, needed: set[str] | None = None) -> str | None:
+    """Why a meta-device model could not be materialized on the ranks (``initializing.materialize``), or None.
+    ``needed``: the fully qualified names of the tensors the ranks must make (those a checkpoint lacks);
+    None, every tensor."""
     for name, module in model.named_modules():
-        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
-        if owns and not callable(getattr(module, "reset_parameters", None)):
+        prefix = f"{name}." if name else ""
+        own = [*module._parameters, *module._buffers]
+        wanted = [key for key in own if needed is None or prefix + key in needed]
+        if _owns_tensors(module) and wanted and init_function(model, name) is None:
+            if needed is not None:
+                names = ", ".join(prefix + key for key in wanted)
+                return (
+                    f"{names} ({type(module).__name__}) is in no checkpoint and has no reset_parameters(): give "
+                    "the model a param_init_fn(module) method, or a checkpoint that holds it"
+                )
             return (
                 f"{name or 'the root'} ({type(module).__name__}) has no reset_parameters(): give the model a "
                 "param_init_fn(module) method, or build it with real weights"

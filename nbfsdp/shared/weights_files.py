@@ -108,6 +108,8 @@ class NameMatch:
     """``name [file shape] vs [model shape]``."""
     ignored: list[str] = field(default_factory=list)
     """Names outside the model's base (a head the model has not): ``from_pretrained`` leaves them too."""
+    covered: set[str] = field(default_factory=set)
+    """Every name of the model's tensors the weights fill, each name of a tie included."""
 
     def problems(self, limit: int = 5) -> str:
         """What keeps the weights from loading ("" when nothing does)."""
@@ -153,6 +155,7 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
             continue
         used.add(stored)
         match.stored[group[0]] = stored
+        match.covered.update(group)
         if shapes[stored] != model_shapes[group[0]]:
             match.differ.append(f"{stored} {list(shapes[stored])} vs {list(model_shapes[group[0]])}")
     for key in shapes:
@@ -162,7 +165,7 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
     return match
 
 
-class _Weights:
+class Weights:
     """Full weights opened for reading: names, shapes, and any tensor's part read on its own."""
 
     path: Path
@@ -177,14 +180,14 @@ class _Weights:
     def read(self, name: str, like: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def load_into(self, module: nn.Module, *, strict: bool = True) -> None:
-        """Every parameter and persistent buffer of ``module``: this rank's part, read from the weights.
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's name and shape (the headers only: nothing is read)."""
+        return {key: self.shape(key) for key in self.keys()}
 
-        Tied parameters are one object under several names: each is read once, under the first of its names
-        the weights have (weights that follow Hugging Face and keep one name of a tie load too). Names are
-        matched as ``match_names`` matches them; the values take the model's dtype.
-        """
-        match = match_names(module, {key: self.shape(key) for key in self.keys()})
+    def matched(self, module: nn.Module, *, strict: bool = True) -> NameMatch:
+        """Which name of the weights each of ``module``'s tensors reads (``match_names``); with ``strict``, a
+        ``ConfigError`` for a tensor the weights lack or a name only they have."""
+        match = match_names(module, self.shapes())
         if strict and (match.missing or match.unexpected):
             raise ConfigError(
                 f"{str(self.path)!r} does not fit the model: "
@@ -194,6 +197,16 @@ class _Weights:
                     if found
                 )
             )
+        return match
+
+    def load_into(self, module: nn.Module, *, strict: bool = True) -> None:
+        """Every parameter and persistent buffer of ``module``: this rank's part, read from the weights.
+
+        Tied parameters are one object under several names: each is read once, under the first of its names
+        the weights have (weights that follow Hugging Face and keep one name of a tie load too). Names are
+        matched as ``match_names`` matches them; the values take the model's dtype.
+        """
+        match = self.matched(module, strict=strict)
         state = module.state_dict(keep_vars=True)
         with torch.no_grad():
             for key, stored in match.stored.items():
@@ -207,7 +220,7 @@ class _Weights:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> _Weights:
+    def __enter__(self) -> Weights:
         return self
 
     def __exit__(
@@ -216,7 +229,7 @@ class _Weights:
         self.close()
 
 
-class WeightsFile(_Weights):
+class WeightsFile(Weights):
     """An open full-weights file: names, shapes, and any tensor's part read on its own."""
 
     def __init__(self, path: str | Path):
@@ -274,7 +287,7 @@ class WeightsFile(_Weights):
         self._file = self._tensors = None
 
 
-class WeightsDirectory(_Weights):
+class WeightsDirectory(Weights):
     """A Hugging Face checkpoint directory: ``model.safetensors``, or the files ``model.safetensors.index.json``
     names. Each file is opened (its header read) when the directory is; a tensor's rows are read from its file
     alone."""
@@ -317,7 +330,7 @@ class WeightsDirectory(_Weights):
             file.close()
 
 
-def full_weights_reader(path: str | Path) -> _Weights:
+def full_weights_reader(path: str | Path) -> Weights:
     """``path`` (``.pt`` or ``.safetensors`` of full weights, or a Hugging Face checkpoint directory or its
     index) opened for reading one rank's part at a time."""
     directory = hugging_face_checkpoint(path)

@@ -26,9 +26,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
+from nbfsdp.kernel.checkpoints.pretrained import check_reads
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
 from nbfsdp.kernel.cluster.world import World
-from nbfsdp.kernel.run import history
+from nbfsdp.kernel.run import history, residence
 from nbfsdp.kernel.run.session import Session, current_session
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
@@ -393,7 +394,13 @@ def load_file_with(
         raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
     if timeout is None:
         timeout = alive.timeout if alive else DEFAULT_TIMEOUT_SECONDS
-    request = LoadWeightsFile(path=str(file), model=name)
+    target = namespace[name]
+    on_meta = any(p.is_meta for p in target.parameters())
+    if on_meta:  # its weights are read by the ranks as they shard it, and then live there (residence)
+        check_reads(target, shapes, path)
+        residence.mark(target, source=str(file))
+        session.held.forget_model(name)
+    request = LoadWeightsFile(path=str(file), model=name, read_when_sharded=on_meta)
     if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
         try:
             config = _on_running_device(resolve_settings(None, {}, session.panel), alive)
@@ -443,8 +450,12 @@ def _weights_model(
 def _weights_problems(shapes: dict[str, tuple], module: nn.Module) -> str:
     """What keeps weights of these names and shapes from loading into ``module`` ("" when nothing does).
 
-    A tie is one tensor under several names: the weights need one of them (Hugging Face keeps one)."""
-    return match_names(module, shapes).problems(_NAMED)
+    A tie is one tensor under several names: the weights need one of them (Hugging Face keeps one). A model on
+    the meta device may lack some, as ``from_pretrained``'s may: the ranks make them (``pretrained.check_reads``)."""
+    match = match_names(module, shapes)
+    if any(p.is_meta for p in module.parameters()):
+        match.missing = []
+    return match.problems(_NAMED)
 
 
 def load_before_cell(

@@ -12,7 +12,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch.nn as nn
@@ -22,7 +22,7 @@ from nbfsdp.kernel.cluster.world import Cluster, World
 from nbfsdp.kernel.planning import predicted
 from nbfsdp.kernel.planning.plans import plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
-from nbfsdp.kernel.run import history
+from nbfsdp.kernel.run import history, residence
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
@@ -59,6 +59,10 @@ class CellRun:
     outcome: list[CellOutcome] | BaseException | None = None
     markers: str | None = None
     """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
+    on_ranks: list[str] = field(default_factory=list)
+    """The models whose weights live on the ranks after the cell (``residence``)."""
+    holder: tuple[int, int] = (0, 0)
+    """The world the cell runs in: its generation and size."""
 
     def watch_in_background(self) -> None:
         try:
@@ -157,10 +161,15 @@ def submit(
         sink=dashboard if background else None,
         on_records=functools.partial(stream_into, record, dashboard),
     )
-    return CellRun(
+    run = CellRun(
         ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, prepared.tokens, started,
         prediction,
     )  # fmt: skip
+    run.on_ranks, run.holder = prepared.on_ranks, (world.generation, world.world_size)
+    if dashboard is not None:
+        for name in prepared.on_ranks:
+            dashboard.note(f"{name}: weights live on the ranks only (not gathered after the cell)")
+    return run
 
 
 def new_record(
@@ -274,12 +283,17 @@ def _apply_results(
     """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
     first = outcomes[0]
     for name, state in first.states.items():
+        if name in run.on_ranks:
+            continue  # nbfsdp.gather's: a copy of what the ranks keep (_keep_on_ranks)
         model = run.models[name]
         # in place, so other references see it too; a meta-built model takes the tensors as they are
         model.load_state_dict(transfer.tied_as(model, state), assign=on_meta(model))
+    for name in run.on_ranks:
+        _keep_on_ranks(name, run.models[name], run.holder, first)
     for name, model in run.models.items():
         # what the engines hold now: these weights, under the settings in force at the end (live changes too)
-        held.model_held(name, fingerprint(model, run.skeletons[name], first.settings[name]), run.tokens[name])
+        settings = first.settings[name]
+        held.model_held(name, fingerprint(model, run.skeletons[name], settings), run.tokens[name], settings)
     for name, state in first.in_place.items():
         run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
         held.object_held(name, run.sent[name])
@@ -293,3 +307,15 @@ def _apply_results(
     if first.skipped:
         reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
         print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
+
+
+def _keep_on_ranks(name: str, model: nn.Module, holder: tuple[int, int], outcome: CellOutcome) -> None:
+    """The model's weights live on the ranks of ``holder``: the record says so, and the notebook's copy is freed;
+    or, for ``nbfsdp.gather``, the notebook's skeleton takes the weights rank 0 sent (the ranks keep theirs)."""
+    record = residence.mark(model)
+    record.world = holder
+    record.written = record.written or name in outcome.written
+    if name in outcome.states:
+        residence.fill(model, outcome.states[name])
+    elif not on_meta(model):
+        residence.to_meta(model)

@@ -42,11 +42,17 @@ class EngineHoldings:
         """The world these holdings are in: another world holds nothing of them."""
         self._models: dict[str, tuple[Fingerprint, int]] = {}  # name -> (fingerprint, token)
         self._objects: dict[str, tuple] = {}  # name -> optimizers.fingerprint
+        self._settings: dict[str, FSDPConfig] = {}  # name -> the settings its model is sharded under
         self._tokens = itertools.count(1)
 
     def forget(self, generation: int | None = None) -> None:
         """Nothing is held any more (a new world, a stopped cluster, another cluster)."""
         self._models, self._objects, self.generation = {}, {}, generation
+
+    def forget_model(self, name: str) -> None:
+        """The ranks' copy of model ``name`` no longer counts (its weights are to be read anew): the next cell
+        sends it."""
+        self._models.pop(name, None)
 
     def models(self) -> list[str]:
         return list(self._models)
@@ -91,8 +97,16 @@ class EngineHoldings:
         shards, so only those the cell keeps stay held."""
         self._objects = {name: self._objects[name] for name in kept}
 
-    def model_held(self, name: str, model_fingerprint: Fingerprint, token: int) -> None:
+    def model_held(
+        self, name: str, model_fingerprint: Fingerprint, token: int, config: FSDPConfig | None = None
+    ) -> None:
         self._models[name] = (model_fingerprint, token)
+        if config is not None:
+            self._settings[name] = config
+
+    def settings_of(self, name: str) -> FSDPConfig | None:
+        """The settings the ranks hold model ``name`` under (nbfsdp's own cells over it keep them)."""
+        return self._settings.get(name) if name in self._models else None
 
     def object_held(self, name: str, value: Any) -> None:
         """The ranks hold ``value`` under ``name`` as the notebook does now (a scheduler or optimizer), or

@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from torch.utils.data import DataLoader
 
+from nbfsdp.kernel.run import residence
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.units import check_initializable
 
@@ -46,7 +47,7 @@ def read_inputs(shell: InteractiveShell, reads: list[str]) -> tuple[dict[str, nn
         if transfer.is_model(value) and all(value is not m for m in models.values()):
             models[name] = value
     for name, model in models.items():
-        if on_meta(model) and (why := check_initializable(model)):
+        if on_meta(model) and residence.of(model) is None and (why := check_initializable(model)):
             raise UsageError(f"{name!r} is built on the meta device, but {why}")
         check_no_shared_modules(name, model)
     return models, {n: v for n, v in inputs.items() if n not in models}

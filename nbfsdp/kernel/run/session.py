@@ -19,7 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly, plan_with
-from nbfsdp.kernel.run import cell_run, inputs
+from nbfsdp.kernel.run import cell_run, inputs, residence
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import deliver
@@ -73,15 +73,17 @@ class Session:
         background: bool = False,
         per_rank_batches: bool = False,
         checkpointing: CheckpointSettings | None = None,
+        keep_on_ranks: bool = False,
     ) -> None:
         """Run ``cell`` on every rank and bring its results back. ``cell`` a typed request (``shared.protocol``):
         nbfsdp's own cell, with no dashboard and no run record, so ``last_run()`` stays the user's last cell.
         ``checkpointing``: with a save interval, the ranks save inside the cell (loads happen before it, in
-        ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``)."""
+        ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``). ``keep_on_ranks``: the cell's models live on the
+        ranks from now on (``residence``): never gathered, the notebook's copy freed."""
         internal = not isinstance(cell, str)
         self._refuse_while_running()
         started = time.perf_counter()
-        prepared = self._prepare(cell, world_size, timeout, config, per_rank_batches, internal)
+        prepared = self._prepare(cell, world_size, timeout, config, per_rank_batches, internal, keep_on_ranks)
         world = self._world_for(prepared, world_size, timeout, checkpointing)
         sent_bytes = self._send_models(prepared, world)
         control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
@@ -136,6 +138,7 @@ class Session:
         config: FSDPConfig,
         per_rank_batches: bool,
         internal: bool,
+        keep_on_ranks: bool = False,
     ) -> PreparedCell:
         """The cell parsed, its inputs read and pickled (``spec.prepare``): every refusal happens here."""
         devices = self.cluster.devices(world_size, config.device)
@@ -144,7 +147,12 @@ class Session:
         reusing = self.cluster.reuses_world(world_size, timeout, config.device)
         held = self.held if reusing and world is not None and world.generation == self.held.generation else None
         number = next(self._cells)
-        prepared = prepare(self.shell, number, cell, config, devices, held, self.loaders, world_size, per_rank_batches)
+        prepared = prepare(
+            self.shell, number, cell, config, devices, held, self.loaders, world_size, per_rank_batches, keep_on_ranks
+        )
+        running = world.generation if world is not None and not world.broken else None
+        named = {name: self.shell.user_ns.get(name) for name in [*self.held.models(), *prepared.models]}
+        residence.refuse_losing_weights(named, set(prepared.models), running, held is not None, world_size)
         if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, prepared.reads)
         return prepared
@@ -180,6 +188,10 @@ class Session:
             self.held.models_sent(prepared.kept)
         prepared.tokens = self.held.tokens_for(models, sending)
         prepared.materialize = [name for name in sending if inputs.on_meta(models[name])]
+        for name in prepared.materialize:
+            record = residence.of(models[name])
+            if record is not None and record.source is not None:
+                prepared.sources[name] = record.source
         delivering = {name: models[name] for name in sending if name not in prepared.materialize}
         _, shard_degree = prepared.config.mesh_shape(world.world_size)
         received = deliver(self.cluster, world, delivering, prepared.tokens, shard_degree, prepared.config.cpu_offload)

@@ -18,14 +18,14 @@ import torch.nn as nn
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.world import World
-from nbfsdp.kernel.run import inputs
+from nbfsdp.kernel.run import inputs, residence
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.held import EngineHoldings, Fingerprint, fingerprint
 from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.protocol import CellSpec, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
+from nbfsdp.shared.protocol import CellSpec, GatherModel, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
 from nbfsdp.shared.units import ties_kept
 
 
@@ -57,6 +57,11 @@ class PreparedCell:
     """Models built on the meta device, sent as skeletons only: the ranks initialize their shards."""
     sending: dict[str, bytes] = field(default_factory=dict)
     """The skeletons of the models sent anew (their shards are delivered before the cell)."""
+    on_ranks: list[str] = field(default_factory=list)
+    """The models whose weights live on the ranks (``residence``), or will after this cell (``--keep-on-ranks``):
+    never gathered."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Of ``materialize``, the models the ranks read from a checkpoint directory (``CellSpec.sources``)."""
 
     @property
     def filename(self) -> str:
@@ -73,9 +78,10 @@ def prepare(
     loaders: NotebookLoaders,
     world_size: int,
     per_rank_batches: bool,
+    keep_on_ranks: bool = False,
 ) -> PreparedCell:
     """Parse the cell, read its inputs, pickle what the ranks do not hold (``held``: what the running world
-    holds, where the cell runs in it)."""
+    holds, where the cell runs in it). ``keep_on_ranks``: the cell's models live on the ranks from now on."""
     if isinstance(cell, str):
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
         code, request = cell, None
@@ -89,10 +95,12 @@ def prepare(
     kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
     values, sent = inputs.pack_inputs(others, models, kept, world_size)
     plans = loaders.plan(sent, world_size, per_rank_batches)
-    return PreparedCell(
+    prepared = PreparedCell(
         code, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
         plans, per_rank_batches, request,
     )  # fmt: skip
+    prepared.on_ranks = [name for name, model in models.items() if keep_on_ranks or residence.of(model) is not None]
+    return prepared
 
 
 #: The models whose kept ties were said, by id and the lines said: once each, not at every cell.
@@ -126,6 +134,14 @@ def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSetti
     )
 
 
+def _gathered(prepared: PreparedCell) -> list[str]:
+    """The models whose weights come back after the cell: those that live in the notebook; one that lives on
+    the ranks only when ``nbfsdp.gather`` asks for it."""
+    if isinstance(prepared.request, GatherModel):
+        return [prepared.request.model]
+    return sorted(set(prepared.models) - set(prepared.on_ranks))
+
+
 def cell_spec(
     prepared: PreparedCell,
     world: World,
@@ -149,9 +165,10 @@ def cell_spec(
         models=list(prepared.models),
         model_tokens=prepared.tokens,
         assigned=prepared.assigned,
-        gather=sorted(prepared.models) if gather else [],
+        gather=_gathered(prepared) if gather else [],
         fsdp=prepared.config,
         materialize=prepared.materialize,
+        sources=prepared.sources,
         seed=torch.initial_seed() % 2**63,
         control=control.for_ranks,
         cwd=os.getcwd(),

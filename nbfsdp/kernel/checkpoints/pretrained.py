@@ -1,0 +1,105 @@
+"""``nbfsdp.from_pretrained``: a Hugging Face checkpoint directory to a model that trains on the ranks, the kernel
+holding only its skeleton (``nbfsdp.kernel.run.residence``). Runs in the kernel.
+
+    model = nbfsdp.from_pretrained("llama-1b", dtype=torch.bfloat16)   # a meta model: nothing read yet
+
+    %%fsdp --world-size 2                                              # each rank reads its rows of each tensor
+    ...
+
+The model is built as ``from_pretrained`` builds it, on the meta device; the checkpoint's headers are checked
+against it at once (names matched as ``from_pretrained`` matches them); what the checkpoint lacks (non-persistent
+buffers such as rotary ``inv_freq``, a new head) must be made as the model makes it (``units.init_function``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from IPython.core.error import UsageError
+
+from nbfsdp.kernel.run import residence
+from nbfsdp.shared.collectives import size_text
+from nbfsdp.shared.config import ConfigError
+from nbfsdp.shared.units import check_initializable
+from nbfsdp.shared.weights_files import NameMatch, full_weights_reader, hugging_face_checkpoint, match_names
+
+
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, *, model_class: Any = None) -> nn.Module:
+    """The model of the Hugging Face checkpoint directory ``path``, on the meta device, in ``dtype`` (the
+    checkpoint's values are cast to it), its weights to be read by the ranks at the first ``%%fsdp`` cell
+    that uses it; they then live there (``nbfsdp.gather`` brings them into the notebook). ``model_class``: a
+    ``transformers`` model class (``AutoModelForSequenceClassification`` ...), by default the one the
+    checkpoint's config names (``architectures``)."""
+    directory = hugging_face_checkpoint(os.fspath(path))
+    if directory is None:
+        raise UsageError(
+            f"{path} is not a Hugging Face checkpoint directory: it has no model.safetensors and no "
+            "model.safetensors.index.json (save_pretrained writes them)"
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(
+            f"dtype must be a floating-point torch dtype (torch.bfloat16, torch.float32 ...), got {dtype!r}"
+        )
+    model = _build(directory, dtype, model_class)
+    try:
+        with full_weights_reader(directory) as reader:
+            shapes = reader.shapes()
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    check_reads(model, shapes, directory)
+    residence.mark(model, source=str(directory))
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    size = size_text(residence.weights_bytes(model))
+    print(
+        f"nbfsdp: {type(model).__name__} of {_count_text(count)} parameters ({size}, {_dtype_of(model)}) on the "
+        f"meta device; the ranks read {path} at the first %%fsdp cell that uses it",
+        file=sys.stderr,
+    )
+    return model
+
+
+def _count_text(count: int) -> str:
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M" if count >= 1e6 else f"{count:,}"
+
+
+def _dtype_of(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _build(directory: Path, dtype: torch.dtype | None, model_class: Any) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("nbfsdp.from_pretrained needs transformers: pip install 'nbfsdp[examples]'") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{directory}: no config.json transformers can read ({error})") from None
+    if model_class is None:
+        named = (getattr(config, "architectures", None) or [None])[0]
+        model_class = getattr(transformers, named, None) if named else transformers.AutoModelForCausalLM
+        if model_class is None:
+            raise UsageError(f"{directory}/config.json names {named}, which transformers has not: pass model_class=")
+    with torch.device("meta"):
+        build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+        return build(config, dtype=dtype)
+
+
+def check_reads(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: str | os.PathLike) -> NameMatch:
+    """Refuse weights of these names and shapes that do not fit ``model``, a meta model the ranks are to read them
+    into: a name only in the weights, a shape that differs, or a tensor they lack that the model cannot make
+    itself; nothing is read, nothing changes."""
+    match = match_names(model, shapes)
+    if match.unexpected or match.differ:
+        kept = NameMatch(unexpected=match.unexpected, differ=match.differ)
+        raise UsageError(f"{path} does not fit {type(model).__name__}: {kept.problems()}")
+    names = {name for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    why = check_initializable(model, names - match.covered)
+    if why:
+        raise UsageError(f"{path} lacks what the model cannot make itself: {why}")
+    return match

@@ -1,0 +1,155 @@
+"""Where a notebook model's weights live: in the notebook's kernel, or on the ranks only.
+
+A model lives on the ranks when the notebook holds only its skeleton (its tensors on the meta device) and the
+ranks its weights: one whose weights the ranks read from a Hugging Face checkpoint themselves
+(``nbfsdp.from_pretrained``, ``%fsdp load DIR`` into a meta model), or one a cell ran with ``--keep-on-ranks``.
+Such a model is never gathered after a cell; ``nbfsdp.gather`` brings its weights on demand.
+
+The record (``OnRanks``) sits on the model object itself, as its ``extra_repr``: printing the model says
+where its weights are, and a copy or a new model of the same name carries its own. Runs in the kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from IPython.core.error import UsageError
+
+from nbfsdp.shared.collectives import size_text
+
+_REPR = "extra_repr"  # the per-instance attribute the record takes (nn.Module.__repr__ calls it)
+
+
+@dataclass(eq=False)
+class OnRanks:
+    """A model whose weights live on the ranks, and what would be lost with their world."""
+
+    own_repr: str
+    """What the model's class prints between its parentheses (its ``extra_repr``), kept."""
+    nbytes: int
+    """Its weights' size, each tie once, in the dtype the notebook's skeleton has."""
+    source: str | None = None
+    """The Hugging Face checkpoint directory the ranks read the weights from (again after a world that ended,
+    if no cell changed them)."""
+    world: tuple[int, int] | None = None
+    """The world (generation, world size) that holds them; None before the first cell reads them."""
+    written: bool = False
+    """A cell changed them on the ranks: a world that ends loses them."""
+
+    def __call__(self) -> str:
+        """The line ``repr(model)`` shows first: where the weights are."""
+        size = size_text(self.nbytes)
+        if self.world is None:
+            where = f"read by the ranks from {self.source} at the next %%fsdp cell" if self.source else "not loaded"
+            line = f"nbfsdp: weights ({size}) {where}"
+        else:
+            line = f"nbfsdp: weights ({size}) on the {self.world[1]} ranks only, {self.history()}"
+            line += "; nbfsdp.gather(model) brings them here"
+        return f"{line}\n{self.own_repr}" if self.own_repr else line
+
+    def history(self) -> str:
+        """How the ranks' weights came to be what they are."""
+        if self.written:
+            return "changed there by a cell"
+        return f"as read from {self.source}" if self.source is not None else "as the notebook sent them"
+
+    @property
+    def replaceable(self) -> bool:
+        """A world that ends loses nothing: the ranks can read the weights again from ``source``."""
+        return self.source is not None and not self.written
+
+
+def of(model: nn.Module) -> OnRanks | None:
+    """``model``'s record, when its weights live on the ranks."""
+    record = model.__dict__.get(_REPR)
+    return record if isinstance(record, OnRanks) else None
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers, a tie once (meta tensors count by shape and dtype)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def mark(model: nn.Module, source: str | None = None) -> OnRanks:
+    """Say that ``model``'s weights live on the ranks (read from ``source`` at the next cell, where given)."""
+    record = of(model)
+    if record is None:
+        record = OnRanks(own_repr=type(model).extra_repr(model), nbytes=weights_bytes(model))
+        model.__dict__[_REPR] = record
+    if source is not None:
+        record.source, record.world, record.written = source, None, False
+    return record
+
+
+def to_meta(model: nn.Module) -> None:
+    """Free the notebook's copy of ``model``'s weights: each parameter and buffer becomes a meta tensor of its
+    shape, the same Python object (``torch.utils.swap_tensors``), so the notebook's optimizers over them and
+    its ties stay as they are."""
+    with torch.no_grad():
+        for tensor in _each_once(model):
+            if tensor.is_meta:
+                continue
+            empty = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                tensor.grad = None
+                empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, empty)
+
+
+def fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``model``'s tensors (meta or real) become ``state``'s, by name, in place: the same Python objects
+    (``to_meta``'s way back)."""
+    with torch.no_grad():
+        names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+        for tensor in _each_once(model):
+            name = names.get(id(tensor))
+            if name is None or name not in state:
+                continue  # a non-persistent buffer: the ranks hold it, the state has none
+            value = state[name]
+            if isinstance(tensor, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, value)
+
+
+def _each_once(model: nn.Module) -> list[torch.Tensor]:
+    return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def refuse_losing_weights(
+    named: dict[str, Any], cell_models: set[str], running: int | None, reusing: bool, world_size: int
+) -> None:
+    """Before a cell runs: a model whose weights live on the ranks only goes with its world. Refuse a cell that
+    would replace the world holding one a cell changed (``reusing`` False: it needs another), and a cell that
+    needs one whose world has ended. One whose checkpoint the ranks can read again (unchanged since) is read
+    again, and that is said. ``named``: the notebook's models the running world holds and the cell's
+    (``cell_models``), by name; ``running``: the running world's generation, None when it is broken or absent."""
+    for name, model in named.items():
+        record = of(model) if isinstance(model, nn.Module) else None
+        if record is None or record.world is None:
+            continue
+        holder, size = record.world
+        if reusing and holder == running:
+            continue  # the cell runs in the world that holds them
+        if record.replaceable:
+            if name in cell_models:
+                print(f"nbfsdp: {name}: the ranks read its weights from {record.source} again", file=sys.stderr)
+                record.world = None
+            continue
+        if holder == running:
+            raise UsageError(
+                f"this cell needs a new world ({world_size} ranks, or other settings), which would end the "
+                f"running one of {size} ranks: the only holder of {name}'s weights, changed there by a cell. "
+                f"Bring them here first (nbfsdp.gather({name})) or save them (%fsdp save DIR), or run the cell "
+                f"at --world-size {size} with the same device"
+            )
+        if name in cell_models:
+            raise UsageError(
+                f"{name}'s weights lived on the ranks only, and the world of {size} ranks that held them has "
+                "ended: they are lost. Read them again (nbfsdp.from_pretrained, %fsdp load DIR) or load a "
+                "checkpoint, then run the cell"
+            )

@@ -1,0 +1,184 @@
+"""Pretrained models at the size people bring them (issue 43, points 2 and 3): a model built on the meta device
+whose weights the ranks read from a Hugging Face checkpoint (``nbfsdp.from_pretrained``, ``%fsdp load DIR``)
+trains as ``from_pretrained`` plus a plain ``%%fsdp`` does; its weights then live on the ranks, never gathered,
+the notebook's object saying so, until ``nbfsdp.gather`` brings them; ``--keep-on-ranks`` does the same for any
+model; a world that ends never takes changed weights with it silently. Tiny models built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from IPython.core.error import UsageError
+
+import nbfsdp
+from tests.conftest import run_failing, run_ok
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+TRAIN = """%%fsdp --world-size 2
+opt = torch.optim.SGD({model}.parameters(), lr=0.1)
+for step in range(3):
+    tokens = batches[step][rank::world_size]
+    loss = {model}(tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+"""
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_models(shell):
+    """The shell is shared: a later test's ``%fsdp load`` must not find these models fitting its checkpoint."""
+    yield
+    for name in ("reference", "llama", "llama_config", "wider", "batches", "kinds", "opt", "loss", "tokens", "step"):
+        shell.user_ns.pop(name, None)
+
+
+def _llama_checkpoint(directory, dtype=torch.float32) -> transformers.LlamaForCausalLM:
+    """A Llama with grouped-query attention and rotary buffers, saved in several files with an index."""
+    torch.manual_seed(7)
+    pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(dtype)
+    pretrained.save_pretrained(directory, max_shard_size="40KB")
+    return pretrained
+
+
+def _batches(shell) -> torch.Tensor:
+    batches = torch.randint(0, 96, (3, 4, 12), generator=torch.Generator().manual_seed(11))
+    shell.user_ns["batches"] = batches
+    run_ok(shell, "import torch, transformers, nbfsdp")
+    return batches
+
+
+def _losses() -> list[float]:
+    return [m["loss"] for m in nbfsdp.last_run().metrics if m["rank"] == 0]
+
+
+def test_from_pretrained_reads_on_the_ranks_and_trains_as_from_pretrained_does(shell, tmp_path, capsys):
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+    _batches(shell)
+    # the reference: from_pretrained in the notebook, then a plain %%fsdp cell (weights gathered back)
+    run_ok(shell, f"reference = transformers.LlamaForCausalLM.from_pretrained({str(directory)!r})")
+    run_ok(shell, TRAIN.format(model="reference"))
+    expected = _losses()
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
+    llama = shell.user_ns["llama"]
+    assert all(t.is_meta for t in [*llama.parameters(), *llama.buffers()])  # nothing read in the kernel
+    assert f"read by the ranks from {directory} at the next %%fsdp cell" in repr(llama)
+    run_ok(shell, TRAIN.format(model="llama"))
+    torch.testing.assert_close(_losses(), expected)  # inv_freq made on the ranks as from_pretrained makes it
+    assert all(p.is_meta for p in llama.parameters())  # never gathered: the weights live on the ranks
+    assert "on the 2 ranks only, changed there by a cell" in repr(llama)
+    capsys.readouterr()
+    run_ok(shell, "%fsdp status")
+    assert "llama (on the ranks only: " in capsys.readouterr().out
+    before = torch.get_rng_state()
+    assert nbfsdp.gather(llama) is llama
+    assert torch.equal(torch.get_rng_state(), before)  # the notebook's random state is its own
+    reference = shell.user_ns["reference"]
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(llama.state_dict()[name], tensor, msg=name)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # the rotary buffers the checkpoint lacks were made in the notebook too
+        torch.testing.assert_close(llama(tokens).logits, reference(tokens).logits)
+
+
+def test_a_read_only_cell_on_a_pretrained_model_moves_nothing_and_the_next_cell_sends_nothing(shell, tmp_path):
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+    _batches(shell)
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r}, dtype=torch.bfloat16)")
+    run_ok(shell, "%%fsdp --world-size 2\nkinds = sorted({str(p.dtype) for p in llama.parameters()})\n")
+    assert shell.user_ns["kinds"] == ["torch.bfloat16"]  # the checkpoint's fp32 cast to the asked dtype
+    llama = shell.user_ns["llama"]
+    assert "as read from" in repr(llama)  # a cell that wrote nothing
+    assert nbfsdp.last_run().sent_bytes[0] < 100_000  # the skeleton only, no weights
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    assert nbfsdp.last_run().sent_bytes[0] < 100_000
+
+
+def test_percent_load_into_a_meta_model_reads_on_the_ranks_and_keeps_them_there(shell, tmp_path):
+    directory = tmp_path / "llama"
+    pretrained = _llama_checkpoint(directory)
+    shell.user_ns["llama_config"] = transformers.LlamaConfig(**LLAMA)
+    run_ok(
+        shell,
+        "import torch, transformers\n"
+        "with torch.device('meta'):\n    llama = transformers.LlamaForCausalLM(llama_config)",
+    )
+    run_ok(shell, f"%fsdp load {directory} --world-size 2 --model llama")
+    llama = shell.user_ns["llama"]
+    assert all(p.is_meta for p in llama.parameters())
+    nbfsdp.gather(llama)
+    for name, tensor in pretrained.state_dict().items():
+        torch.testing.assert_close(llama.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpoint_that_lacks_what_the_model_cannot_make_is_refused_naming_it(shell, tmp_path):
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+
+    class Scaled(torch.nn.Module):  # a parameter of its own, with no way to make it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+    with torch.device("meta"):
+        model = Scaled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)))
+    from nbfsdp.kernel.checkpoints.pretrained import check_reads
+    from nbfsdp.shared.weights_files import full_weights_reader
+
+    with full_weights_reader(directory) as reader:
+        shapes = {f"inner.{k}": v for k, v in reader.shapes().items()}
+    check_reads(model.inner, reader.shapes(), directory)  # the inner model makes its rotary buffers itself
+    with pytest.raises(UsageError, match=r"scale \(Scaled\) is in no checkpoint"):
+        check_reads(model, shapes, directory)
+    with pytest.raises(UsageError, match="floating-point torch dtype"):
+        nbfsdp.from_pretrained(directory, dtype="bf16")
+    wider = transformers.LlamaConfig(**{**LLAMA, "hidden_size": 48})
+    shell.user_ns["wider"] = wider
+    run_ok(
+        shell,
+        "import torch, transformers\nwith torch.device('meta'):\n    llama = transformers.LlamaForCausalLM(wider)",
+    )
+    error, _ = run_failing(shell, f"%fsdp load {directory} --world-size 2 --model llama")
+    assert isinstance(error, UsageError) and "shapes differ" in str(error), error
+    error, _ = run_failing(shell, f"import nbfsdp\nnbfsdp.from_pretrained({str(tmp_path)!r})")
+    assert "not a Hugging Face checkpoint directory" in str(error)
+
+
+def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(shell, tmp_path, capsys):
+    batches = _batches(shell)
+    shell.user_ns["llama_config"] = transformers.LlamaConfig(**LLAMA)
+    run_ok(
+        shell,
+        "torch.manual_seed(0)\nllama = transformers.LlamaForCausalLM(llama_config)",
+    )
+    llama = shell.user_ns["llama"]
+    params = list(llama.parameters())
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.load_state_dict(llama.state_dict())
+    run_ok(shell, TRAIN.format(model="llama").replace("--world-size 2", "--world-size 2 --keep-on-ranks"))
+    assert all(p.is_meta for p in llama.parameters())  # the notebook's copy freed
+    assert all(a is b for a, b in zip(llama.parameters(), params, strict=True))  # the same objects
+    assert "as the notebook sent them" not in repr(llama) and "changed there by a cell" in repr(llama)
+    error, _ = run_failing(shell, "%%fsdp --world-size 1\npass\n")
+    assert isinstance(error, UsageError) and "nbfsdp.gather(llama)" in str(error)
+    assert all(p.is_meta for p in llama.parameters())  # nothing happened
+    nbfsdp.gather(llama)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):  # one process, the same global batches
+        loss = reference(batches[step], labels=batches[step]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(llama.state_dict()[name], tensor, msg=name)
