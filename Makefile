@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 # The oldest versions pyproject.toml allows, in a second environment (`make test-floor`): torch's PyPI build
 # (with its CUDA packages, about 5.5 GB), so the floor is checked on CPU here and on a GPU where there is one
 FLOOR_VENV  ?= .venv-floor
-FLOOR_PINS  ?= torch==2.6.0 ipyparallel==9.0.0 ipykernel==6.29.0
+FLOOR_PINS  ?= torch==2.6.0 ipyparallel==9.0.0 ipykernel==6.29.0 transformers==4.46.3 safetensors==0.4.5
 FLOOR_BIN   := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)

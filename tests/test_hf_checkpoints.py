@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 from tests.conftest import run_failing, run_ok
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
 
 LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 import nbfsdp
 from tests.conftest import run_failing, run_ok
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
 
 LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -70,7 +70,9 @@ def test_from_pretrained_reads_on_the_ranks_and_trains_as_from_pretrained_does(s
     expected = _losses()
     run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
     llama = shell.user_ns["llama"]
-    assert all(t.is_meta for t in [*llama.parameters(), *llama.buffers()])  # nothing read in the kernel
+    assert all(p.is_meta for p in llama.parameters())  # nothing read in the kernel
+    reference = shell.user_ns["reference"]  # the buffers its constructor made, as from_pretrained's
+    torch.testing.assert_close(llama.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
     assert f"read by the ranks from {directory} at the next %%fsdp cell" in repr(llama)
     run_ok(shell, TRAIN.format(model="llama"))
     torch.testing.assert_close(_losses(), expected)  # inv_freq made on the ranks as from_pretrained makes it
@@ -116,6 +118,10 @@ def test_percent_load_into_a_meta_model_reads_on_the_ranks_and_keeps_them_there(
     run_ok(shell, f"%fsdp load {directory} --world-size 2 --model llama")
     llama = shell.user_ns["llama"]
     assert all(p.is_meta for p in llama.parameters())
+    nbfsdp.gather(llama)
+    run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
+    assert nbfsdp.last_run().sent_bytes[0] < 100_000  # the ranks hold what was gathered: nothing sent again
+    assert all(p.is_meta for p in llama.parameters())  # and the notebook's copy freed again
     nbfsdp.gather(llama)
     for name, tensor in pretrained.state_dict().items():
         torch.testing.assert_close(llama.state_dict()[name], tensor, rtol=0, atol=0, msg=name)

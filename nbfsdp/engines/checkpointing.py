@@ -549,15 +549,18 @@ def load_weights_file(path: str, model: nn.Module) -> None:
         _bytes_read = _read_into(reader, model, strict=True)
 
 
-def load_pretrained(path: str, model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int) -> None:
+def load_pretrained(
+    path: str, model: nn.Module, device: torch.device, shard: tuple[int, int], seed: int, made: frozenset[str]
+) -> None:
     """A sharded model built on the meta device, filled from the full weights at ``path`` (a Hugging Face
-    checkpoint directory, as ``from_pretrained`` reads it): each rank reads only its rows of each tensor; what
-    the weights lack (non-persistent buffers such as rotary ``inv_freq``, a new head) is made as the model
-    makes it (``units.init_function``), the same on every rank. The kernel checked both beforehand."""
+    checkpoint directory, as ``from_pretrained`` reads it): each rank reads only its rows of each tensor. What
+    the weights lack is what the model's constructor ``made`` (non-persistent buffers such as rotary
+    ``inv_freq``, kept) or is made as the model makes it (``units.init_function``: a new head), the same on
+    every rank. The kernel checked both beforehand."""
     global _bytes_read
     with full_weights_reader(path) as reader:
         covered = reader.matched(model, strict=False).covered
-        materialize(model, device, shard, seed, full=False, loaded=frozenset(covered))
+        materialize(model, device, shard, seed, full=False, loaded=frozenset(covered) | made)
         _bytes_read = _read_into(reader, model, strict=False)
 
 

@@ -31,7 +31,7 @@ from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
-from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, shard_model
+from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, real_buffers, shard_model
 from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
@@ -195,12 +195,14 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
         if name in skeletons:
             skeleton = transfer.load_skeleton(skeletons[name])
             if name in spec.materialize:
+                made = frozenset(real_buffers(skeleton))  # kept by shard_model: not initialized again
                 sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
                 shard = (world.rank % shape[1], shape[1])
                 if name in spec.sources:  # a pretrained model: its checkpoint, read here, is its "notebook" state
-                    checkpointing.load_pretrained(spec.sources[name], sharded.module, world.device, shard, spec.seed)
+                    source = spec.sources[name]
+                    checkpointing.load_pretrained(source, sharded.module, world.device, shard, spec.seed, made)
                 else:
-                    _materialize(world, sharded.module, config, shard, spec.seed)
+                    _materialize(world, sharded.module, config, shard, spec.seed, made)
             else:
                 delivered_token, shards = world.incoming.pop(name, (None, {}))
                 if delivered_token != token:
@@ -216,13 +218,16 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
             raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
 
 
-def _materialize(world: World, model: nn.Module, config: FSDPConfig, shard: tuple[int, int], seed: int) -> None:
-    """A model built on the meta device: every rank initializes its shards under the same seeds;
-    with sync_module_states rank 0 initializes the whole model and broadcasts each rank its shards."""
+def _materialize(
+    world: World, model: nn.Module, config: FSDPConfig, shard: tuple[int, int], seed: int, made: frozenset[str]
+) -> None:
+    """A model built on the meta device: every rank initializes its shards under the same seeds (the buffers
+    ``made`` by its constructor are kept); with sync_module_states rank 0 initializes the whole model and
+    broadcasts each rank its shards."""
     if not config.sync_module_states:
-        materialize(model, world.device, shard, seed, full=False)
+        materialize(model, world.device, shard, seed, full=False, loaded=made)
         return
-    state = materialize(model, world.device, shard, seed, full=True) if world.rank == 0 else {}
+    state = materialize(model, world.device, shard, seed, full=True, loaded=made) if world.rank == 0 else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state, options=options)
 

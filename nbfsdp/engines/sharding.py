@@ -162,10 +162,14 @@ def shard_model(
     then the tensors the notebook delivered (``adopt_shards``), or ``to_empty``'s
     fresh ones for a model initialized on the ranks. A rank never holds the full model.
     """
+    made = real_buffers(skeleton)  # a meta-built model's buffers its constructor made: kept as they are
     sharded = apply_fsdp(skeleton, config, mesh, device)
     storage = "cpu" if config.cpu_offload else device
     if shards is None:
         skeleton.to_empty(device=storage)
+        for name, buffer in made.items():
+            owner, _, key = name.rpartition(".")
+            skeleton.get_submodule(owner)._buffers[key] = buffer.to(device)
     elif torch.device(storage).type != mesh.device_type:
         # CPU offload on GPUs: DTensor.from_local would move the shard to the GPU, so copy instead
         skeleton.to_empty(device=storage)
@@ -173,6 +177,13 @@ def shard_model(
     else:
         adopt_shards(skeleton, shards)
     return sharded
+
+
+def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of a model built on the meta device that are not on it (its constructor made them), by name."""
+    if not any(p.is_meta for p in model.parameters()):
+        return {}
+    return {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
 
 
 def _check_shape(fqn: str, data: torch.Tensor, local: torch.Tensor) -> None:

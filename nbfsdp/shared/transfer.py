@@ -141,11 +141,15 @@ def pickled_size(value: Any, models: dict[str, nn.Module]) -> int:
 
 
 def model_skeleton(model: nn.Module) -> bytes:
-    """The model pickled without tensor data: each tensor becomes shape + dtype."""
+    """The model pickled without tensor data: each tensor becomes shape + dtype; but a model built on the meta
+    device keeps the buffers its constructor made real (``sharding.shard_model`` keeps them on the ranks)."""
     references: dict[int, tuple] = {}
     for fqn, param in model.named_parameters():
         references[id(param)] = ("meta_param", fqn, tuple(param.shape), _dtype_name(param.dtype), param.requires_grad)
+    on_meta = any(p.is_meta for p in model.parameters())
     for fqn, buffer in model.named_buffers():
+        if on_meta and not buffer.is_meta:
+            continue  # made by a meta-built model's constructor (rotary inv_freq): small, and its ranks need it
         references[id(buffer)] = ("meta_buffer", fqn, tuple(buffer.shape), _dtype_name(buffer.dtype))
     # an extra_repr of the object's own is the notebook's note on where its weights live
     # (nbfsdp.kernel.run.residence), not part of the model: the ranks get the class's

@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,10 @@ def config_files(module: nn.Module, name: str, dtype: torch.dtype) -> dict[str, 
         )
     config = copy.deepcopy(config)
     config.architectures = [type(module).__name__.removeprefix("FSDP")]
-    config.dtype = str(dtype).removeprefix("torch.")  # transformers 5's key (4's torch_dtype follows it there)
+    if int(version("transformers").split(".")[0]) >= 5:
+        config.dtype = str(dtype).removeprefix("torch.")
+    else:  # transformers 4's key, which it writes as the dtype's name
+        config.torch_dtype = dtype
     with tempfile.TemporaryDirectory(prefix="nbfsdp-config-") as directory:
         config.save_pretrained(directory)
         generation = getattr(module, "generation_config", None)

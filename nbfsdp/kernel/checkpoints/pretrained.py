@@ -13,8 +13,10 @@ buffers such as rotary ``inv_freq``, a new head) must be made as the model makes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +87,57 @@ def _build(directory: Path, dtype: torch.dtype | None, model_class: Any) -> nn.M
         model_class = getattr(transformers, named, None) if named else transformers.AutoModelForCausalLM
         if model_class is None:
             raise UsageError(f"{directory}/config.json names {named}, which transformers has not: pass model_class=")
-    with torch.device("meta"):
-        build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
-        return build(config, dtype=dtype)
+    build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+    with parameters_on_meta():
+        model = build(config)
+    if dtype is not None:  # the parameters only, on the meta device (free): buffers keep the dtype they were made in
+        cast: dict[int, nn.Parameter] = {}  # a tie stays one parameter
+        for module in model.modules():
+            for key, param in module._parameters.items():
+                if param is not None and param.is_floating_point():
+                    made = cast.setdefault(id(param), nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+                    module._parameters[key] = made
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build a model with its parameters on the meta device and its buffers as its constructor makes them (the
+    rotary ``inv_freq``): what Accelerate's ``init_empty_weights(include_buffers=False)`` does, which
+    ``from_pretrained`` used before transformers 5. Hand-written: Accelerate is not a dependency, and
+    transformers 5 builds buffers on the meta device too (its ``_init_weights`` makes them after, which
+    transformers 4 does not). Each parameter is allocated empty, then moved: nothing is initialized."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kind = type(param)
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def make_buffers(model: nn.Module) -> None:
+    """The buffers of a Hugging Face model built on the meta device, made as its constructor makes them: the
+    same class built again from its config with its parameters on the meta device (``parameters_on_meta``), its
+    buffers taken. Nothing for another model (``units.init_function`` makes its buffers on the ranks)."""
+    missing = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    config = getattr(model, "config", None)
+    build = getattr(type(model), "_from_config", None)  # a Hugging Face model's
+    if not missing or config is None or build is None:
+        return
+    with parameters_on_meta(), torch.device("cpu"):
+        twin = build(config)
+    made = dict(twin.named_buffers())
+    for name in missing:
+        if name in made and not made[name].is_meta:
+            owner, _, key = name.rpartition(".")
+            model.get_submodule(owner)._buffers[key] = made[name]
 
 
 def check_reads(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: str | os.PathLike) -> NameMatch:
@@ -98,7 +148,8 @@ def check_reads(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: str 
     if match.unexpected or match.differ:
         kept = NameMatch(unexpected=match.unexpected, differ=match.differ)
         raise UsageError(f"{path} does not fit {type(model).__name__}: {kept.problems()}")
-    names = {name for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, buffer in model.named_buffers() if buffer.is_meta}  # the others its constructor made
     why = check_initializable(model, names - match.covered)
     if why:
         raise UsageError(f"{path} lacks what the model cannot make itself: {why}")

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
-from nbfsdp.kernel.checkpoints.pretrained import check_reads
+from nbfsdp.kernel.checkpoints.pretrained import check_reads, make_buffers
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
 from nbfsdp.kernel.cluster.world import World
 from nbfsdp.kernel.run import history, residence
@@ -397,6 +397,7 @@ def load_file_with(
     target = namespace[name]
     on_meta = any(p.is_meta for p in target.parameters())
     if on_meta:  # its weights are read by the ranks as they shard it, and then live there (residence)
+        make_buffers(target)
         check_reads(target, shapes, path)
         residence.mark(target, source=str(file))
         session.held.forget_model(name)

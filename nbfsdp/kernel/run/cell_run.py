@@ -293,7 +293,9 @@ def _apply_results(
     for name, model in run.models.items():
         # what the engines hold now: these weights, under the settings in force at the end (live changes too)
         settings = first.settings[name]
-        held.model_held(name, fingerprint(model, run.skeletons[name], settings), run.tokens[name], settings)
+        # a model that lives on the ranks changed form here (freed, or filled by nbfsdp.gather): its skeleton anew
+        skeleton = transfer.model_skeleton(model) if name in run.on_ranks else run.skeletons[name]
+        held.model_held(name, fingerprint(model, skeleton, settings), run.tokens[name], settings)
     for name, state in first.in_place.items():
         run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
         held.object_held(name, run.sent[name])
