@@ -156,3 +156,22 @@ def test_weights_a_cell_loads_with_dcp_come_back(shell, tiny_model, tmp_path):
     run_ok(shell, "%%fsdp --world-size 2\nimport torch.distributed.checkpoint as dcp\n" + load)
     for name, param in tiny_model.named_parameters():
         assert torch.equal(param.detach(), saved[name]), name
+
+
+def test_after_a_gather_the_kernel_holds_the_model_once(shell):
+    """Issue 43 (point 3): rank 0's gathered copy is freed when the cell ends and its pages go back to the
+    system, so gathering cells leave the notebook's process the model once, not three times (measured before:
+    364 MiB left after each cell gathering a 192 MiB model, and 12 MiB after)."""
+    shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)])
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    initial = model[0].bias.detach().clone()
+    touch = "%%fsdp --world-size 2\nimport torch\nwith torch.no_grad():\n    big[0].bias.add_(1.0)\n"  # gathered back
+    run_ok(shell, touch)
+    kernel = psutil.Process()
+    before = kernel.memory_info().rss
+    for _ in range(3):
+        run_ok(shell, touch)
+    kept = kernel.memory_info().rss - before
+    torch.testing.assert_close(model[0].bias.detach(), initial + 4.0)  # each cell's write came back, in place
+    assert kept < 0.25 * full, f"the kernel kept {kept / 2**20:.0f} MiB over three gathers of {full / 2**20:.0f} MiB"
+    del shell.user_ns["big"]

@@ -6,8 +6,10 @@ raises a failed run's error before it touches a model or a name.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import gc
 import shutil
 import sys
 import threading
@@ -267,6 +269,8 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     if run.prediction is not None:
         run.prediction.copied()  # the trace copied the model before its weights change
     _apply_results(outcome, run, shell, held, loaders)
+    if outcome[0].states:
+        _free_gathered(outcome)
     record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
     record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
     record.cancelled = outcome[0].cancelled
@@ -275,6 +279,20 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     if run.dashboard:
         run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
     record.elapsed = time.perf_counter() - run.started
+
+
+def _free_gathered(outcomes: list[CellOutcome]) -> None:
+    """The gathered weights are in the notebook's models now: free rank 0's copies at once, so the kernel holds
+    one model, not three. ipyparallel's finished futures hold the outcomes in reference cycles (only the
+    cyclic collector frees them), and glibc keeps freed blocks of this size in its heap (its mmap threshold rises
+    as big blocks are freed) until ``malloc_trim`` gives the pages back: measured, a 192 MiB model left
+    364 MiB behind after each gathering cell."""
+    for outcome in outcomes:
+        outcome.states.clear()
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent elsewhere (musl, macOS)
+    if trim is not None:
+        trim(0)
 
 
 def _apply_results(
