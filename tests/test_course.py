@@ -26,8 +26,12 @@ def test_the_course_is_sixteen_notebooks_in_order_and_an_appendix():
     main = [name for name in NAMES if name[:2].isdigit()]
     appendix = [name for name in NAMES if name.startswith("a")]
     assert [int(name[:2]) for name in main] == list(range(16)), main
-    assert appendix == ["a1-your-own-training-loop", "a2-changing-settings-mid-run"]
-    assert len(NAMES) >= 18
+    assert appendix == [
+        "a1-your-own-training-loop",
+        "a2-changing-settings-mid-run",
+        "a3-fine-tuning-a-pretrained-model",
+    ]
+    assert len(NAMES) >= 19
 
 
 def test_every_notebook_is_listed_in_the_course_page_the_site_and_the_readme():
