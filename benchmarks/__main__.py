@@ -12,6 +12,8 @@ Benchmarks (each module's docstring says what it measures and how):
 5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
    ``read_only_cell`` a cell that moves no weights vs ``--no-gather``, at 50M and 1B parameters, and the
                     kernel's memory beyond the model
+   ``pretrained``   a 1B Hugging Face checkpoint: ``%fsdp load`` vs torchrun + DCP's HF reader, each rank's
+                    peak; the kernel's memory and a warm cell's overhead on models living on the ranks
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
    ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
@@ -48,6 +50,7 @@ from benchmarks import (
     log_overhead,
     machine,
     model_transfer,
+    pretrained,
     read_only_cell,
     report,
     step_time,
@@ -65,6 +68,7 @@ BENCHMARKS = {
         cold_start,
         model_transfer,
         read_only_cell,
+        pretrained,
         log_overhead,
         gpu,
         gpu_loop,
@@ -82,6 +86,7 @@ RUN_ORDER = (
     "cold_start",
     "transfer",
     "read_only_cell",
+    "pretrained",
     "checkpoint",
     "hosts",
     "gpu",

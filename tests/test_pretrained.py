@@ -6,12 +6,14 @@ model; a world that ends never takes changed weights with it silently. Tiny mode
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 import transformers
 from IPython.core.error import UsageError
 
 import nbfsdp
+from nbfsdp.kernel.run import residence
 from tests.conftest import run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
@@ -39,6 +41,16 @@ def _forget_the_models(shell):
     yield
     for name in ("reference", "llama", "llama_config", "wider", "batches", "kinds", "opt", "loss", "tokens", "step"):
         shell.user_ns.pop(name, None)
+
+
+TRAIN_ONE = """%%fsdp --world-size 2
+if "opt" not in globals():
+    opt = torch.optim.SGD(llama.parameters(), lr=1e-4)
+tokens = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(rank))
+llama(tokens, labels=tokens).loss.backward()
+opt.step()
+opt.zero_grad()
+"""
 
 
 def _llama_checkpoint(directory, dtype=torch.float32) -> transformers.LlamaForCausalLM:
@@ -188,3 +200,58 @@ def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(sh
         opt.zero_grad()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(llama.state_dict()[name], tensor, msg=name)
+
+
+@pytest.mark.slow
+def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_path):
+    """The kernel holds a skeleton: from_pretrained, training cells and a --hf save leave it about the same whether
+    the model is 4x bigger or not (a slow test: two checkpoints of 50M and 200M parameters, bf16)."""
+    shell.user_ns["nbfsdp"] = nbfsdp
+    run_ok(shell, "import gc, torch, transformers")
+    run_ok(shell, "%fsdp stop")
+    kernel = psutil.Process()
+    growth = {}
+    for layers in (2, 8):
+        config = dict(LLAMA, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers)
+        config.update(num_attention_heads=16, num_key_value_heads=4)
+        directory = tmp_path / f"llama-{layers}"
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16).save_pretrained(
+            directory, max_shard_size="100MB"
+        )
+        run_ok(shell, "%%fsdp --world-size 2\nready = 1\n")
+        run_ok(shell, "gc.collect()")
+        before = kernel.memory_info().rss
+        run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r}, dtype=torch.bfloat16)")
+        for _ in range(3):
+            run_ok(shell, TRAIN_ONE)
+        run_ok(shell, f"%fsdp save {tmp_path / f'out-{layers}'} --hf --max-shard-size 100MB")
+        run_ok(shell, "gc.collect()")
+        growth[layers] = kernel.memory_info().rss - before
+        size = residence.weights_bytes(shell.user_ns["llama"])
+        assert growth[layers] < 0.25 * size, f"{growth[layers] / 2**20:.0f} MiB kept of a {size / 2**20:.0f} MiB model"
+        shell.user_ns.pop("llama")
+        run_ok(shell, "%fsdp stop")
+    assert abs(growth[8] - growth[2]) < 64 * 2**20, {k: v / 2**20 for k, v in growth.items()}  # not with the model
+
+
+def test_a_cell_after_a_forward_only_cell_trains_every_parameter(shell, tmp_path):
+    """FSDP2 leaves the root unsharded after a forward until a backward: the ranks reshard every unit at a cell's
+    end, or the next cell's optimizer would hold the root's whole tensors and never train them (lm_head here)."""
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+    _batches(shell)
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
+    run_ok(shell, "%%fsdp --world-size 2\nwith torch.no_grad():\n    logits = llama(batches[0]).logits\n")
+    run_ok(
+        shell,
+        """%%fsdp --world-size 2
+kinds = sorted({type(p).__name__ for p in llama.parameters()})
+opt = torch.optim.SGD(llama.parameters(), lr=0.1)
+before = llama.lm_head.weight.full_tensor()
+llama(batches[0], labels=batches[0]).loss.backward()
+opt.step()
+moved = not torch.equal(before, llama.lm_head.weight.full_tensor())
+""",
+    )
+    assert shell.user_ns["kinds"] == ["DTensor"] and shell.user_ns["moved"]

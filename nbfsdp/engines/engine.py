@@ -278,6 +278,15 @@ def _names_back(world: World, spec: CellSpec, read: dict[str, Any], outcome: Cel
     outcome.in_place = {name: optimizers.portable_state_dict(value, whole) for name, value in stateful.items()}
 
 
+def _reshard_all(sharded: ShardedModel) -> None:
+    """Every unit sharded again at the cell's end. FSDP2 leaves the root (and any unit under SHARD_GRAD_OP)
+    unsharded after a forward until the next backward: after a cell that only ran a forward (an evaluation
+    under ``no_grad``), the next cell's ``model.parameters()`` would give those units' whole plain tensors,
+    which an optimizer built there would step without the model ever seeing it."""
+    for unit in sharded.units:
+        unit.reshard()
+
+
 def _full_state(model: nn.Module, request: GatherModel | None) -> dict[str, torch.Tensor]:
     """The model's full state dict on the CPU (rank 0's; the others' are empty), in the dtype ``nbfsdp.gather``
     asked for."""
@@ -382,6 +391,8 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
                 boundaries.remove()
                 if saver is not None:
                     saver.end(failed)
+        for sharded in cell_models:  # see _reshard_all
+            _reshard_all(sharded)
         outcome = CellOutcome(
             ok=True,
             cancelled=cancelled,
