@@ -254,13 +254,13 @@ def _torchrun_once(machines: namespace_hosts.Hosts, sizes: loops.LoopSizes, time
 
 
 def torchrun_on_hosts(machines: namespace_hosts.Hosts, sizes: loops.LoopSizes) -> dict:
-    """``_torchrun_once``, run once more after the ranks' rare joint abort (see ``launch._ABORT``)."""
+    """``_torchrun_once``, run once more after the ranks' rare joint abort (see ``launch.ABORT``)."""
     try:
         return _torchrun_once(machines, sizes)
     except RuntimeError as error:
-        if launch._ABORT not in str(error):
+        if launch.ABORT not in str(error):
             raise
-        print(f"[bench] torchrun's ranks aborted ({launch._ABORT}); running that launch again", file=sys.stderr)
+        print(f"[bench] torchrun's ranks aborted ({launch.ABORT}); running that launch again", file=sys.stderr)
         return _torchrun_once(machines, sizes)
 
 

@@ -66,7 +66,18 @@ def _run(command: list[str], what: str, cpu_only: bool, timeout: float) -> float
 #: How torchrun's ranks sometimes end on this VM, both at once, with no Python traceback: 2 of 3 full
 #: ``--only dataloader`` runs once each, never in 19 launches of the same script alone. Such a launch is
 #: run once more and says so on stderr; anything else, or a second abort, fails the benchmark.
-_ABORT = "terminate called without an active exception"
+ABORT = "terminate called without an active exception"
+
+
+def torchrun_again_on_abort(nproc: int, module: str, args: list[str], cpu_only: bool, timeout: float = 300) -> float:
+    """``torchrun``, launched once more where its ranks aborted as described above."""
+    try:
+        return torchrun(nproc, module, args, cpu_only, timeout)
+    except RuntimeError as error:
+        if ABORT not in str(error):
+            raise
+        print(f"[bench] torchrun's ranks aborted ({ABORT}); running that launch again", file=sys.stderr)
+        return torchrun(nproc, module, args, cpu_only, timeout)
 
 
 def torchrun_loop(world_size: int, sizes: loops.LoopSizes, device: str = "cpu") -> dict:
@@ -74,14 +85,9 @@ def torchrun_loop(world_size: int, sizes: loops.LoopSizes, device: str = "cpu") 
     with tempfile.TemporaryDirectory(prefix="nbfsdp-bench-") as tmp:
         config, out = Path(tmp, "config.json"), Path(tmp, "out.json")
         config.write_text(json.dumps({**sizes.as_dict(), "device": device}))
-        arguments = (world_size, "benchmarks.torchrun_loop", [str(config), str(out)])
-        try:
-            wall = torchrun(*arguments, cpu_only=device == "cpu")
-        except RuntimeError as error:
-            if _ABORT not in str(error):
-                raise
-            print(f"[bench] torchrun's ranks aborted ({_ABORT}); running that launch again", file=sys.stderr)
-            wall = torchrun(*arguments, cpu_only=device == "cpu")
+        wall = torchrun_again_on_abort(
+            world_size, "benchmarks.torchrun_loop", [str(config), str(out)], cpu_only=device == "cpu"
+        )
         result = json.loads(out.read_text())
     result["wall_s"] = wall
     return result

@@ -7,12 +7,14 @@ Each rank, from a barrier after ``init_process_group``: the model built on the m
 checkpoint's config (``from_config`` under ``torch.device("meta")``, in the config's dtype), ``fully_shard``
 on each decoder layer and the root, ``to_empty`` on the CPU, DCP's ``HuggingFaceStorageReader`` into the
 sharded state dict, the rotary buffers made again (they are in no checkpoint: ``_init_weights``), to a
-barrier. Rank 0 writes the slowest rank's seconds to OUT.json.
+barrier. Rank 0 writes the slowest rank's seconds, and the largest peak growth of a rank over that time
+(``VmHWM`` after a reset at the first barrier), to OUT.json.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -23,11 +25,14 @@ import transformers
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.fsdp import fully_shard
 
+from benchmarks import procmem
+
 
 def main(directory: str, out: str) -> None:
     dist.init_process_group("gloo")
     config = transformers.AutoConfig.from_pretrained(directory)
     dist.barrier()
+    baseline = procmem.reset_peak(os.getpid())
     started = time.perf_counter()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=config.dtype)
@@ -41,10 +46,12 @@ def main(directory: str, out: str) -> None:
         model._init_weights(model.model.rotary_emb)
     dist.barrier()
     seconds = torch.tensor([time.perf_counter() - started])
+    peak = torch.tensor([procmem.read(os.getpid())["hwm"] - baseline], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         with open(out, "w") as file:
-            json.dump({"seconds": seconds.item()}, file)
+            json.dump({"seconds": seconds.item(), "peak_bytes": peak.item()}, file)
     dist.destroy_process_group()
 
 

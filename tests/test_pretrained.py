@@ -255,3 +255,65 @@ moved = not torch.equal(before, llama.lm_head.weight.full_tensor())
 """,
     )
     assert shell.user_ns["kinds"] == ["DTensor"] and shell.user_ns["moved"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_on_the_ranks_are_from_pretrained_s(shell, tmp_path, dtype):
+    """The loaded model's logits, computed on the ranks, against from_pretrained in one process: equal to 1e-6
+    relative from an fp32 checkpoint, within bf16's rounding from a bf16 one."""
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory, dtype)
+    batches = _batches(shell)
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r}, dtype={dtype!r})")
+    run_ok(shell, "%%fsdp --world-size 2\nwith torch.no_grad():\n    logits = llama(batches[0]).logits\n")
+    reference = transformers.LlamaForCausalLM.from_pretrained(directory).to(dtype)  # torch_dtype= in 4, dtype= in 5
+    with torch.no_grad():
+        expected = reference(batches[0]).logits
+    # bf16: the ranks compute in fp32 (the CPU's FULL precision casts the bf16 weights up), one process in bf16
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(shell.user_ns["logits"].float(), expected.float(), **tolerance)
+
+
+def test_gather_is_refused_when_the_weights_would_not_fit_the_kernel(shell, tmp_path, monkeypatch):
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+    _batches(shell)
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
+    run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
+    from nbfsdp.kernel.run import gathering
+
+    monkeypatch.setattr(gathering, "free_memory", lambda: 100_000)  # a kernel with 100 kB free
+    llama = shell.user_ns["llama"]
+    with pytest.raises(UsageError, match=r"need about 265\.8 KiB .* and 97\.7 KiB is free: gather them in a smaller"):
+        nbfsdp.gather(llama)
+    assert all(p.is_meta for p in llama.parameters())  # nothing moved
+    monkeypatch.undo()
+    assert nbfsdp.gather(llama) is llama and not any(p.is_meta for p in llama.parameters())
+
+
+def test_a_changed_skeleton_or_settings_never_replaces_trained_weights_on_the_ranks(shell, tmp_path):
+    """A model that lives on the ranks, trained there, cannot be sharded anew from the notebook's skeleton (its
+    weights are only on the ranks): a cell after an attribute change, or under other settings, is refused before
+    anything runs; one whose weights are as read from their checkpoint is read again instead."""
+    directory = tmp_path / "llama"
+    _llama_checkpoint(directory)
+    batches = _batches(shell)
+    run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
+    run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
+    shell.user_ns["llama"].config.use_cache = False  # as read: the ranks read the checkpoint again
+    run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
+    assert "as read from" in repr(shell.user_ns["llama"])
+    run_ok(shell, TRAIN.format(model="llama"))
+    trained = _losses()
+    shell.user_ns["llama"].config.use_cache = True
+    error, _ = run_failing(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
+    assert isinstance(error, UsageError) and "nbfsdp.gather(llama)" in str(error), error
+    shell.user_ns["llama"].config.use_cache = False  # undone: the cell runs on the trained weights
+    error, _ = run_failing(shell, "%%fsdp --world-size 2 --mixed-precision PURE\nmode = llama.training\n")
+    assert isinstance(error, UsageError) and "settings" in str(error), error
+    run_ok(shell, "%%fsdp --world-size 2\nloss = llama(batches[2], labels=batches[2]).loss.item()\n")
+    assert "changed there by a cell" in repr(shell.user_ns["llama"])
+    checkpoint = transformers.LlamaForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        untrained = checkpoint(batches[2], labels=batches[2]).loss.item()
+    assert abs(shell.user_ns["loss"] - untrained) > 1e-3, (shell.user_ns["loss"], untrained, trained)  # trained

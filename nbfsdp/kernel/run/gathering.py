@@ -38,7 +38,7 @@ def gather(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
         raise UsageError(f"dtype must be a floating-point torch dtype (torch.bfloat16 ...), got {dtype!r}")
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
     needed = sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors) * _COPIES_WHILE_ARRIVING
-    free = psutil.virtual_memory().available
+    free = free_memory()
     if needed > free:
         raise UsageError(
             f"nbfsdp.gather: {name}'s weights need about {size_text(needed)} of the kernel's memory as they arrive, "
@@ -54,6 +54,11 @@ def gather(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     session.run_cell(request, world_size=world_size, timeout=world.timeout, gather=True, config=config)
     _make_buffers(model)
     return model
+
+
+def free_memory() -> int:
+    """The bytes the kernel's machine has free now (what a gather may take)."""
+    return psutil.virtual_memory().available
 
 
 def _make_buffers(model: nn.Module) -> None:

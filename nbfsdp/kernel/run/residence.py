@@ -121,20 +121,40 @@ def _each_once(model: nn.Module) -> list[torch.Tensor]:
 
 
 def refuse_losing_weights(
-    named: dict[str, Any], cell_models: set[str], running: int | None, reusing: bool, world_size: int
+    named: dict[str, Any],
+    cell_models: set[str],
+    reshaped: set[str],
+    running: int | None,
+    reusing: bool,
+    world_size: int,
 ) -> None:
     """Before a cell runs: a model whose weights live on the ranks only goes with its world. Refuse a cell that
-    would replace the world holding one a cell changed (``reusing`` False: it needs another), and a cell that
-    needs one whose world has ended. One whose checkpoint the ranks can read again (unchanged since) is read
-    again, and that is said. ``named``: the notebook's models the running world holds and the cell's
-    (``cell_models``), by name; ``running``: the running world's generation, None when it is broken or absent."""
+    would replace the world holding one a cell changed (``reusing`` False: it needs another), a cell that
+    needs one whose world has ended, and a cell over one the ranks would shard anew (``reshaped``: its skeleton
+    changed in the notebook, an attribute or a module, or the cell's settings differ), without their weights. One whose checkpoint the
+    ranks can read again (unchanged since) is read again, and that is said. ``named``: the notebook's models
+    the running world holds and the cell's (``cell_models``), by name; ``running``: the running world's
+    generation, None when it is broken or absent."""
     for name, model in named.items():
         record = of(model) if isinstance(model, nn.Module) else None
         if record is None or record.world is None:
             continue
         holder, size = record.world
+        if reusing and holder == running and name not in reshaped:
+            continue  # the cell runs in the world that holds them, as they are
         if reusing and holder == running:
-            continue  # the cell runs in the world that holds them
+            if not any(p.is_meta for p in model.parameters()):
+                continue  # gathered: the notebook's copy goes to the ranks with its new skeleton
+            if record.replaceable:
+                print(f"nbfsdp: {name}: the ranks read its weights from {record.source} again", file=sys.stderr)
+                record.world = None
+                continue
+            raise UsageError(
+                f"{name} lives on the ranks, changed there by a cell, and since then its skeleton in the notebook (an "
+                f"attribute or a module of {name}) or the cell's FSDP settings changed: the ranks would shard it "
+                f"anew, without their weights. Undo the change (or run the cell with the settings before), or "
+                f"bring the weights here first (nbfsdp.gather({name})), then run the cell"
+            )
         if record.replaceable:
             if name in cell_models:
                 print(f"nbfsdp: {name}: the ranks read its weights from {record.source} again", file=sys.stderr)

@@ -152,7 +152,10 @@ class Session:
         )
         running = world.generation if world is not None and not world.broken else None
         named = {name: self.shell.user_ns.get(name) for name in [*self.held.models(), *prepared.models]}
-        residence.refuse_losing_weights(named, set(prepared.models), running, held is not None, world_size)
+        reshaped = {
+            name for name in prepared.models if held is not None and not held.holds(name, prepared.fingerprints[name])
+        }
+        residence.refuse_losing_weights(named, set(prepared.models), reshaped, running, held is not None, world_size)
         if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, prepared.reads)
         return prepared
