@@ -18,10 +18,10 @@ kernel is fresh (``NBFSDP_PREWARM=0``, CPU ranks, world size 2) with its world u
   (an SGD step each, the optimizer made on the ranks in the first) and ``%fsdp save OUT --hf``, less before
   ``from_pretrained``. Target at most 300 MiB at each size: it must not grow with the model.
 - warm training cell (250M and 1B): the kernel's round trip of a training cell on the model living on the
-  ranks, less the time rank 0 spent in the cell's code (``time.perf_counter`` around it, printed), median of
-  cells 2 to 10. Target at most 50 ms. The cell prints rather than calling ``nbfsdp.log``: a cell that logs
-  also waits for the dashboard's final figure to be drawn (200-350 ms on these 2 cores, measured), whatever
-  its model; that is the dashboard's cost, not the model's.
+  ranks, less the time the slowest rank spent in the cell's code (``time.perf_counter`` around it, printed by
+  each rank), median of cells 2 to 10. Target at most 50 ms. The cell prints rather than calling
+  ``nbfsdp.log``: a cell that logs also waits for the dashboard's final figure to be drawn (200-350 ms on
+  these 2 cores, measured), whatever its model; that is the dashboard's cost, not the model's.
 
 ``--quick``: a 2-layer model of hidden 256 for every row, two load rounds. Run alone:
 ``python -m benchmarks --only pretrained``.
@@ -212,8 +212,8 @@ def _living_rows(ctx: Context, directory: Path, label: str, out: Path) -> list[M
         for _ in range(CELLS):
             reply = kernel.execute(TRAIN, timeout=900)
             trips.append(reply.elapsed)
-            said = [line for line in reply.stdout.splitlines() if line.startswith("[rank 0] cell_s")]
-            in_cell.append(float(said[-1].split()[-1]))
+            said = [float(line.split()[-1]) for line in reply.stdout.splitlines() if " cell_s " in line]
+            in_cell.append(max(said))  # the slowest rank's: the cell waits for it
         kernel.execute(f"%fsdp save {out} --hf --max-shard-size 500MB", timeout=900)
         kernel.execute("gc.collect()")
         growth = (procmem.read(kernel.pid)["rss"] - before) / MiB
@@ -229,12 +229,12 @@ def _living_rows(ctx: Context, directory: Path, label: str, out: Path) -> list[M
             op="<=",
         ),
         Measurement(
-            what=f"warm training cell on a model living on the ranks, {label}: round trip - rank 0's time in the cell",
+            what=f"warm training cell on a model living on the ranks, {label}: round trip - the slowest rank's time",
             value=statistics.median(overheads),
             unit="ms",
             target=OVERHEAD_TARGET_MS,
             op="<=",
-            a_label="rank 0 in the cell",
+            a_label="slowest rank in the cell",
             a=median(in_cell[1:]) * 1000,
             b_label="kernel round trip",
             b=median(trips[1:]) * 1000,
