@@ -385,3 +385,15 @@ def test_ranks_that_share_a_gpu_are_said_to_share_it_above_their_rows(shell):
     assert all(f"<tr><td>{rank}</td><td></td><td></td><td>cuda:0</td>" in table for rank in range(4)), table
     assert dashboard.controls.values()["device"] == "cuda"
     assert "<div>2 ranks on the CPU (gloo)</div>" in _dashboard()._status.value
+
+
+def test_the_dashboard_says_which_models_live_on_the_ranks(kernel):
+    """Issue 43 (point 3): a model that lives on the ranks (here by --keep-on-ranks) is named on its cell's
+    dashboard, as its repr and %fsdp status name it."""
+    kernel.execute("kept = nn.Linear(4, 4)")
+    reply, messages = kernel.execute("%%fsdp --world-size 2 --keep-on-ranks\nkept")
+    assert reply["content"]["status"] == "ok"
+    said = [str(m["content"]) for _, m in messages if m["msg_type"] in ("comm_open", "comm_msg")]
+    assert any("kept: weights live on the ranks only" in text for text in said)
+    reply, messages = kernel.execute("print(repr(kept).splitlines()[1])")
+    assert "on the 2 ranks only" in kernel.stdout(messages)

@@ -130,11 +130,11 @@ def refuse_losing_weights(
 ) -> None:
     """Before a cell runs: a model whose weights live on the ranks only goes with its world. Refuse a cell that
     would replace the world holding one a cell changed (``reusing`` False: it needs another), a cell that
-    needs one whose world has ended, and a cell over one the ranks would shard anew (``reshaped``: its skeleton
-    changed in the notebook, an attribute or a module, or the cell's settings differ), without their weights. One whose checkpoint the
-    ranks can read again (unchanged since) is read again, and that is said. ``named``: the notebook's models
-    the running world holds and the cell's (``cell_models``), by name; ``running``: the running world's
-    generation, None when it is broken or absent."""
+    needs one whose world has ended, and a cell over one the ranks would shard anew without their weights
+    (``reshaped``: its skeleton changed in the notebook, an attribute or a module, or the cell's settings
+    differ). One whose checkpoint the ranks can read again (unchanged since) is read again, and that is said.
+    ``named``: the notebook's models the running world holds and the cell's (``cell_models``), by name;
+    ``running``: the running world's generation, None when it is broken or absent."""
     for name, model in named.items():
         record = of(model) if isinstance(model, nn.Module) else None
         if record is None or record.world is None:
