@@ -204,25 +204,25 @@ def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(sh
 
 @pytest.mark.slow
 def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_path):
-    """The kernel holds a skeleton: from_pretrained, training cells and a --hf save leave it about the same whether
-    the model is 4x bigger or not (a slow test: two checkpoints of 50M and 200M parameters, bf16)."""
+    """The kernel holds a skeleton: from_pretrained, training cells and a --hf save leave it no more at 4x the
+    parameters (a slow test: two checkpoints of 50M and 156M parameters, bf16, both made before measuring)."""
     shell.user_ns["nbfsdp"] = nbfsdp
     run_ok(shell, "import gc, torch, transformers")
     run_ok(shell, "%fsdp stop")
-    kernel = psutil.Process()
-    growth = {}
     for layers in (2, 8):
         config = dict(LLAMA, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers)
         config.update(num_attention_heads=16, num_key_value_heads=4)
-        directory = tmp_path / f"llama-{layers}"
         torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16).save_pretrained(
-            directory, max_shard_size="100MB"
-        )
+        made = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
+        made.save_pretrained(tmp_path / f"llama-{layers}", max_shard_size="100MB")
+        del made
+    kernel = psutil.Process()
+    growth = {}
+    for layers in (2, 8):
         run_ok(shell, "%%fsdp --world-size 2\nready = 1\n")
         run_ok(shell, "gc.collect()")
         before = kernel.memory_info().rss
-        run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r}, dtype=torch.bfloat16)")
+        run_ok(shell, f"llama = nbfsdp.from_pretrained({str(tmp_path / f'llama-{layers}')!r}, dtype=torch.bfloat16)")
         for _ in range(3):
             run_ok(shell, TRAIN_ONE)
         run_ok(shell, f"%fsdp save {tmp_path / f'out-{layers}'} --hf --max-shard-size 100MB")
@@ -232,7 +232,7 @@ def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_p
         assert growth[layers] < 0.25 * size, f"{growth[layers] / 2**20:.0f} MiB kept of a {size / 2**20:.0f} MiB model"
         shell.user_ns.pop("llama")
         run_ok(shell, "%fsdp stop")
-    assert abs(growth[8] - growth[2]) < 64 * 2**20, {k: v / 2**20 for k, v in growth.items()}  # not with the model
+    assert growth[8] - growth[2] < 64 * 2**20, {k: v / 2**20 for k, v in growth.items()}  # not with the model
 
 
 def test_a_cell_after_a_forward_only_cell_trains_every_parameter(shell, tmp_path):

@@ -400,9 +400,12 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             settings={name: world.models[name][1].config for name in spec.models},
         )
         _names_back(world, spec, read, outcome)
-        seen = [world.in_notebook.get(name) == writes.written(models[name]) for name in spec.models]
+        # the models that may come back, and those living on the ranks (whose changes the kernel records); none
+        # under --no-gather otherwise, so such a cell ends with no collective of nbfsdp's own
+        watched = [name for name in spec.models if name in spec.gather or name in spec.on_ranks]
+        seen = [world.in_notebook.get(name) == writes.written(models[name]) for name in watched]
         stale = _on_any_rank(world, [not same for same in seen])
-        written = [name for name, differs in zip(spec.models, stale, strict=True) if differs]
+        written = [name for name, differs in zip(watched, stale, strict=True) if differs]
         request = spec.request if isinstance(spec.request, GatherModel) else None
         # nbfsdp.gather: the notebook has only the skeleton, so the weights go whatever was written
         gathered = [name for name in spec.gather if name in written or request is not None]

@@ -175,6 +175,8 @@ class CellSpec:
     """The cell's settings, validated by the kernel (the object itself, so a rank gets types, not a dict)."""
     materialize: list[str]
     """Models built on the meta device: each rank initializes its shards instead of receiving them."""
+    on_ranks: list[str] = field(default_factory=list)
+    """The models whose weights live on the ranks (never gathered): the ranks tell whether the cell changed them."""
     sources: dict[str, str] = field(default_factory=dict)
     """Of ``materialize``, the models whose weights each rank reads from a Hugging Face checkpoint directory
     (``nbfsdp.engines.checkpointing.load_pretrained``): only what the checkpoint lacks is initialized."""

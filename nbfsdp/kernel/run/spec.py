@@ -169,6 +169,7 @@ def cell_spec(
         fsdp=prepared.config,
         materialize=prepared.materialize,
         sources=prepared.sources,
+        on_ranks=prepared.on_ranks,
         seed=torch.initial_seed() % 2**63,
         control=control.for_ranks,
         cwd=os.getcwd(),
