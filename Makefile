@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs,peft,qlora]"
 	touch $(STAMP)
 
 ## Create .venv, install nbfsdp with its extras, open JupyterLab on notebooks/

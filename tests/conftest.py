@@ -70,6 +70,19 @@ def cluster(shell):
     return nbfsdp._magics.session.cluster
 
 
+def forget_after_each_test(*names: str):
+    """An autouse fixture for a test module: the shell is shared, so the names its tests make go after each
+    (a later test must not find them: a model that fits its checkpoint, an optimizer over another model)."""
+
+    @pytest.fixture(autouse=True)
+    def forget(shell):
+        yield
+        for name in names:
+            shell.user_ns.pop(name, None)
+
+    return forget
+
+
 def run_ok(shell, code: str):
     """Run a cell; fail the test with the cell's own error if it raised."""
     result = shell.run_cell(code)

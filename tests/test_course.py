@@ -30,8 +30,9 @@ def test_the_course_is_sixteen_notebooks_in_order_and_an_appendix():
         "a1-your-own-training-loop",
         "a2-changing-settings-mid-run",
         "a3-fine-tuning-a-pretrained-model",
+        "a4-lora-fine-tuning",
     ]
-    assert len(NAMES) >= 19
+    assert len(NAMES) >= 20
 
 
 def test_every_notebook_is_listed_in_the_course_page_the_site_and_the_readme():

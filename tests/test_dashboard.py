@@ -397,3 +397,12 @@ def test_the_dashboard_says_which_models_live_on_the_ranks(kernel):
     assert any("kept: weights live on the ranks only" in text for text in said)
     reply, messages = kernel.execute("print(repr(kept).splitlines()[1])")
     assert "on the 2 ranks only" in kernel.stdout(messages)
+
+
+def test_the_dashboard_says_what_trains_of_a_model_with_frozen_parameters(kernel):
+    """Issue 44 (point 1): frozen parameters have no gradient or optimizer state, and the dashboard says so."""
+    kernel.execute("half = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\nhalf[0].requires_grad_(False)")
+    reply, messages = kernel.execute("%%fsdp --world-size 2\nhalf")
+    assert reply["content"]["status"] == "ok"
+    said = [str(m["content"]) for _, m in messages if m["msg_type"] in ("comm_open", "comm_msg")]
+    assert any("half: 10 parameters train; 20 frozen have no gradient or optimizer state" in text for text in said)

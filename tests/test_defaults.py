@@ -49,7 +49,7 @@ def test_a_cell_without_fsdp_flags_is_one_process_training_on_cpu(shell, tiny_mo
     for (name, trained), (_, wanted) in zip(tiny_model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(trained, wanted, msg=lambda m, name=name: f"{name}: {m}")
     assert run.config["mixed_precision"] == "FULL" and run.config["backward_prefetch"] == "BACKWARD_PRE"
-    assert "on CPU is fp32" in run.config["why"]["mixed_precision"]
+    assert "one process's math on CPU: fp32 for an fp32 model" in run.config["why"]["mixed_precision"]
     assert "Composer's default BACKWARD_POST" in run.config["why"]["backward_prefetch"]
 
 
@@ -93,8 +93,8 @@ def test_low_precision_asked_by_name_is_bf16_on_cpu_by_flag_dict_and_set(shell, 
 def test_explain_and_the_run_record_say_what_applied_and_why(shell, tiny_model, capsys):
     shell.run_line_magic("fsdp", "explain model")
     out, err = capsys.readouterr()
-    assert "mixed precision FULL (params float32, reduce float32, buffers float32)" in out
-    assert "mixed precision FULL: not given; Composer's precision on CPU is fp32" in out
+    assert "mixed precision FULL (params float32, reduce float32, buffers as stored)" in out  # it has no buffers
+    assert "mixed precision FULL: not given; one process's math on CPU: fp32 for an fp32 model" in out
     assert "backward prefetch BACKWARD_PRE: not given; Composer's default BACKWARD_POST" in out
     assert err == ""
 
@@ -129,7 +129,7 @@ def test_gpu_keeps_composers_fsdp2_default_and_so_does_a_precision_given_on_cpu(
     assert for_device(FSDPConfig(mixed_precision="PURE"), Devices("cuda", 2, 2)).why.keys() == {"backward_prefetch"}
     assert for_device(FSDPConfig(backward_prefetch="NONE"), Devices("cpu", 2)).why.keys() == {"mixed_precision"}
     # FULL and PURE unchanged; Composer 0.11's documented DEFAULT is a dict away
-    assert for_device(FSDPConfig(mixed_precision="FULL"), Devices("cuda", 1, 1)).dtypes() == (torch.float32,) * 3
+    assert for_device(FSDPConfig(mixed_precision="FULL"), Devices("cuda", 1, 1)).dtypes() == (None, torch.float32, None)
     assert for_device(FSDPConfig(mixed_precision="PURE"), Devices("cuda", 1, 1)).dtypes() == (torch.bfloat16,) * 3
     old = for_device(FSDPConfig(mixed_precision=COMPOSER_0_11_DEFAULT), Devices("cuda", 1, 1))
     assert old.dtypes() == (torch.float32, torch.bfloat16, torch.float32)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import nbfsdp
 from benchmarks import procmem
 from tests.conftest import run_ok
 
@@ -72,10 +73,16 @@ def test_only_rank_0_materializes_the_full_state(shell, cluster):
     # many 4 MiB parameters: one gathered at a time is far from the whole 134 MB, whatever the allocator keeps
     shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
+    run_ok(shell, "import torch")
     run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear --no-gather\nbig\n")  # sharded, not gathered
     growth = {rank: -procmem.reset_peak(pid) for rank, pid in enumerate(cluster.world.pids)}
-    touch = "with torch.no_grad():\n    big[0].bias.add_(0.0)\n"  # a write: the ranks' copy is the one to gather
-    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\n" + touch)  # the same shards, now gathered
+    touch = "with torch.no_grad():\n    big[0].bias.add_(0.0)\n"  # one tensor written: it alone comes back
+    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\n" + touch)
+    assert nbfsdp.last_run().gathered_bytes == {"big": 1024 * 4}
+    growth = {rank: -procmem.reset_peak(pid) for rank, pid in enumerate(cluster.world.pids)}
+    touch = "with torch.no_grad():\n    for p in big.parameters():\n        p.add_(0.0)\n"  # every tensor written
+    run_ok(shell, "%%fsdp --world-size 2 --wrap-cls Linear\n" + touch)  # the same shards, now gathered whole
+    assert nbfsdp.last_run().gathered_bytes == {"big": full}
     for rank, pid in enumerate(cluster.world.pids):
         growth[rank] += procmem.read(pid)["hwm"]
     assert growth[0] > 0.9 * full  # rank 0 holds the whole state dict

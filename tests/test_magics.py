@@ -44,7 +44,7 @@ def test_loading_twice_keeps_the_same_session(shell):
             "--sharding-strategy ZERO3",
             "invalid choice: 'ZERO3' (choose from 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD')",
         ),
-        ("--mixed-precision HALF", "invalid choice: 'HALF' (choose from 'FULL', 'DEFAULT', 'PURE')"),
+        ("--mixed-precision HALF", "invalid choice: 'HALF' (choose from 'FULL', 'DEFAULT', 'PURE', 'STORED')"),
         ("--backward-prefetch LATE", "invalid choice: 'LATE' (choose from 'BACKWARD_PRE', 'BACKWARD_POST', 'NONE')"),
         ("--precision fp8", "invalid choice: 'fp8' (choose from 'bf16', 'fp16')"),
         ("--min-params lots", "min_params must be a non-negative whole number; got 'lots'"),
@@ -53,7 +53,6 @@ def test_loading_twice_keeps_the_same_session(shell):
             "--sharding-strategy HYBRID_SHARD --replicas 3",
             "HYBRID_SHARD needs --replicas R dividing the world size 2; got 3",
         ),
-        ("--precision fp16", "fp16 needs a GPU; on CPU use --precision bf16"),
         ("--config no_such_dict", "--config no_such_dict: no such name in the notebook"),
     ],
 )
@@ -121,7 +120,7 @@ def test_wait_and_cancel_with_nothing_running_say_so(shell, capsys):
         ("set", "%fsdp set takes KEY=VALUE pairs"),
         ("set activation_checkpointing", "takes KEY=VALUE pairs"),
         ("set shard_everything=true", "shard_everything: not a setting; valid: sharding_strategy, mixed_precision"),
-        ("set mixed_precision=HALF", "mixed_precision must be one of FULL, DEFAULT, PURE; got 'HALF'"),
+        ("set mixed_precision=HALF", "mixed_precision must be one of FULL, DEFAULT, PURE, STORED; got 'HALF'"),
         ("set world_size=0", "--world-size must be between 1 and 64, got 0"),
     ],
 )

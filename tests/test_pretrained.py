@@ -151,7 +151,7 @@ def test_a_checkpoint_that_lacks_what_the_model_cannot_make_is_refused_naming_it
 
     with torch.device("meta"):
         model = Scaled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)))
-    from nbfsdp.kernel.checkpoints.pretrained import check_reads
+    from nbfsdp.kernel.run.residence import check_reads
     from nbfsdp.shared.weights_files import full_weights_reader
 
     with full_weights_reader(directory) as reader:

@@ -110,6 +110,22 @@ def test_loader_kind_and_infinite_sampler():
     assert [next(sampler) for _ in range(3)] == [None, None, None]
 
 
+def test_gradscalers_kernels_unscale_fp16_and_fp32_and_update_the_scale():
+    """What ``nbfsdp.engines.scaling`` runs on the ranks' local shards, on the CPU (torch >= 2.3 has its kernels)."""
+    grads = [torch.tensor([4.0, 8.0], dtype=torch.float16), torch.tensor([2.0, 6.0], dtype=torch.float16)]
+    found_inf = torch.zeros(1)
+    torch_private.unscale_and_check_(grads, found_inf, torch.full((1,), 0.5))
+    assert [g.tolist() for g in grads] == [[2.0, 4.0], [1.0, 3.0]] and found_inf.item() == 0
+    torch_private.unscale_and_check_([torch.tensor([1.0, float("nan")])], found_inf, torch.full((1,), 0.5))
+    assert found_inf.item() == 1
+    scale, tracker = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32)
+    torch_private.update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2)  # an overflow backs off
+    assert scale.item() == 2.0**15
+    for _ in range(2):  # two clean steps grow it, at growth_interval 2
+        torch_private.update_scale_(scale, tracker, torch.zeros(1), 2.0, 0.5, 2)
+    assert scale.item() == 2.0**16
+
+
 def test_dcp_load_in_one_process_reads_whole_tensors_with_no_process_group(tmp_path):
     """What the kernel does to read a checkpoint (export, ``%fsdp load``'s notebook side): no world."""
     import torch.distributed.checkpoint as dcp

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, where, writes
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, scaling, where, writes
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.progress import route_bars
@@ -298,15 +298,41 @@ def _full_state(model: nn.Module, request: GatherModel | None) -> dict[str, torc
     return {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
 
 
-def _on_any_rank(world: World, stale: list[bool]) -> list[bool]:
-    """Which models some rank holds otherwise than the notebook has them (``World.in_notebook``): only those are
-    gathered back, and every rank must agree, the gather being a collective; of a model that lives on the
-    ranks, what a world that ends would lose. One small all-reduce; none when the cell reads no model."""
-    if not stale:
-        return []
-    flags = torch.tensor(stale, dtype=torch.int32, device=world.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [bool(flag) for flag in flags.tolist()]
+def _changed_on_any_rank(world: World, names: list[str], models: dict[str, nn.Module]) -> dict[str, list[bool]]:
+    """Of each model named, which tensors (``writes.written``'s order) some rank holds otherwise than the notebook
+    has them (``World.in_notebook``): only those are gathered back (a LoRA cell's adapters, not its frozen base),
+    and every rank must agree, the gather being a collective; of a model that lives on the ranks, what a world that
+    ends would lose. One small all-reduce; none when the cell reads no model."""
+    flags: dict[str, list[bool]] = {}
+    for name in names:
+        now, before = writes.written(models[name]), world.in_notebook.get(name)
+        same = before is not None and len(before) == len(now)
+        flags[name] = [not same or old != new for old, new in zip(before or now, now, strict=True)]
+    if not names:
+        return flags
+    together = torch.tensor([flag for name in names for flag in flags[name]], dtype=torch.int32, device=world.device)
+    dist.all_reduce(together, op=dist.ReduceOp.MAX)
+    agreed, start = together.tolist(), 0
+    for name in names:
+        flags[name], start = [bool(flag) for flag in agreed[start : start + len(flags[name])]], start + len(flags[name])
+    return flags
+
+
+def _changed_state(model: nn.Module, changed: list[bool]) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` flagged ``changed`` (``writes.written``'s order), whole, on the CPU, by every name
+    they have (rank 0's; each sharded one made whole by a collective, in the same order on every rank)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    wanted = {id(tensor) for tensor, flag in zip(tensors, changed, strict=True) if flag}
+    whole: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in wanted:
+            continue
+        if id(value) not in whole:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            whole[id(value)] = full.detach().cpu()
+        state[key] = whole[id(value)]
+    return state if dist.get_rank() == 0 else {}
 
 
 def _split_loaders(world: World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
@@ -378,7 +404,11 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             )
             failed = True
             try:
-                with pasted.world_owned_calls(world.rank, world.device, spec.filename), writes.dcp_loads_counted():
+                with (
+                    pasted.world_owned_calls(world.rank, world.device, spec.filename),
+                    writes.dcp_loads_counted(),
+                    scaling.scaled_losses(world, cell_models, recorder),  # fp16: GradScaler's work, done here
+                ):
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
                     else:
@@ -403,13 +433,17 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
         # the models that may come back, and those living on the ranks (whose changes the kernel records); none
         # under --no-gather otherwise, so such a cell ends with no collective of nbfsdp's own
         watched = [name for name in spec.models if name in spec.gather or name in spec.on_ranks]
-        seen = [world.in_notebook.get(name) == writes.written(models[name]) for name in watched]
-        stale = _on_any_rank(world, [not same for same in seen])
-        written = [name for name, differs in zip(watched, stale, strict=True) if differs]
+        changed = _changed_on_any_rank(world, watched, models)
+        written = [name for name in watched if any(changed[name])]
         request = spec.request if isinstance(spec.request, GatherModel) else None
         # nbfsdp.gather: the notebook has only the skeleton, so the weights go whatever was written
         gathered = [name for name in spec.gather if name in written or request is not None]
-        states = {name: _full_state(models[name], request) for name in gathered}
+        states = {
+            name: _full_state(models[name], request)
+            if request is not None or all(changed[name])
+            else _changed_state(models[name], changed[name])
+            for name in gathered
+        }
         world.in_notebook.update((name, writes.written(models[name])) for name in gathered)
         if world.rank == 0:
             outcome.written = written

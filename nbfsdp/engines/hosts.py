@@ -16,6 +16,7 @@ import socket
 
 import torch
 
+from nbfsdp.shared.devices import gpu_capability
 from nbfsdp.shared.network import keep_alive, source_address
 from nbfsdp.shared.protocol import HostIdentity
 
@@ -35,15 +36,17 @@ def identity() -> HostIdentity:
     """This engine's host: its name, and the key engines of one host share."""
     hostname = socket.gethostname()
     gpus = torch.cuda.device_count()  # NVML's count: no CUDA context is made
+    capability = gpu_capability() if gpus else None
     override = os.environ.get(HOST_ID_VARIABLE)
     if override:
-        return HostIdentity(hostname=hostname, key=override, pid=os.getpid(), gpus=gpus)
+        return HostIdentity(hostname=hostname, key=override, pid=os.getpid(), gpus=gpus, capability=capability)
     try:
         namespace = os.readlink("/proc/self/ns/net")  # e.g. net:[4026531840]: one per network namespace
     except OSError:
         namespace = ""
     boot = _read("/proc/sys/kernel/random/boot_id")  # one per booted kernel: a machine, or a VM
-    return HostIdentity(hostname=hostname, key=f"{hostname}|{boot}|{namespace}", pid=os.getpid(), gpus=gpus)
+    key = f"{hostname}|{boot}|{namespace}"
+    return HostIdentity(hostname=hostname, key=key, pid=os.getpid(), gpus=gpus, capability=capability)
 
 
 #: Rank 0's rendezvous socket, kept open from ``open_rendezvous`` until the store takes it.

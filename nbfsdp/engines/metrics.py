@@ -280,6 +280,9 @@ class Recorder:
         self._publish = publish
         self._control = control
         self._changed: list[str] = []
+        self.fields: dict[str, Any] = {}
+        """What every record carries besides the logged names and memory, read at the log call (a tensor as its
+        value then): ``grad_scale`` where nbfsdp scales fp16 losses (``nbfsdp.engines.scaling``)."""
         self._unsent: list[dict[str, Any]] = []
         self._batches = 0
         self._sent_at = 0.0
@@ -295,7 +298,7 @@ class Recorder:
         now = time.perf_counter()
         step = scalars.pop("step", len(self.records))
         entry: dict[str, Any] = {"rank": self.rank, "step": int(step), "step_time": now - self._last}
-        for name, value in scalars.items():
+        for name, value in {**self.fields, **scalars}.items():  # a name the cell logs wins
             entry[name] = value.item() if isinstance(value, torch.Tensor) else value
         entry.update(self.meter.read())
         if self._changed:  # in force for this record's step

@@ -231,8 +231,10 @@ def _copy_shards(model: nn.Module, shards: dict[str, torch.Tensor], device: torc
                     module._buffers[key] = shards[f"{name}.{key}" if name else key].to(device)
 
 
-def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating-point buffers in ``dtype`` (FSDP2's policy has no buffer dtype; PURE wants one)."""
+def cast_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Floating-point buffers in ``dtype`` (FSDP2's policy has no buffer dtype; PURE wants one); None: as stored."""
+    if dtype is None:
+        return
     for module in model.modules():
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.is_floating_point():

@@ -5,13 +5,16 @@ the ranks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from nbfsdp.engines.sharding import ShardedModel
 from nbfsdp.shared.checkpoints import CheckpointError
+
+if TYPE_CHECKING:
+    from nbfsdp.engines.scaling import LossScaler
 
 
 @dataclass
@@ -30,6 +33,8 @@ class World:
     that gathers; one that is not, is not: a read-only cell costs no gather."""
     script_store: Any = None
     """Rank 0 of nbfsdp's own cluster: the store at ``MASTER_ADDR:MASTER_PORT``, kept as long as the world."""
+    loss_scaler: LossScaler | None = None
+    """The dynamic loss scale of the world's fp16 cells (``nbfsdp.engines.scaling``), kept from cell to cell."""
 
 
 current: World | None = None

@@ -18,11 +18,11 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from nbfsdp.shared.devices import DEVICE_CHOICES, DeviceChoice, Devices
+from nbfsdp.shared.devices import DEVICE_CHOICES, DeviceChoice, Devices, low_precision_for
 from nbfsdp.shared.errors import ConfigError
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
-MixedPrecision = Literal["FULL", "DEFAULT", "PURE"]
+MixedPrecision = Literal["FULL", "DEFAULT", "PURE", "STORED"]
 Precision = Literal["bf16", "fp16"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
 #: The choices of each setting, read off its type: the flags, the controls and ``resolve`` check against these.
@@ -30,7 +30,9 @@ SHARDING_STRATEGIES: tuple[ShardingStrategy, ...] = get_args(ShardingStrategy)
 MIXED_PRECISIONS: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 BACKWARD_PREFETCHES: tuple[BackwardPrefetch, ...] = get_args(BackwardPrefetch)
-_DTYPES = {
+#: ``None``: "as stored", each parameter (or buffer) in the dtype the model holds it in (FSDP2's policy field None).
+_DTYPES: dict[str, torch.dtype | None] = {
+    "stored": None,
     "fp32": torch.float32,
     "float32": torch.float32,
     "bf16": torch.bfloat16,
@@ -39,16 +41,22 @@ _DTYPES = {
     "float16": torch.float16,
 }
 _MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
-#: Each name as (param, reduce, buffer) dtypes, "low" being ``precision`` (bf16 unless fp16 is asked).
+#: Each name as (param, reduce, buffer) dtypes, "low" being ``precision`` (bf16 unless fp16 is asked), "stored"
+#: the dtype the model stores each tensor in (no cast: FSDP2's ``MixedPrecisionPolicy`` field left None).
 #: DEFAULT is Composer's FSDP2 code's (``get_mixed_precision``, used by ``prepare_distributed``) and
 #: torchtitan's default: compute in low precision, reduce gradients in fp32. Composer also asks for low
 #: buffers, which FSDP2's ``MixedPrecisionPolicy`` has no field for; nbfsdp leaves buffers in fp32 under
 #: DEFAULT, as FSDP2 and torchtitan do (a RoPE table or BatchNorm statistics in bf16 lose precision that
 #: the compute does not need to lose), and casts them only under PURE or where a dict asks.
+#: FULL is one process's math: an fp32 model computes in fp32, and a parameter or buffer the model stores in bf16
+#: (a frozen base, a block written for bf16) is never cast up: it computes as stored, as it would in one
+#: process; gradients are reduced in fp32 and stored in their parameter's dtype. STORED is FSDP2's own default,
+#: ``fully_shard`` without a policy: no cast anywhere, gradients reduced in their parameters' dtype.
 MIXED_PRECISION = {
-    "FULL": ("fp32", "fp32", "fp32"),
+    "FULL": ("stored", "fp32", "stored"),
     "DEFAULT": ("low", "fp32", "fp32"),
     "PURE": ("low", "low", "low"),
+    "STORED": ("stored", "stored", "stored"),
 }
 #: Composer 0.11's documented DEFAULT (fp32 compute, low-precision reduction), as a ``--config`` dict.
 COMPOSER_0_11_DEFAULT = {"param_dtype": "fp32", "reduce_dtype": "bf16", "buffer_dtype": "fp32"}
@@ -82,12 +90,15 @@ class FSDPConfig:
     """FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD
     (sharded inside replica groups, replicated across them)."""
     mixed_precision: MixedPrecision | dict | None = None
-    """FULL: fp32 (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient reduction,
-    fp32 buffers (default on GPU; Composer's FSDP2 meaning, torchtitan's default; FSDP2's policy has no
-    buffer dtype); PURE: low precision throughout. In a --config dict also a dict of param_dtype /
-    reduce_dtype / buffer_dtype."""
+    """FULL: one process's math, fp32 for an fp32 model, a tensor stored in bf16 computing as stored, fp32
+    gradient reduction (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient
+    reduction, fp32 buffers (default on GPU; Composer's FSDP2 meaning, torchtitan's default; FSDP2's policy
+    has no buffer dtype); PURE: low precision throughout; STORED: every tensor as the model stores it, gradients
+    reduced in their own dtype (FSDP2's defaults). In a --config dict also a dict of param_dtype /
+    reduce_dtype / buffer_dtype (each fp32, bf16, fp16 or stored)."""
     precision: Precision | None = None
-    """The low precision of DEFAULT and PURE (default bf16); given, DEFAULT is the default on CPU too."""
+    """The low precision of DEFAULT and PURE (default bf16; fp16 on GPUs below compute capability 8.0, which have
+    no bf16); fp16 losses are scaled by nbfsdp (GradScaler). Given, DEFAULT is the default on CPU too."""
     backward_prefetch: BackwardPrefetch | None = None
     """Gather the next unit during backward (default: Composer's BACKWARD_POST, which FSDP2 has not: it
     runs as BACKWARD_PRE)."""
@@ -118,8 +129,8 @@ class FSDPConfig:
     why: dict[str, str] = field(default_factory=dict)
     """Settings nbfsdp chose (a default for the device) or runs otherwise than asked, with why."""
 
-    def dtypes(self) -> tuple[torch.dtype, ...]:
-        """(param, reduce, buffer) dtypes of the mixed-precision setting."""
+    def dtypes(self) -> tuple[torch.dtype | None, ...]:
+        """(param, reduce, buffer) dtypes of the mixed-precision setting; None: as the model stores each tensor."""
         if self.mixed_precision is None or self.precision is None:
             raise ValueError("settings not given: validate(config, world_size, devices) fills them in")
         if isinstance(self.mixed_precision, dict):
@@ -166,9 +177,9 @@ def _mixed_precision(value: Any) -> str | dict:
                 f"mixed_precision dict keys are {', '.join(_MIXED_PRECISION_KEYS)}; got {sorted(unknown)}"
             )
         for key, dtype in value.items():
-            if str(dtype).removeprefix("torch.") not in _DTYPES:
+            if str(dtype).removeprefix("torch.").replace("None", "stored") not in _DTYPES:
                 raise ConfigError(f"mixed_precision {key} must be one of {', '.join(_DTYPES)}; got {dtype!r}")
-        return {key: str(dtype).removeprefix("torch.") for key, dtype in value.items()}
+        return {key: str(dtype).removeprefix("torch.").replace("None", "stored") for key, dtype in value.items()}
     return _choice("mixed_precision", value, MIXED_PRECISIONS)
 
 
@@ -228,11 +239,22 @@ def resolve(
 
 
 #: Why a setting not given takes the value it does.
-_FULL_ON_CPU = "not given; Composer's precision on CPU is fp32: one process's math (DEFAULT or PURE for bf16)"
+_FULL_ON_CPU = (
+    "not given; one process's math on CPU: fp32 for an fp32 model, a tensor stored in bf16 as stored "
+    "(DEFAULT or PURE to compute in bf16)"
+)
 _DEFAULT_PREFETCH = (
     "not given; Composer's default BACKWARD_POST, which FSDP2 does not have, runs as FSDP2's own backward prefetch"
 )
 _POST_ASKED = "BACKWARD_POST asked, which FSDP2 does not have (it can prefetch the wrong unit, pytorch#108190)"
+
+
+def _fp16_where_no_bf16(capability: tuple[int, int] | None) -> str:
+    major, minor = capability or (0, 0)
+    return (
+        f"not given; GPUs of compute capability {major}.{minor} have no bf16 (it needs 8.0): fp16, the losses "
+        "scaled by nbfsdp (GradScaler's dynamic scale, no code in the cell); --precision bf16 to override"
+    )
 
 
 def for_device(config: FSDPConfig, devices: Devices) -> FSDPConfig:
@@ -240,7 +262,8 @@ def for_device(config: FSDPConfig, devices: Devices) -> FSDPConfig:
     ``device`` is the one chosen."""
     why = dict(config.why)
     mixed_precision, backward_prefetch = config.mixed_precision, config.backward_prefetch
-    precision = config.precision or "bf16"
+    capability = devices.capability if devices.type == "cuda" else None
+    precision = config.precision or low_precision_for(capability)
     if devices.why:
         why["device"] = devices.why
     if mixed_precision is None and devices.type == "cpu" and config.precision is None:
@@ -251,6 +274,8 @@ def for_device(config: FSDPConfig, devices: Devices) -> FSDPConfig:
         why["mixed_precision"] = (
             f"not given; Composer's default {where}: {precision} parameters (the compute), gradients reduced in fp32"
         )
+    if config.precision is None and precision == "fp16" and mixed_precision in ("DEFAULT", "PURE"):
+        why["precision"] = _fp16_where_no_bf16(capability)
     if backward_prefetch is None:
         backward_prefetch, why["backward_prefetch"] = "BACKWARD_PRE", _DEFAULT_PREFETCH
     elif backward_prefetch == "BACKWARD_POST":
@@ -274,8 +299,6 @@ def validate(config: FSDPConfig, world_size: int, devices: Devices, *, quiet: bo
         replicas = config.replicas
         if not replicas or world_size % replicas or not 1 <= replicas <= world_size:
             raise ConfigError(f"HYBRID_SHARD needs --replicas R dividing the world size {world_size}; got {replicas}")
-    if devices.type == "cpu" and torch.float16 in config.dtypes():
-        raise ConfigError("fp16 needs a GPU; on CPU use --precision bf16 (or mixed_precision FULL)")
     if config.backward_prefetch == "BACKWARD_POST" and not quiet:
         print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)
     return config

@@ -10,10 +10,17 @@ were there.
 
 Decided in the kernel (nbfsdp's own cluster, ``%fsdp explain``, the panel) from the GPUs its machine has;
 an attached cluster decides from what its engines report (``nbfsdp.kernel.cluster.hosts``). Imports nothing heavy.
+
+The GPUs' compute capability decides the low precision nbfsdp defaults to (``low_precision_for``): a GPU
+below 8.0 (T4, V100) has no bf16 tensor cores, and bf16 there is emulated, slow, and a common source of
+NaNs, so it gets fp16 with its losses scaled (``nbfsdp.engines.scaling``). The capability is read through
+NVML (``gpu_capability``), which makes no CUDA context: the kernel that decides must not hold one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -27,6 +34,44 @@ DEVICE_CHOICES: tuple[DeviceChoice, ...] = get_args(DeviceChoice)
 #: The default of ``--device`` when a cell, ``--config`` and the panel say nothing (``make test-gpu`` runs the
 #: course with it set to ``cuda``, so ranks share the GPUs there are).
 DEFAULT_DEVICE_VARIABLE = "NBFSDP_DEVICE"
+
+#: The first compute capability with bf16 tensor cores (Ampere, A100).
+BF16_CAPABILITY = (8, 0)
+
+
+def low_precision_for(capability: tuple[int, int] | None) -> Literal["bf16", "fp16"]:
+    """The low precision of GPUs of ``capability`` (major, minor): fp16 below 8.0 (T4 is 7.5, V100 7.0),
+    which has no bf16 tensor cores; bf16 from 8.0, on the CPU and where the capability is unknown (None)."""
+    return "fp16" if capability is not None and tuple(capability) < BF16_CAPABILITY else "bf16"
+
+
+@functools.cache
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest compute capability among this machine's GPUs, from NVML (the driver's library: no CUDA
+    context is made: ``torch.cuda.get_device_capability`` would initialize CUDA in the kernel); None without an
+    NVIDIA driver or GPU.
+    Every GPU of the machine counts, those ``CUDA_VISIBLE_DEVICES`` hides too: on a machine that mixes
+    generations the oldest decides, the safe side (``--precision bf16`` says otherwise)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        found = []
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                continue
+            if nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) == 0:
+                found.append((major.value, minor.value))
+        return min(found, default=None)
+    finally:
+        nvml.nvmlShutdown()
 
 
 def plural(number: int, noun: str) -> str:
@@ -53,6 +98,9 @@ class Devices:
     """Why ``auto`` chose the CPU on a machine with a GPU (None otherwise)."""
     planned: bool = False
     """Planned for GPUs the deciding process does not see (``%fsdp explain --device cuda`` on a CPU kernel)."""
+    capability: tuple[int, int] | None = None
+    """The compute capability (major, minor) of the ranks' oldest GPU; None on the CPU or where unknown (a plan
+    for GPUs this process does not see). It decides the default low precision (``low_precision_for``)."""
 
     @property
     def backend(self) -> str:
@@ -90,8 +138,16 @@ def requested_device(value: str | None) -> str:
     return asked.lower()
 
 
-def choose(requested: str | None, world_size: int, gpus: int, *, planning: bool = False) -> Devices:
-    """Where ``world_size`` ranks run, asked ``requested`` (None: not given) on a machine with ``gpus`` GPUs.
+def choose(
+    requested: str | None,
+    world_size: int,
+    gpus: int,
+    *,
+    planning: bool = False,
+    capability: tuple[int, int] | None = None,
+) -> Devices:
+    """Where ``world_size`` ranks run, asked ``requested`` (None: not given) on a machine with ``gpus`` GPUs of
+    ``capability`` (the oldest's; None: unknown).
 
     ``cuda`` with no GPU is a ConfigError, unless ``planning``: a plan for GPUs this process does not have,
     one GPU a rank."""
@@ -99,7 +155,7 @@ def choose(requested: str | None, world_size: int, gpus: int, *, planning: bool 
         case "cpu":
             return Devices("cpu", world_size)
         case "cuda" if gpus:
-            return on_gpus(world_size, gpus)
+            return on_gpus(world_size, gpus, capability=capability)
         case "cuda" if planning:
             return on_gpus(world_size, world_size, planned=True)
         case "cuda":
@@ -107,7 +163,7 @@ def choose(requested: str | None, world_size: int, gpus: int, *, planning: bool 
                 "--device cuda: this machine has no GPU (torch.cuda.device_count() is 0); choose auto or cpu"
             )
         case _ if gpus >= world_size:
-            return on_gpus(world_size, gpus)
+            return on_gpus(world_size, gpus, capability=capability)
         case _ if gpus:
             why = (
                 f"{plural(world_size, 'rank')} and {plural(gpus, 'GPU')}: auto takes a GPU a rank only when there "

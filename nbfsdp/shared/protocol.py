@@ -71,6 +71,8 @@ class HostIdentity:
     """The engine's process id on that host."""
     gpus: int = 0
     """The GPUs this engine sees (all of its host's, unless the engine's CUDA_VISIBLE_DEVICES narrows them)."""
+    capability: tuple[int, int] | None = None
+    """The compute capability of its host's oldest GPU (``nbfsdp.shared.devices.gpu_capability``); None without."""
 
 
 @dataclass(kw_only=True, slots=True)

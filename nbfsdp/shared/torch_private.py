@@ -42,6 +42,8 @@ __all__ = [
     "shard_whole_tensor",
     "store_on",
     "top_saved_tensors_hooks",
+    "unscale_and_check_",
+    "update_scale_",
 ]
 
 
@@ -199,6 +201,26 @@ def mark_step_tracked(step: Callable) -> None:
 
 def is_step_tracked(step: Callable) -> bool:
     return hasattr(step, "_wrapped_by_lr_sched")
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` (plain tensors of one device) by ``inv_scale`` in place, and set ``found_inf`` to 1 where
+    any holds inf or NaN: GradScaler's own fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``),
+    which, unlike ``GradScaler.unscale_``, takes fp16 gradients and needs no optimizer."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """GradScaler's update of its dynamic scale in place (``torch._amp_update_scale_``): times ``backoff_factor``
+    where ``found_inf``, times ``growth_factor`` after ``growth_interval`` steps without."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
 def is_iterable_loader(loader: DataLoader) -> bool:

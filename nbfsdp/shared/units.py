@@ -28,8 +28,10 @@ instead, so the tie stays in its names' common parent's unit (a BERT's
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
@@ -107,9 +109,95 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
 
     Raises ``ConfigError`` when a rule picks a container that FSDP2 cannot shard,
     or a rule the user gave splits a tied parameter between units (a default rule
-    leaves the unit out: ``ties_kept``).
+    leaves the unit out: ``ties_kept``). A unit whose trainable parameters are stored in several dtypes is
+    split (``split_by_dtype``).
     """
-    return _units_and_ties(model, config)[0]
+    return split_by_dtype(model, _units_and_ties(model, config)[0])[0]
+
+
+def dtype_splits(model: nn.Module, config: FSDPConfig) -> list[str]:
+    """The units split because their trainable parameters are stored in several dtypes: one line each, naming
+    the modules made units of their own and why (``split_by_dtype``)."""
+    return split_by_dtype(model, _units_and_ties(model, config)[0])[1]
+
+
+def split_by_dtype(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
+    """``units`` (and the root) with each one whose trainable parameters are stored in several dtypes split
+    into one unit per dtype, and one line per split unit saying so.
+
+    FSDP2 (torch 2.13) all-gathers and reduces a unit's parameters as one group, and asserts that its trainable
+    ones share one original dtype ("FSDP expects uniform original parameter dtype", pytorch#156784); frozen ones
+    may differ. The workaround the PyTorch forum and NeMo use keeps each parameter's dtype, so one process's math:
+    inside the unit, the outermost modules whose trainable parameters are all of a dtype other than the unit's
+    most common one (by elements) become units of their own (fp32 norms beside bf16 linears). A module whose own
+    parameters mix trainable dtypes cannot be split so: ``ConfigError`` names it and the ways out.
+    """
+    unit_ids = {id(u) for u in units}
+    names = {id(m): n for n, m in model.named_modules()}
+    added: list[nn.Module] = []
+    notes: list[str] = []
+    for unit in [*units, model]:
+        members = _members(unit, unit_ids)
+        counts: dict = {}
+        for module in members:
+            for param in _trainable(module):
+                counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+        if len(counts) < 2:
+            continue
+        main = max(counts, key=lambda dtype: counts[dtype])
+        chosen: list[nn.Module] = []
+        inside: set[int] = set()
+        for module in members:
+            if id(module) in inside or module is unit:
+                continue
+            dtypes = {p.dtype for m in _members(module, unit_ids) for p in _trainable(m)}
+            if len(dtypes) == 1 and main not in dtypes and not isinstance(module, _CONTAINERS):
+                chosen.append(module)
+                inside.update(id(m) for m in module.modules())
+        for module in members:
+            own = {p.dtype for p in _trainable(module)}
+            if id(module) not in inside and own - {main}:
+                raise ConfigError(
+                    f"{names[id(module)] or 'the root'} ({type(module).__name__}) holds trainable parameters "
+                    f"stored in {_dtype_list(own | {main})} in one FSDP unit, and FSDP2 needs one dtype among a "
+                    "unit's trainable parameters (pytorch#156784): store them in one dtype, freeze the odd ones, or "
+                    "move them into a module of their own"
+                )
+        added += chosen
+        split = ", ".join(names[id(m)] for m in chosen)
+        notes.append(
+            f"{names[id(unit)] or 'the root'} is split by dtype: its trainable parameters are stored in "
+            f"{_dtype_list(set(counts))}, and FSDP2 needs one dtype a unit; {split} "
+            f"({_dtype_list({p.dtype for m in chosen for p in _trainable(m, recurse=True)})}) "
+            f"{'is a unit' if len(chosen) == 1 else 'are units'} of {'its' if len(chosen) == 1 else 'their'} own"
+        )
+    if not added:
+        return units, notes
+    chosen_ids = unit_ids | {id(m) for m in added}
+    ordered = {id(m): m for m in _post_order(model) if id(m) in chosen_ids and m is not model}  # a shared one once
+    return list(ordered.values()), notes
+
+
+def _trainable(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=recurse) if p.requires_grad and p.is_floating_point()]
+
+
+def _members(unit: nn.Module, unit_ids: set[int]) -> list[nn.Module]:
+    """The modules whose own parameters ``unit`` takes: itself and its descendants outside the units inside it,
+    in pre-order."""
+    found = [unit]
+    for child in unit.children():
+        if id(child) not in unit_ids:
+            found += _members(child, unit_ids)
+    return found
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    return [m for child in module.children() for m in _post_order(child)] + [module]
+
+
+def _dtype_list(dtypes: set) -> str:
+    return " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def ties_kept(model: nn.Module, config: FSDPConfig) -> list[str]:
@@ -235,9 +323,12 @@ def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] |
     """What initializes the own tensors of ``root``'s module ``name`` on the ranks (``initializing.materialize``),
     or None: the root's ``param_init_fn(module)``; else the ``_init_weights(module)`` of the nearest Hugging Face
     model holding it (as transformers' ``smart_apply`` dispatches), which is what ``from_pretrained`` runs for the
-    tensors a checkpoint lacks (the rotary ``inv_freq`` buffers included); else its own ``reset_parameters()``."""
+    tensors a checkpoint lacks (the rotary ``inv_freq`` buffers included); else its own ``reset_parameters()``. A
+    peft LoRA adapter is made as peft makes it (``lora_B`` zero, so the adapted model starts as its base)."""
     if (method := root_method(root, "param_init_fn")) is not None:
         return method
+    if (adapter := lora_adapter(root, name)) is not None:
+        return _lora_init(*adapter)
     parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):
         if (method := root_method(root.get_submodule(".".join(parts[:depth])), "_init_weights")) is not None:
@@ -245,6 +336,47 @@ def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] |
     if not callable(getattr(root.get_submodule(name), "reset_parameters", None)):
         return None
     return _reset_parameters
+
+
+#: The ``init_lora_weights`` a rank can apply to one adapter matrix on its own (peft's ``reset_lora_parameters``);
+#: the others (PiSSA, OLoRA, LoftQ, EVA...) read the base layer's weights, or make both matrices at once.
+LORA_INITS_WITHOUT_BASE = (True, False, "gaussian")
+
+
+def lora_adapter(root: nn.Module, name: str) -> tuple[str, str | bool, int] | None:
+    """For a peft LoRA adapter (``...q_proj.lora_A.default``): whether it is ``lora_A`` or ``lora_B``, its
+    ``init_lora_weights`` (from the root's ``peft_config``) and its rank ``r``; None for any other module. nbfsdp
+    never imports peft: its attributes are read as they are."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
+        return None
+    layer = root.get_submodule(".".join(parts[:-2]))
+    config = getattr(root, "peft_config", {}).get(parts[-1])
+    if not callable(getattr(layer, "reset_lora_parameters", None)) or config is None:
+        return None
+    ranks: Any = layer.r  # peft's dict of each adapter's rank (torch types a module's attributes as tensors)
+    return parts[-2], config.init_lora_weights, int(ranks[parts[-1]])
+
+
+def _lora_init(which: str, how: str | bool, rank: int) -> Callable[[nn.Module], object] | None:
+    """peft's ``reset_lora_parameters`` for one adapter matrix, on the copy ``materialize`` makes of it: peft's
+    own method needs the whole LoRA layer (both matrices and the base), which a rank holds only sharded.
+    None where the initialization reads the base's weights."""
+    if how not in LORA_INITS_WITHOUT_BASE:
+        return None
+
+    def init(copy: nn.Module) -> None:
+        if how is False:  # peft leaves nn.Linear's own initialization
+            copy.reset_parameters()  # type: ignore[operator]
+        elif which == "lora_B":  # zero: the adapted model starts as the base
+            for param in copy.parameters(recurse=False):
+                nn.init.zeros_(param)
+        elif how is True:
+            nn.init.kaiming_uniform_(copy.weight, a=math.sqrt(5))  # type: ignore[arg-type]
+        else:
+            nn.init.normal_(copy.weight, std=1 / rank)  # type: ignore[arg-type]
+
+    return init
 
 
 def _reset_parameters(copy: nn.Module) -> None:
@@ -265,6 +397,12 @@ def check_initializable(model: nn.Module, needed: set[str] | None = None) -> str
         own = [*module._parameters, *module._buffers]
         wanted = [key for key in own if needed is None or prefix + key in needed]
         if _owns_tensors(module) and wanted and init_function(model, name) is None:
+            if (adapter := lora_adapter(model, name)) is not None:
+                return (
+                    f"{name} is a LoRA adapter with init_lora_weights={adapter[1]!r}, which the ranks cannot apply "
+                    "to one adapter matrix on its own (it reads the base layer's weights, or makes both matrices "
+                    "at once): use init_lora_weights=True (or 'gaussian'), or wrap a base with real weights"
+                )
             if needed is not None:
                 names = ", ".join(prefix + key for key in wanted)
                 return (

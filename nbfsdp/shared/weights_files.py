@@ -128,17 +128,22 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
     names) matched to a name of weights holding ``shapes``, as ``from_pretrained`` matches them: the same
     name; or, for a Hugging Face model (its ``base_model_prefix``, e.g. ``model``), the name with that prefix
     added (weights of the bare base model into a model with a head) or taken away (weights of a model with a
-    head into its bare base, the head's names then ignored)."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
+    head into its bare base, the head's names then ignored). A peft model's tensors match by their names in its
+    base (peft's wrapper path and the ``base_layer`` of each adapted layer taken away): its adapters by none."""
+    inside, base = _wrapped_model(module)
+    prefix = getattr(base, "base_model_prefix", "") or ""
     groups: dict[int, list[str]] = {}
     model_shapes: dict[str, tuple[int, ...]] = {}
+    as_base: dict[str, str] = {}  # a tensor's name in the base (without peft's wrapper path and ``base_layer``)
     for key, tensor in module.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append(key)
         model_shapes[key] = tuple(tensor.shape)
-    strip = bool(prefix) and not any(key.startswith(f"{prefix}.") for key in model_shapes)
+        as_base[key] = key.removeprefix(inside).replace(".base_layer.", ".") if inside else key
+    strip = bool(prefix) and not any(key.startswith(f"{prefix}.") for key in as_base.values())
     strip = strip and any(key.startswith(f"{prefix}.") for key in shapes)
 
-    def candidates(key: str) -> list[str]:
+    def candidates(name: str) -> list[str]:
+        key = as_base[name]
         found = [key]
         if prefix and strip:
             found.append(f"{prefix}.{key}")
@@ -163,6 +168,17 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
             continue
         (match.ignored if strip and not key.startswith(f"{prefix}.") else match.unexpected).append(key)
     return match
+
+
+def _wrapped_model(module: nn.Module) -> tuple[str, nn.Module]:
+    """A peft model's base (``get_base_model()``) and its path inside it with a trailing dot; ``("", module)`` for
+    any other model. nbfsdp never imports peft: the method is read as it is."""
+    get_base = getattr(module, "get_base_model", None)
+    base = get_base() if callable(get_base) else None
+    if not isinstance(base, nn.Module) or base is module:
+        return "", module
+    path = next(name for name, inner in module.named_modules() if inner is base)
+    return f"{path}.", base
 
 
 class Weights:

@@ -328,6 +328,15 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         "",
         f"{cell.world_size} ranks on {'GPUs (NCCL)' if device_type == 'cuda' else 'the CPU (gloo)'}; settings: "
         f"{cell.config.sharding_strategy}, mixed precision {cell.config.mixed_precision}.",
+        *(
+            [
+                "",
+                "The cell computed in fp16, its losses scaled by nbfsdp; this script does not scale them: give its",
+                "loop a torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update()).",
+            ]
+            if cell.config.dtypes()[0] == torch.float16
+            else []
+        ),
         '"""',
         "",
         "import collections",

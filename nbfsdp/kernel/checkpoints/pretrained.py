@@ -27,8 +27,7 @@ from IPython.core.error import UsageError
 from nbfsdp.kernel.run import residence
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import ConfigError
-from nbfsdp.shared.units import check_initializable
-from nbfsdp.shared.weights_files import NameMatch, full_weights_reader, hugging_face_checkpoint, match_names
+from nbfsdp.shared.weights_files import full_weights_reader, hugging_face_checkpoint
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, *, model_class: Any = None) -> nn.Module:
@@ -53,7 +52,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, *
             shapes = reader.shapes()
     except ConfigError as error:
         raise UsageError(str(error)) from None
-    check_reads(model, shapes, directory)
+    residence.check_reads(model, shapes, directory)
     residence.mark(model, source=str(directory))
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     size = size_text(residence.weights_bytes(model))
@@ -138,19 +137,3 @@ def make_buffers(model: nn.Module) -> None:
         if name in made and not made[name].is_meta:
             owner, _, key = name.rpartition(".")
             model.get_submodule(owner)._buffers[key] = made[name]
-
-
-def check_reads(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: str | os.PathLike) -> NameMatch:
-    """Refuse weights of these names and shapes that do not fit ``model``, a meta model the ranks are to read them
-    into: a name only in the weights, a shape that differs, or a tensor they lack that the model cannot make
-    itself; nothing is read, nothing changes."""
-    match = match_names(model, shapes)
-    if match.unexpected or match.differ:
-        kept = NameMatch(unexpected=match.unexpected, differ=match.differ)
-        raise UsageError(f"{path} does not fit {type(model).__name__}: {kept.problems()}")
-    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    names |= {name for name, buffer in model.named_buffers() if buffer.is_meta}  # the others its constructor made
-    why = check_initializable(model, names - match.covered)
-    if why:
-        raise UsageError(f"{path} lacks what the model cannot make itself: {why}")
-    return match

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from nbfsdp.engines import checkpointing
-from nbfsdp.kernel.checkpoints.pretrained import check_reads, make_buffers
+from nbfsdp.kernel.checkpoints.pretrained import make_buffers
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
 from nbfsdp.kernel.cluster.world import World
 from nbfsdp.kernel.run import history, residence
@@ -398,7 +398,7 @@ def load_file_with(
     on_meta = any(p.is_meta for p in target.parameters())
     if on_meta:  # its weights are read by the ranks as they shard it, and then live there (residence)
         make_buffers(target)
-        check_reads(target, shapes, path)
+        residence.check_reads(target, shapes, path)
         residence.mark(target, source=str(file))
         session.held.forget_model(name)
     request = LoadWeightsFile(path=str(file), model=name, read_when_sharded=on_meta)
@@ -452,7 +452,7 @@ def _weights_problems(shapes: dict[str, tuple], module: nn.Module) -> str:
     """What keeps weights of these names and shapes from loading into ``module`` ("" when nothing does).
 
     A tie is one tensor under several names: the weights need one of them (Hugging Face keeps one). A model on
-    the meta device may lack some, as ``from_pretrained``'s may: the ranks make them (``pretrained.check_reads``)."""
+    the meta device may lack some, as ``from_pretrained``'s may: the ranks make them (``residence.check_reads``)."""
     match = match_names(module, shapes)
     if any(p.is_meta for p in module.parameters()):
         match.missing = []

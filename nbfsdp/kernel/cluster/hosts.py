@@ -107,12 +107,14 @@ def devices(placements: list[Placement], engines: dict[int, HostIdentity], reque
         raise ConfigError(f"{rule}: {listed}")
     per_host = {p.host: min(gpus[p.engine_id], p.local_world_size) for p in placements}
     shared = any(p.local_world_size > per_host[p.host] for p in placements)
+    capabilities = [engines[p.engine_id].capability for p in placements]
     return Devices(
         "cuda",
         world_size,
         sum(per_host.values()),
         rank_gpus=tuple(p.local_rank % per_host[p.host] for p in placements),
         nccl_hosts=tuple(f"{p.host}-{p.local_rank // per_host[p.host]}" for p in placements) if shared else (),
+        capability=min((c for c in capabilities if c is not None), default=None),  # the oldest GPU decides
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from nbfsdp.shared.devices import Devices, choose
+from nbfsdp.shared.devices import Devices, choose, gpu_capability
 from nbfsdp.shared.processes import ProcessRef
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def visible_gpus() -> int:
 def devices_here(world_size: int, requested: str | None, *, planning: bool = False) -> Devices:
     """Where ``world_size`` ranks started from this kernel run, asked ``requested`` (None: not given);
     ``planning``: a plan for GPUs this machine may not have (``%fsdp explain --device cuda``)."""
-    return choose(requested, world_size, visible_gpus(), planning=planning)
+    gpus = visible_gpus()
+    return choose(requested, world_size, gpus, planning=planning, capability=gpu_capability() if gpus else None)
 
 
 def planned_devices(world_size: int, requested: str | None) -> Devices:

@@ -49,6 +49,11 @@ GPU_MEMORY_MIB: dict[str, dict[str, int]] = {
     "rtx4090": {"24gb": 24564},
     "rtx3090": {"24gb": 24576},
 }
+#: Compute capability by family: below 8.0 (T4, V100) a GPU has no bf16, and nbfsdp defaults to fp16 there.
+GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "h200": (9, 0), "h100": (9, 0), "gh200": (9, 0), "b200": (10, 0), "a100": (8, 0), "l40s": (8, 9), "l40": (8, 9),
+    "a10g": (8, 6), "a10": (8, 6), "l4": (8, 9), "t4": (7, 5), "v100": (7, 0), "rtx4090": (8, 9), "rtx3090": (8, 6),
+}  # fmt: skip
 #: The CUDA context and cuBLAS's workspaces: what a process holds on the GPU before its first tensor.
 CONTEXT_BYTES = 768 * 2**20
 #: What the caching allocator reserves above its allocated peak (rounding, segments, fragmentation).
@@ -64,6 +69,8 @@ class DeviceMemory:
 
     name: str
     total: int
+    capability: tuple[int, int] | None = None
+    """A GPU named by family: its compute capability, which decides the default low precision."""
 
     @property
     def usable(self) -> int:
@@ -86,7 +93,7 @@ def gpu_memory(name: str) -> DeviceMemory:
         if family in words:
             sizes = GPU_MEMORY_MIB[family]
             size = next((s for s in sizes if s in words), next(iter(sizes)))
-            return DeviceMemory(f"{family.upper()} {size.upper()}", sizes[size] * 2**20)
+            return DeviceMemory(f"{family.upper()} {size.upper()}", sizes[size] * 2**20, GPU_CAPABILITY[family])
     known = ", ".join(f"{f.upper()} {s.upper()}" for f, sizes in GPU_MEMORY_MIB.items() for s in sizes)
     raise ConfigError(f"gpu {name!r}: not a GPU nbfsdp knows; known: {known} (or give --device-memory 80GiB)")
 
@@ -186,14 +193,12 @@ def step_cost(plan: Plan, asked: Plan, tokens: int, micro_batches: int) -> float
     offload = 0.0
     if plan.config["cpu_offload"] and not asked.config["cpu_offload"]:
         shard = plan.memory[0]["params"]
-        gathered = params * _BYTES[plan.dtypes["param_dtype"]]  # the model once, as the all-gathers carry it
+        gathered = sum(u.gathered_bytes for u in plan.units)  # the model once, as the all-gathers carry it
         gathers_per_step = plan.wire["all_gather"]["tensor"] / max(1, gathered)  # FULL_SHARD: forward, backward
         copies = (shard * gathers_per_step * micro_batches + plan.memory[0]["grads"]) / PCIE
         offload = copies + 16 * params / plan.mesh[1] / CPU_BANDWIDTH
     return recompute - recompute_asked + wire + offload
 
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: At most this many suggestions are kept, the cheapest.
 MAX_SUGGESTIONS = 8

@@ -15,7 +15,8 @@ from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, wrap_units
 
-_DTYPE_NAMES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
+#: None: as the model stores each tensor (the policy's default).
+_DTYPE_NAMES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16", "None": "None"}
 
 
 def _expression(root: str, path: str) -> str:
@@ -114,6 +115,7 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
     lines.append(
         f"mp_policy = MixedPrecisionPolicy(param_dtype={_DTYPE_NAMES[param_dtype]}, "
         f"reduce_dtype={_DTYPE_NAMES[reduce_dtype]})"
+        + ("  # None: each parameter computes in the dtype the model stores it in" if param_dtype == "None" else "")
     )
     unit_reshard = config.sharding_strategy != "SHARD_GRAD_OP"
     options = f"mesh=mesh, reshard_after_forward={unit_reshard}, mp_policy=mp_policy"
@@ -139,7 +141,7 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
         lines.append(f"fully_shard(model, {root_options})  # the root: FSDP2 keeps it gathered into backward")
     else:
         lines.append(f"fully_shard(model, {root_options}, reshard_after_forward=True)  # the root")
-    if buffer_dtype != "float32":
+    if buffer_dtype not in ("float32", "None"):
         lines += [
             "",
             f"# {config.mixed_precision}: floating-point buffers in {buffer_dtype} too (no buffer dtype in the policy)",
@@ -168,4 +170,12 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
         ]
     else:
         lines.append("# backward: FSDP2's default prefetch, the next unit in backward gathered while this one computes")
+    if param_dtype == "float16":
+        lines += [
+            "",
+            "# fp16: %%fsdp scales the losses itself (nbfsdp.engines.scaling); a script scales them with a GradScaler,",
+            "# which agrees across ranks on an overflow through DTensor's gradients:",
+            f'# scaler = torch.amp.GradScaler("{device_type}")',
+            "# scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()",
+        ]
     return "\n".join(lines) + "\n"

@@ -204,13 +204,14 @@ class _Step:
         self.params = sum(u.shard for u in self.units)
         self.optim = 0
         self.buffers = sum(
-            b.numel() * _size(buffer_dtype if b.is_floating_point() else b.dtype) for b in model.buffers()
+            b.numel() * _size(buffer_dtype if b.is_floating_point() and buffer_dtype is not None else b.dtype)
+            for b in model.buffers()
         )
         for module in activation_modules(model, units, config):
             _checkpoint(module, autocast, devices.type)
-        with torch.no_grad():  # the model computes in param_dtype: FSDP2 casts what it gathers
+        with torch.no_grad():  # the model computes in param_dtype: FSDP2 casts what it gathers (None: as stored)
             for param in unique:
-                if param.is_floating_point():
+                if param.is_floating_point() and self.param_dtype is not None:
                     param.data = param.data.to(self.param_dtype)
         # the ledger, in bytes: what FSDP2 holds besides the shards and the optimizer's state
         self.grads = 0
@@ -223,17 +224,27 @@ class _Step:
         self.live = _Live(self._check)
         self.live.hold([*unique, *model.buffers()])
 
+    def _reduce_dtype(self, param: nn.Parameter) -> torch.dtype:
+        """What ``param``'s gradient is reduced in: the policy's, else the dtype it is computed in."""
+        return self.reduce_dtype or self.param_dtype or param.dtype
+
     def _unit(self, module: nn.Module, name: str, params: list[nn.Parameter], root: bool) -> _Unit:
-        padded = sum(_padded(p, self.shards) for p in params)
         strategy = self.config.sharding_strategy
         return _Unit(
             module=module,
             name=name or "(root)",
             params=params,
             shard=sum(_padded(p, self.shards) * p.element_size() for p in params),
-            unsharded=sum(p.numel() for p in params) * _size(self.param_dtype),
-            all_gather=padded * self.shards * _size(self.param_dtype) if self.shards > 1 else 0,
-            reduce_scatter=padded * self.shards * _size(self.reduce_dtype) if self.shards > 1 else 0,
+            unsharded=sum(p.numel() * _size(self.param_dtype or p.dtype) for p in params),
+            all_gather=sum(_padded(p, self.shards) * _size(self.param_dtype or p.dtype) for p in params) * self.shards
+            if self.shards > 1
+            else 0,
+            reduce_scatter=sum(
+                _padded(p, self.shards) * _size(self._reduce_dtype(p)) for p in params if p.requires_grad
+            )
+            * self.shards
+            if self.shards > 1
+            else 0,
             # FSDP2 keeps the root gathered into backward, which needs it at once; SHARD_GRAD_OP keeps every unit
             reshard_after_forward=strategy != "SHARD_GRAD_OP" and not root,
         )
@@ -318,7 +329,7 @@ class _Step:
                 if prefetch_forward and following is not None and following is not self.units[0]:
                     self._gather(following, prefetched=True)
                     following.pending = following.all_gather
-                if unit is self.units[0]:  # the root casts the floating inputs to param_dtype, as FSDP2's does
+                if unit is self.units[0] and self.param_dtype is not None:  # FSDP2's root casts floating inputs
                     cast = lambda t: t.to(self.param_dtype) if torch.is_floating_point(t) else t  # noqa: E731
                     return tree_map(lambda v: cast(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
                 return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.units import activation_modules, forward_order, ties_kept, wrap_rule, wrap_units
+from nbfsdp.shared.units import activation_modules, dtype_splits, forward_order, ties_kept, wrap_rule, wrap_units
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +52,10 @@ class UnitPlan:
     """Those parameters unsharded, in their own dtype."""
     sharded_bytes: int
     """Those parameters as one rank stores them (padded shard)."""
+    frozen: int = 0
+    """Of ``params``, those that do not train (``requires_grad`` False): no gradient, no optimizer state."""
+    gathered_bytes: int = 0
+    """Those parameters unsharded in the dtype they compute in (``param_dtype``, or each one's own as stored)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,7 +70,8 @@ class Plan:
     """In forward order: the root first."""
     wrap_rule: dict[str, Any]
     """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words;
-    ``ties_kept``: the units a default rule left out to keep a tie whole (``units.ties_kept``)."""
+    ``ties_kept``: the units a default rule left out to keep a tie whole (``units.ties_kept``); ``split_by_dtype``:
+    the units split because their trainable parameters are stored in several dtypes (``units.dtype_splits``)."""
     checkpointed: list[str]
     dtypes: dict[str, str]
     """param_dtype, reduce_dtype, buffer_dtype."""
@@ -132,6 +137,14 @@ class Plan:
         chosen = ", ".join(f"{cls} x {n}" for cls, n in counts.items()) or "the root alone"
         lines.append(f"units: {chosen}, {self.wrap_rule['rule']}")
         lines += [f"  {kept}" for kept in self.wrap_rule.get("ties_kept", [])]
+        lines += [f"  {split}" for split in self.wrap_rule.get("split_by_dtype", [])]
+        frozen = sum(u.frozen for u in self.units)
+        if frozen:
+            trained = sum(u.params for u in self.units) - frozen
+            lines.append(
+                f"frozen: {frozen:,} parameters (requires_grad False) have no gradient and no optimizer state; "
+                f"{trained:,} train"
+            )
         lines.append(f"activation checkpointing: {', '.join(map(name, self.checkpointed)) or 'none'}")
         lines.append(f"forward order: {' -> '.join(name(u.name) for u in self.units)}")
         prefetch = ", ".join(f"{name(a)} prefetches {name(b)}" for a, b in self.forward_prefetch) or "off"
@@ -374,10 +387,15 @@ def _plan(
     replicas, shards = config.mesh_shape(world_size)
     param_dtype, reduce_dtype, buffer_dtype = config.dtypes()
     unique = list({id(p): p for p in model.parameters()}.values())
+    trained = [p for p in unique if p.requires_grad]
+    # what each parameter computes in (as stored where the policy says None), and its gradient is reduced in
+    computed = lambda p: _size(param_dtype or p.dtype)  # noqa: E731
+    reduced = lambda p: _size(reduce_dtype or param_dtype or p.dtype)  # noqa: E731
 
     unit_plans = []
+    owned_by: dict[int, list[nn.Parameter]] = {}
     for unit in ordered:
-        own = [p for p in unique if owner[id(p)] is unit]
+        own = owned_by[id(unit)] = [p for p in unique if owner[id(p)] is unit]
         unit_plans.append(
             UnitPlan(
                 name=names[id(unit)],
@@ -385,34 +403,33 @@ def _plan(
                 params=sum(p.numel() for p in own),
                 full_bytes=sum(p.numel() * p.element_size() for p in own),
                 sharded_bytes=sum(_shard_numel(p, shards, 0)[0] * p.element_size() for p in own),
+                frozen=sum(p.numel() for p in own if not p.requires_grad),
+                gathered_bytes=sum(p.numel() * computed(p) for p in own),
             )
         )
 
     memory = []
     for rank in range(world_size):
-        numels = [(_shard_numel(p, shards, rank % shards), p.element_size()) for p in unique]
-        stored = sum(s * size for (s, _), size in numels)
-        owned = sum(o for (_, o), _ in numels)  # AdamW: exp_avg and exp_avg_sq in fp32, one fp32 step each
-        memory.append({"params": stored, "grads": stored, "optim": 2 * 4 * owned + 4 * len(unique)})
-    stored_numel = sum(_shard_numel(p, shards, 0)[0] for p in unique)
+        numels = {id(p): _shard_numel(p, shards, rank % shards) for p in unique}
+        stored = sum(numels[id(p)][0] * p.element_size() for p in unique)
+        grads = sum(numels[id(p)][0] * p.element_size() for p in trained)  # a frozen parameter has none
+        owned = sum(numels[id(p)][1] for p in trained)  # AdamW: exp_avg and exp_avg_sq in fp32, one fp32 step each
+        memory.append({"params": stored, "grads": grads, "optim": 2 * 4 * owned + 4 * len(trained)})
 
     gathered_per_step = {id(u): 1 if u is model or config.sharding_strategy == "SHARD_GRAD_OP" else 2 for u in ordered}
-    low = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
-    unit_params = sorted((u.params for u in unit_plans), reverse=True)
+    gathered = sorted((u.gathered_bytes for u in unit_plans), reverse=True)
+    reduced_bytes = {id(u): sum(p.numel() * reduced(p) for p in owned_by[id(u)] if p.requires_grad) for u in ordered}
     # FSDP2's buffers at their peak: the unit computing and the one prefetched, gathered; one unit's
     # unsharded gradients waiting for reduce-scatter (none of it without sharding: NO_SHARD all-reduces)
-    comm_buffers = 0 if shards == 1 else sum(unit_params[:2]) * low(param_dtype) + unit_params[0] * low(reduce_dtype)
+    comm_buffers = 0 if shards == 1 else sum(gathered[:2]) + max(reduced_bytes.values())
     for figures in memory:
         figures["comm_buffers"] = comm_buffers
     communication = {
         "all_gather": 0
         if shards == 1
-        else sum(
-            u.params * low(param_dtype) * gathered_per_step[id(unit)]
-            for u, unit in zip(unit_plans, ordered, strict=True)
-        ),
-        "reduce_scatter": 0 if shards == 1 else sum(u.params for u in unit_plans) * low(reduce_dtype),
-        "all_reduce": 0 if replicas == 1 else stored_numel * low(reduce_dtype),
+        else sum(u.gathered_bytes * gathered_per_step[id(unit)] for u, unit in zip(unit_plans, ordered, strict=True)),
+        "reduce_scatter": 0 if shards == 1 else sum(reduced_bytes.values()),
+        "all_reduce": 0 if replicas == 1 else sum(_shard_numel(p, shards, 0)[0] * reduced(p) for p in trained),
     }
     groups = {"all_gather": shards, "reduce_scatter": shards, "all_reduce": replicas}
     wire = {
@@ -438,7 +455,6 @@ def _plan(
         if config.forward_prefetch
         else []
     )
-    dtype_name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     return Plan(
         world_size=world_size,
         config=config.as_dict(),
@@ -446,14 +462,15 @@ def _plan(
         wrap_rule={
             **wrap_rule(model, config).as_dict(),
             **({"ties_kept": kept} if (kept := ties_kept(model, config)) else {}),
+            **({"split_by_dtype": split} if (split := dtype_splits(model, config)) else {}),
         },
         checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
         if config.activation_checkpointing
         else [],
         dtypes={
-            "param_dtype": dtype_name(param_dtype),
-            "reduce_dtype": dtype_name(reduce_dtype),
-            "buffer_dtype": dtype_name(buffer_dtype),
+            "param_dtype": _dtype_name(param_dtype, unique),
+            "reduce_dtype": _dtype_name(reduce_dtype or param_dtype, trained),
+            "buffer_dtype": _dtype_name(buffer_dtype, list(model.buffers())),
         },
         forward_prefetch=forward_prefetch,
         backward_order=[names[id(u)] for u in reversed(ordered)],
@@ -466,6 +483,20 @@ def _plan(
         hosts=list(hosts) if hosts is not None and several else [],
         cross_host=cross_host,
     )
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype | None, tensors: Sequence[torch.Tensor]) -> str:
+    """``dtype``'s name; for None (as stored), the dtype the model stores ``tensors`` in, or each of its dtypes."""
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    stored = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()})
+    if len(stored) == 1:
+        return stored[0]
+    return f"as stored ({' and '.join(stored)})" if stored else "as stored"
 
 
 @as_usage_errors
@@ -508,5 +539,7 @@ def explain(
         raise ConfigError("loss, per_rank_batches and autocast go with batch: the step they describe")
     workload = None if batch is None else Workload(batch, loss, per_rank_batches, autocast=autocast_dtype(autocast))
     memory = fitting.device_memory(gpu, device_memory)
+    if memory is not None and memory.capability is not None and devices.type == "cuda" and devices.planned:
+        devices = dataclasses.replace(devices, capability=memory.capability)  # a T4's plan computes in fp16
     validated = validate(config, world_size, devices, quiet=True)
     return plan(model, validated, world_size, hosts, devices, workload=workload, memory=memory, suggest=suggest)

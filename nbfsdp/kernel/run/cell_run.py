@@ -190,7 +190,21 @@ def submit(
     if dashboard is not None:
         for name in prepared.on_ranks:
             dashboard.note(f"{name}: weights live on the ranks only (not gathered after the cell)")
+        for name, model in models.items():
+            if note := _frozen_note(name, model):
+                dashboard.note(note)
     return run
+
+
+def _frozen_note(name: str, model: nn.Module) -> str:
+    """What trains of a model with frozen parameters (a LoRA model's base): those have no gradient and no
+    optimizer state on the ranks, and the dashboard's predicted memory counts them so."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    if not frozen:
+        return ""
+    trained = sum(p.numel() for p in params) - frozen
+    return f"{name}: {trained:,} parameters train; {frozen:,} frozen have no gradient or optimizer state"
 
 
 def new_record(
@@ -287,6 +301,9 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     assert outcome is not None
     if run.prediction is not None:
         run.prediction.copied()  # the trace copied the model before its weights change
+    record.gathered_bytes = {
+        name: sum({id(t): t.nbytes for t in state.values()}.values()) for name, state in outcome[0].states.items()
+    }
     _apply_results(outcome, run, shell, held, loaders)
     if outcome[0].states:
         _free_gathered(outcome)
@@ -323,8 +340,10 @@ def _apply_results(
         if name in run.on_ranks:
             continue  # nbfsdp.gather's: a copy of what the ranks keep (_keep_on_ranks)
         model = run.models[name]
-        # in place, so other references see it too; a meta-built model takes the tensors as they are
-        model.load_state_dict(transfer.tied_as(model, state), assign=on_meta(model))
+        # in place, so other references see it too; a meta-built model takes the tensors as they are; only what
+        # some rank wrote came back (a LoRA cell's adapters, not its frozen base)
+        partial = len(state) < len(model.state_dict(keep_vars=True))
+        model.load_state_dict(transfer.tied_as(model, state), strict=not partial, assign=on_meta(model))
     # a model that lives on the ranks may change form here (freed, or filled by nbfsdp.gather): its skeleton anew
     reformed = {name for name in run.on_ranks if _keep_on_ranks(name, run.models[name], run.holder, first)}
     for name, model in run.models.items():

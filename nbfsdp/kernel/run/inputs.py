@@ -26,6 +26,19 @@ def on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def refuse_quantized(name: str, model: nn.Module) -> None:
+    """QLoRA's 4-bit storage (bitsandbytes' ``Params4bit``, read by its class name: nbfsdp never imports it) is
+    refused: FSDP2 shards the packed bytes as a plain tensor and drops the quantization state beside them, and
+    training then goes silently wrong (Accelerate#3983: a loss of 0.0, NaN gradient norms)."""
+    for path, param in model.named_parameters():
+        if type(param).__name__ == "Params4bit":
+            raise UsageError(
+                f"{name}.{path} is a bitsandbytes 4-bit parameter (QLoRA): FSDP2's sharding drops its quantization "
+                "state, and training then goes silently wrong (Accelerate#3983: a loss of 0.0). Load the base in "
+                "bf16 instead (nbfsdp.from_pretrained(DIR, dtype=torch.bfloat16)) and train LoRA adapters on it"
+            )
+
+
 def check_no_shared_modules(name: str, model: nn.Module) -> None:
     """Composer's duplicate-module check: FSDP shards each module once, by one path."""
     seen: dict[int, str] = {}
@@ -47,6 +60,9 @@ def read_inputs(shell: InteractiveShell, reads: list[str]) -> tuple[dict[str, nn
         if transfer.is_model(value) and all(value is not m for m in models.values()):
             models[name] = value
     for name, model in models.items():
+        if (wrapped := residence.wrapped_record(model)) is not None:
+            residence.take_over_checkpoint(name, model, *wrapped)
+        refuse_quantized(name, model)
         if on_meta(model) and residence.of(model) is None and (why := check_initializable(model)):
             raise UsageError(f"{name!r} is built on the meta device, but {why}")
         check_no_shared_modules(name, model)

@@ -11,6 +11,7 @@ where its weights are, and a copy or a new model of the same name carries its ow
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ import torch.nn as nn
 from IPython.core.error import UsageError
 
 from nbfsdp.shared.collectives import size_text
+from nbfsdp.shared.errors import ConfigError
+from nbfsdp.shared.units import check_initializable
+from nbfsdp.shared.weights_files import NameMatch, full_weights_reader, match_names
 
 _REPR = "extra_repr"  # the per-instance attribute the record takes (nn.Module.__repr__ calls it)
 
@@ -67,6 +71,59 @@ def of(model: nn.Module) -> OnRanks | None:
     """``model``'s record, when its weights live on the ranks."""
     record = model.__dict__.get(_REPR)
     return record if isinstance(record, OnRanks) else None
+
+
+def wrapped_record(model: nn.Module) -> tuple[str, OnRanks] | None:
+    """Of a model without a record that wraps one with (peft's ``get_peft_model`` on ``nbfsdp.from_pretrained``'s
+    model), that module's name and record."""
+    if of(model) is not None:
+        return None
+    return next(((name, record) for name, inner in model.named_modules() if (record := of(inner)) is not None), None)
+
+
+def take_over(name: str, model: nn.Module, inner: str, record: OnRanks) -> None:
+    """``model`` wraps ``inner``, whose weights the ranks read from its checkpoint: the wrapper now lives on the
+    ranks in its place, read from the same checkpoint (a peft model's base layers under their own names, its
+    adapters made there as peft makes them), and ``inner``'s record goes, so one model says where they are.
+    Refused where the ranks changed ``inner``'s weights: the wrapper, a new model, would be read afresh."""
+    if record.source is None or not record.replaceable:
+        raise UsageError(
+            f"{name} wraps {inner}, whose weights live on the ranks, changed there by a cell: the ranks would read "
+            f"{name} afresh without those changes. Bring them here first (nbfsdp.gather on the model you wrapped, "
+            f"before wrapping it), or wrap the model as read from its checkpoint"
+        )
+    del model.get_submodule(inner).__dict__[_REPR]
+    mark(model, source=record.source)
+
+
+def check_reads(model: nn.Module, shapes: dict[str, tuple[int, ...]], path: str | os.PathLike) -> NameMatch:
+    """Refuse weights of these names and shapes that do not fit ``model``, a meta model the ranks are to read them
+    into: a name only in the weights, a shape that differs, or a tensor they lack that the model cannot make
+    itself; nothing is read, nothing changes."""
+    match = match_names(model, shapes)
+    if match.unexpected or match.differ:
+        kept = NameMatch(unexpected=match.unexpected, differ=match.differ)
+        raise UsageError(f"{path} does not fit {type(model).__name__}: {kept.problems()}")
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, buffer in model.named_buffers() if buffer.is_meta}  # the others its constructor made
+    why = check_initializable(model, names - match.covered)
+    if why:
+        raise UsageError(f"{path} lacks what the model cannot make itself: {why}")
+    return match
+
+
+def take_over_checkpoint(name: str, model: nn.Module, inner: str, record: OnRanks) -> None:
+    """``model`` wraps ``inner``, a model whose weights the ranks read from a checkpoint (peft's
+    ``get_peft_model(nbfsdp.from_pretrained(...), ...)``): checked against the checkpoint under its own names (its
+    adapters made as peft makes them), it lives on the ranks in ``inner``'s place (``take_over``)."""
+    if record.source is not None and record.replaceable:
+        try:
+            with full_weights_reader(record.source) as reader:
+                shapes = reader.shapes()
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
+        check_reads(model, shapes, record.source)
+    take_over(name, model, inner, record)
 
 
 def weights_bytes(model: nn.Module) -> int:

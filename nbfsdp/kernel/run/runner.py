@@ -51,7 +51,7 @@ def low_precision_hint(error: str, config: FSDPConfig) -> str:
     """What to do, where a rank failed on fp32 meeting the low precision its model computes in (under
     DEFAULT on GPU by default): FSDP2 leaves the model's output in ``param_dtype``."""
     compute = config.dtypes()[0]
-    if compute == torch.float32 or not _DTYPE_MISMATCH.search(error):
+    if compute in (torch.float32, None) or not _DTYPE_MISMATCH.search(error):  # None: as the model stores it
         return ""
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
     return (

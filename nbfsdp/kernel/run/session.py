@@ -170,6 +170,8 @@ class Session:
             self.pending_save.wait()  # replacing the world would end its write
         if replaced and "device" in config.why:  # auto chose the CPU where there is a GPU: said once a world
             print(f"nbfsdp: {config.why['device']}", file=sys.stderr)
+        if replaced and "precision" in config.why:  # fp16 where the GPUs have no bf16: said once a world
+            print(f"nbfsdp: precision fp16: {config.why['precision']}", file=sys.stderr)
         world = self.cluster.ensure_world(world_size, timeout, config.device)
         unsteerable = self.cluster.unsteerable()
         if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
