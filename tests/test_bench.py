@@ -29,8 +29,8 @@ from benchmarks.report import markdown
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
-    "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "read_only_cell", "pretrained",
-    "log_overhead", "gpu", "gpu_loop", "checkpoint", "hosts",
+    "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "read_only_cell", "lora_cell",
+    "pretrained", "log_overhead", "gpu", "gpu_loop", "checkpoint", "hosts",
 )  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

@@ -171,18 +171,29 @@ def test_lora_on_a_meta_base_read_by_the_ranks_trains_as_one_process(shell, tmp_
     assert all(torch.count_nonzero(t) == 0 for n, t in initial.items() if "lora_B" in n)  # starts as the base
     assert all(torch.count_nonzero(t) > 0 for n, t in initial.items() if "lora_A" in n)
     run_ok(shell, TRAIN.format(model="model", steps=STEPS))
-    assert all(p.is_meta for p in model.parameters()) and "on the 2 ranks only" in repr(model)
+    losses = _losses()
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(not p.is_meta for p in adapters.values())  # the trained adapters came back
+    assert all(p.is_meta for n, p in model.named_parameters() if n not in adapters)  # the base did not
+    assert nbfsdp.last_run().gathered_bytes == {"model": sum(p.nbytes for p in adapters.values())}
+    assert "on the 2 ranks only" in repr(model) and "its trained parameters (3.5 KiB) here too" in repr(model)
     _assert_adapters_only_train(model, plan)
+    model.save_pretrained(tmp_path / "adapters")  # what peft loads, with the base still on the ranks
+    run_ok(shell, "%%fsdp --world-size 2\nmode = model.training\n")  # reads only: nothing comes back
+    assert nbfsdp.last_run().gathered_bytes == {}
 
     reference = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(directory), eval(LORA))
     reference.load_state_dict(initial, strict=False)
-    torch.testing.assert_close(_losses(), _one_process(reference, batches), rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses, _one_process(reference, batches), rtol=1e-5, atol=0)
 
     nbfsdp.gather(model)  # the base as read and the trained adapters, here
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor, msg=name)
-    model.save_pretrained(tmp_path / "adapters")
+    saved = peft.PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(directory), tmp_path / "adapters"
+    )
     with torch.no_grad():
+        torch.testing.assert_close(saved(input_ids=batches[0]).logits, reference(input_ids=batches[0]).logits)
         expected = reference(input_ids=batches[0]).logits
         torch.testing.assert_close(model.merge_and_unload()(input_ids=batches[0]).logits, expected)
 

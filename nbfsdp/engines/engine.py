@@ -318,6 +318,21 @@ def _changed_on_any_rank(world: World, names: list[str], models: dict[str, nn.Mo
     return flags
 
 
+#: A model living on the ranks brings its trained parameters back after a cell where they are at most this share
+#: of its parameters' bytes: adapters (LoRA's are well under 1%) on a frozen base, which stays on the ranks.
+ADAPTER_SHARE = 0.1
+
+
+def _adapters(model: nn.Module) -> list[bool] | None:
+    """Which of ``model``'s tensors (``writes.written``'s order) are trainable parameters, where those are a small
+    part of it (``ADAPTER_SHARE``); None for a model that trains more (it lives wholly on the ranks)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    trainable = [isinstance(t, nn.Parameter) and t.requires_grad for t in tensors]
+    nbytes = {id(t): t.numel() * t.element_size() for t in model.parameters()}
+    trained = sum(nbytes[id(t)] for t, flag in zip(tensors, trainable, strict=True) if flag)
+    return trainable if 0 < trained <= ADAPTER_SHARE * sum(nbytes.values()) else None
+
+
 def _changed_state(model: nn.Module, changed: list[bool]) -> dict[str, torch.Tensor]:
     """The tensors of ``model`` flagged ``changed`` (``writes.written``'s order), whole, on the CPU, by every name
     they have (rank 0's; each sharded one made whole by a collective, in the same order on every rank)."""
@@ -444,6 +459,12 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             else _changed_state(models[name], changed[name])
             for name in gathered
         }
+        for name in spec.trained_back:  # a LoRA model living on the ranks: its adapters come back, not its base
+            adapters = _adapters(models[name])
+            if name in written and adapters is not None:
+                trained = [a and b for a, b in zip(changed[name], adapters, strict=True)]
+                states[name] = _changed_state(models[name], trained)
+                world.in_notebook[name] = writes.written(models[name])  # a later cell sends them back only if changed
         world.in_notebook.update((name, writes.written(models[name])) for name in gathered)
         if world.rank == 0:
             outcome.written = written

@@ -179,6 +179,9 @@ class CellSpec:
     """Models built on the meta device: each rank initializes its shards instead of receiving them."""
     on_ranks: list[str] = field(default_factory=list)
     """The models whose weights live on the ranks (never gathered): the ranks tell whether the cell changed them."""
+    trained_back: list[str] = field(default_factory=list)
+    """Of ``on_ranks``, those whose trained parameters come back where they are a small part of the model (a LoRA
+    model's adapters: ``nbfsdp.engines.engine.ADAPTER_SHARE``); empty with ``--no-gather``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Of ``materialize``, the models whose weights each rank reads from a Hugging Face checkpoint directory
     (``nbfsdp.engines.checkpointing.load_pretrained``): only what the checkpoint lacks is initialized."""

@@ -373,8 +373,10 @@ def _keep_on_ranks(name: str, model: nn.Module, holder: tuple[int, int], outcome
     record = residence.mark(model)
     record.world = holder
     record.written = record.written or name in outcome.written
-    if name in outcome.states:
+    if name in outcome.states:  # nbfsdp.gather's whole model, or a LoRA model's trained adapters
         residence.fill(model, outcome.states[name])
+        if on_meta(model):  # some came back, the rest stays on the ranks
+            record.here = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
         return True
     if not on_meta(model):
         residence.to_meta(model)

@@ -51,7 +51,8 @@ class RunRecord:
     the cell runs (``nbfsdp.kernel.planning.predicted``); the measured peaks are the records' ``mem_peak``."""
     gathered_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes brought back into each notebook model after the cell: only the tensors some rank wrote (a LoRA
-    cell's adapters, not its frozen base), a tie once; none for a model that lives on the ranks."""
+    cell's adapters, not its frozen base), a tie once; of a model that lives on the ranks, only its trained
+    adapters (``nbfsdp.engines.engine.ADAPTER_SHARE``), or what ``nbfsdp.gather`` asked for."""
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
     counted them on arrival), their skeletons and the other names the cell reads."""

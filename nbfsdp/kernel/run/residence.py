@@ -43,6 +43,9 @@ class OnRanks:
     """The world (generation, world size) that holds them; None before the first cell reads them."""
     written: bool = False
     """A cell changed them on the ranks: a world that ends loses them."""
+    here: int = 0
+    """Bytes of its tensors the notebook has too: a LoRA model's adapters, which come back after each cell that
+    trains them (its base stays on the ranks)."""
 
     def __call__(self) -> str:
         """The line ``repr(model)`` shows first: where the weights are."""
@@ -52,6 +55,8 @@ class OnRanks:
             line = f"nbfsdp: weights ({size}) {where}"
         else:
             line = f"nbfsdp: weights ({size}) on the {self.world[1]} ranks only, {self.history()}"
+            if self.here:
+                line += f"; its trained parameters ({size_text(self.here)}) here too"
             line += "; nbfsdp.gather(model) brings them here"
         return f"{line}\n{self.own_repr}" if self.own_repr else line
 

@@ -170,6 +170,7 @@ def cell_spec(
         materialize=prepared.materialize,
         sources=prepared.sources,
         on_ranks=prepared.on_ranks,
+        trained_back=prepared.on_ranks if gather and prepared.request is None else [],
         seed=torch.initial_seed() % 2**63,
         control=control.for_ranks,
         cwd=os.getcwd(),
