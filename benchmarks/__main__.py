@@ -12,6 +12,8 @@ Benchmarks (each module's docstring says what it measures and how):
 5. ``transfer``     a 100M-parameter model sent to 4 ranks: bytes per rank, engine and notebook peak memory
    ``read_only_cell`` a cell that moves no weights vs ``--no-gather``, at 50M and 1B parameters, and the
                     kernel's memory beyond the model
+   ``lora_cell``    a LoRA training cell on a 246M bf16 Llama: adapters gathered back vs ``--no-gather``, the
+                    bytes that come back against the adapters' and the whole model's
    ``pretrained``   a 1B Hugging Face checkpoint: ``%fsdp load`` vs torchrun + DCP's HF reader, each rank's
                     peak; the kernel's memory and a warm cell's overhead on models living on the ranks
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
@@ -48,6 +50,7 @@ from benchmarks import (
     gpu_loop,
     hosts,
     log_overhead,
+    lora_cell,
     machine,
     model_transfer,
     pretrained,
@@ -68,6 +71,7 @@ BENCHMARKS = {
         cold_start,
         model_transfer,
         read_only_cell,
+        lora_cell,
         pretrained,
         log_overhead,
         gpu,
@@ -86,6 +90,7 @@ RUN_ORDER = (
     "cold_start",
     "transfer",
     "read_only_cell",
+    "lora_cell",
     "pretrained",
     "checkpoint",
     "hosts",

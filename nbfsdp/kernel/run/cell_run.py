@@ -305,7 +305,7 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
         name: sum({id(t): t.nbytes for t in state.values()}.values()) for name, state in outcome[0].states.items()
     }
     _apply_results(outcome, run, shell, held, loaders)
-    if outcome[0].states:
+    if sum(record.gathered_bytes.values()) >= FREE_GATHERED_BYTES:
         _free_gathered(outcome)
     record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
     record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
@@ -315,6 +315,11 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     if run.dashboard:
         run.dashboard.finish(record.metrics, "stopped" if record.cancelled else "done")
     record.elapsed = time.perf_counter() - run.started
+
+
+#: Gathered weights of at least this size are freed from the kernel at once (``_free_gathered``); below it the
+#: collection would cost more than it frees (measured: 333 ms of ``gc.collect`` after a LoRA cell's 100 KB).
+FREE_GATHERED_BYTES = 64 * 2**20
 
 
 def _free_gathered(outcomes: list[CellOutcome]) -> None:
