@@ -74,17 +74,17 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 for step in range({steps}):
     x, y = batch_for(rank, step)
     x, y = x.to(device), y.to(device)
-    hook = None
+    inf_hook = None
     if step == {inf_step} and rank == 1:
         inf_first = lambda grad: grad.index_fill(1, torch.tensor([0], device=grad.device), float("inf"))
-        hook = model.embed.register_forward_hook(lambda module, args, out: [out.register_hook(inf_first)] and None)
+        inf_hook = model.embed.register_forward_hook(lambda module, args, out: [out.register_hook(inf_first)] and None)
     total = 0.0
     for half in (slice(0, 2), slice(2, 4)):
         loss = loss_fn(model(x[half]).float(), y[half]) / 2
         loss.backward()
         total += loss.item()
-    if hook is not None:
-        hook.remove()
+    if inf_hook is not None:
+        inf_hook.remove()
     dtype = str(model.embed.weight.grad.dtype)
     torch.nn.utils.clip_grad_norm_(model.parameters(), {max_norm})
     before = [p.detach().to_local().clone() for p in model.parameters()]
