@@ -30,6 +30,28 @@ KEEP_ON_RANKS_HELP = (
     "The cell's models live on the ranks from now on: never gathered after a cell, the notebook's copy freed (its "
     "repr says where the weights are); nbfsdp.gather(model) brings them on demand."
 )
+
+
+#: ``--timeout``'s default.
+DEFAULT_TIMEOUT_SECONDS = 30.0
+TIMEOUT_HELP = f"Seconds a collective may wait before it fails (default {DEFAULT_TIMEOUT_SECONDS:g})."
+#: ``--hang-report``'s default: far above any one collective of a healthy step.
+DEFAULT_HANG_REPORT_SECONDS = 30.0
+HANG_REPORT_HELP = (
+    "Seconds a rank may wait in one collective before the cell prints, by itself, where every rank is (%%fsdp "
+    "where's report) and goes on waiting for --timeout; 0: never (default 30, or half of --timeout if shorter)."
+)
+
+
+def hang_report_seconds(given: float | None, timeout: float) -> float:
+    """``--hang-report``'s seconds: as given (0: off), else 30 or half of ``--timeout``, whichever is shorter, so
+    that the report comes before the collective's own timeout ends the cell."""
+    seconds = min(DEFAULT_HANG_REPORT_SECONDS, timeout / 2) if given is None else given
+    if not seconds >= 0:
+        raise UsageError(f"--hang-report must be 0 (off) or a positive number of seconds, got {seconds:g}")
+    return seconds
+
+
 #: ``--dtype`` of exports and ``--hf`` saves.
 HF_DTYPES = ("fp32", "bf16", "fp16")
 MAX_SHARD_SIZE_HELP = (

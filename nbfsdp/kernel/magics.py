@@ -25,7 +25,7 @@ from nbfsdp.shared import config
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
 from nbfsdp.ui.panel import SettingsPanel
 
-DEFAULT_TIMEOUT_SECONDS = 30.0
+DEFAULT_TIMEOUT_SECONDS = flags.DEFAULT_TIMEOUT_SECONDS
 #: ``%fsdp``'s actions: each one's usage and what it does (the help is made from these), in the order shown.
 #: Each is run by the ``FSDPMagics`` method ``_action_<name>`` (dashes as underscores) with the rest of the line.
 LINE_ACTION_HELP = {
@@ -75,12 +75,8 @@ class FSDPMagics(Magics):
         default=None,
         help=flags.WORLD_SIZE_HELP,
     )
-    @argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_SECONDS,
-        help=f"Seconds a collective may wait before it fails (default {DEFAULT_TIMEOUT_SECONDS:g}).",
-    )
+    @argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help=flags.TIMEOUT_HELP)
+    @argument("--hang-report", type=float, default=None, help=flags.HANG_REPORT_HELP)
     @argument(
         "--no-gather",
         action="store_true",
@@ -149,6 +145,7 @@ class FSDPMagics(Magics):
             per_rank_batches=args.per_rank_batches,
             checkpointing=saving,
             keep_on_ranks=args.keep_on_ranks,
+            hang_report=flags.hang_report_seconds(args.hang_report, args.timeout),
         )
 
     def _checkpointing(self, args) -> config.CheckpointSettings:

@@ -26,6 +26,7 @@ from nbfsdp.kernel.planning.plans import Plan, plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
 from nbfsdp.kernel.run import history, residence
 from nbfsdp.kernel.run.control import RunControl
+from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders
@@ -65,6 +66,8 @@ class CellRun:
     """The models whose weights live on the ranks after the cell (``residence``)."""
     holder: tuple[int, int] = (0, 0)
     """The world the cell runs in: its generation and size."""
+    hang_reporter: HangReporter | None = None
+    """Says, once, where the ranks are when one waits in a collective too long (``--hang-report``)."""
 
     def watch_in_background(self) -> None:
         try:
@@ -89,8 +92,12 @@ class CellRun:
         return message
 
     def clean_up(self) -> None:
-        """The run's files for the ranks go: its control file, its interval saves' markers."""
+        """The run's files for the ranks go: its control file, its interval saves' markers; its hang report, if
+        one was printed, goes into its record."""
         self.control.remove()
+        if self.hang_reporter is not None:
+            self.hang_reporter.stop()
+            self.record.hang_report, self.record.hang_report_after = self.hang_reporter.report, self.hang_reporter.after
         if self.markers is not None:
             shutil.rmtree(self.markers, ignore_errors=True)
 

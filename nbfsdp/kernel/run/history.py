@@ -53,6 +53,11 @@ class RunRecord:
     """Bytes brought back into each notebook model after the cell: only the tensors some rank wrote (a LoRA
     cell's adapters, not its frozen base), a tie once; of a model that lives on the ranks, only its trained
     adapters (``nbfsdp.engines.engine.ADAPTER_SHARE``), or what ``nbfsdp.gather`` asked for."""
+    hang_report: str = ""
+    """What the cell printed by itself when a rank waited in one collective longer than ``--hang-report`` seconds
+    (``%fsdp where``'s report); empty when none did."""
+    hang_report_after: float = 0.0
+    """Seconds from the cell's start to that report."""
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
     counted them on arrival), their skeletons and the other names the cell reads."""

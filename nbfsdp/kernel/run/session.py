@@ -23,6 +23,7 @@ from nbfsdp.kernel.run import cell_run, inputs, residence
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import deliver
+from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
@@ -74,12 +75,14 @@ class Session:
         per_rank_batches: bool = False,
         checkpointing: CheckpointSettings | None = None,
         keep_on_ranks: bool = False,
+        hang_report: float = 0.0,
     ) -> None:
         """Run ``cell`` on every rank and bring its results back. ``cell`` a typed request (``shared.protocol``):
         nbfsdp's own cell, with no dashboard and no run record, so ``last_run()`` stays the user's last cell.
         ``checkpointing``: with a save interval, the ranks save inside the cell (loads happen before it, in
         ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``). ``keep_on_ranks``: the cell's models live on the
-        ranks from now on (``residence``): never gathered, the notebook's copy freed."""
+        ranks from now on (``residence``): never gathered, the notebook's copy freed. ``hang_report``: seconds a
+        rank may wait in one collective before the cell says where the ranks are (``HangReporter``); 0, never."""
         internal = not isinstance(cell, str)
         self._refuse_while_running()
         started = time.perf_counter()
@@ -92,6 +95,8 @@ class Session:
         record = cell_run.new_record(prepared, world, timeout, gather, sent_bytes, internal)
         run = cell_run.submit(self.cluster, prepared, spec, world, record, control, background, internal, started, self)
         run.markers = saves.markers if saves else None
+        if hang_report > 0 and not internal and not self.cluster.unsteerable():
+            run.hang_reporter = HangReporter(self.where, hang_report).start()
         self.active = run
         if background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)

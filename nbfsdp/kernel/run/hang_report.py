@@ -1,0 +1,63 @@
+"""A hang reported by itself: while a cell runs, the kernel asks the ranks where they are (``%fsdp where``'s
+machinery, ``nbfsdp.kernel.run.where``) and, once a rank has waited in one collective longer than
+``--hang-report`` seconds, prints that report once, as the user would have asked for it. The cell goes on
+waiting for ``--timeout`` or an interrupt: the report only says where it is stuck and why.
+
+No rank is asked before ``seconds`` have passed (none can have waited that long), then once a second: each
+ask costs every rank's watcher thread one stack and ledger written to a file, about a millisecond. Runs in the
+kernel, on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from nbfsdp.kernel.run.where import Where
+
+#: How often the ranks are asked once a hang is possible.
+ASK_EVERY_SECONDS = 1.0
+
+
+class HangReporter:
+    """Watches one running cell and reports, once, a rank that has waited in a collective too long."""
+
+    def __init__(self, ask: Callable[[], Where], seconds: float) -> None:
+        self._ask = ask
+        self._seconds = seconds
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self.report = ""
+        """The report printed, if any."""
+        self.after = 0.0
+        """Seconds from the cell's start to the report."""
+        self._thread = threading.Thread(target=self._watch, name="nbfsdp-hang-report", daemon=True)
+
+    def start(self) -> HangReporter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The cell has ended: no report after this (one being asked for is dropped)."""
+        self._stop.set()
+
+    def _watch(self) -> None:
+        if self._stop.wait(self._seconds):
+            return
+        while not self._stop.is_set():
+            try:
+                where = self._ask()
+            except Exception:  # the world went while asking: the cell's own error says what happened
+                return
+            waited = [where.asked_at - p.inside["since"] for p in where.positions if p.answered and p.inside]
+            if waited and max(waited) > self._seconds and not self._stop.is_set():
+                self.after = time.monotonic() - self._started
+                self.report = (
+                    f"nbfsdp: a rank has waited {max(waited):.0f} s in one collective (--hang-report "
+                    f"{self._seconds:g}); where the ranks are, as %fsdp where says it:\n{where}"
+                )
+                print(self.report, file=sys.stderr, flush=True)
+                return
+            self._stop.wait(ASK_EVERY_SECONDS)
