@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+import bitsandbytes  # the qlora extra, as peft the peft extra: make test installs both, so neither test skips
+import peft
 import pytest
 import torch
 import torch.nn as nn
@@ -15,8 +17,6 @@ import transformers
 
 import nbfsdp
 from tests.conftest import forget_after_each_test, run_failing, run_ok
-
-peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -215,8 +215,7 @@ def test_a_lora_init_that_reads_the_base_is_refused_on_a_meta_base(shell, tmp_pa
 
 
 def test_qlora_4bit_storage_is_refused_before_any_rank_sees_it(shell):
-    bnb = pytest.importorskip("bitsandbytes")
-    shell.user_ns["model"] = nn.Sequential(bnb.nn.Linear4bit(16, 16, compute_dtype=torch.float32))
+    shell.user_ns["model"] = nn.Sequential(bitsandbytes.nn.Linear4bit(16, 16, compute_dtype=torch.float32))
     error, _ = run_failing(shell, "%%fsdp --world-size 2\nmodel.train()\n")
     assert "model.0.weight is a bitsandbytes 4-bit parameter (QLoRA): FSDP2's sharding drops" in str(error)
     assert "nbfsdp.from_pretrained(DIR, dtype=torch.bfloat16)" in str(error)
