@@ -17,6 +17,7 @@ Benchmarks (each module's docstring says what it measures and how):
    ``pretrained``   a 1B Hugging Face checkpoint: ``%fsdp load`` vs torchrun + DCP's HF reader, each rank's
                     peak; the kernel's memory and a warm cell's overhead on models living on the ranks
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
+   ``where_ledger`` ``%fsdp where``'s ledger of collectives on vs off, on the GPT-2 loop's step (torchrun, ws 2)
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
    ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
                     ``%%fsdp --world-size 1`` and ``--world-size 2 --device cuda`` on one GPU; skipped without one
@@ -58,6 +59,7 @@ from benchmarks import (
     report,
     step_time,
     warm_cell,
+    where_ledger,
 )
 from benchmarks.context import Context
 
@@ -74,6 +76,7 @@ BENCHMARKS = {
         lora_cell,
         pretrained,
         log_overhead,
+        where_ledger,
         gpu,
         gpu_loop,
         checkpoint,
@@ -92,6 +95,7 @@ RUN_ORDER = (
     "read_only_cell",
     "lora_cell",
     "pretrained",
+    "where_ledger",
     "checkpoint",
     "hosts",
     "gpu",

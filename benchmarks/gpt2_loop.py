@@ -23,6 +23,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,28 @@ def constants(sizes: Sizes) -> str:
     return "".join(f"{field.upper()} = {value!r}\n" for field, value in sizes.as_dict().items())
 
 
+def sharded(model: Any, device_type: str) -> tuple[Any, list[str]]:
+    """A torchrun process's world started and ``model`` sharded in place as both FSDP sides shard it: its device
+    and its FSDP units."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(device_type, local_rank if device_type == "cuda" else None)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    units = [name for name, module in model.named_modules() if type(module).__name__ == WRAP_CLS]
+    for name in units:
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: FSDP2's own reshard choice, as nbfsdp's
+    return device, [*units, ""]
+
+
 def main(mode: str, config_path: str, out_path: str) -> None:
     import torch
 
@@ -120,22 +143,7 @@ def main(mode: str, config_path: str, out_path: str) -> None:
     model = namespace["model"]
     units: list[str] = []
     if mode == "fsdp":
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device(device_type, local_rank if device_type == "cuda" else None)
-        if device_type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        units = [name for name, module in model.named_modules() if type(module).__name__ == WRAP_CLS]
-        for name in units:
-            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: FSDP2's own reshard choice, as nbfsdp's
-        units.append("")
+        device, units = sharded(model, device_type)
     else:
         device = torch.device(device_type)
         model.to(device)

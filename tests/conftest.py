@@ -64,6 +64,16 @@ def leave_the_shared_shell_clean(request):
     session.panel_world_size = None
 
 
+@pytest.fixture(autouse=True)
+def no_hang_report_from_a_healthy_cell():
+    """Issue 45's target, over every cell the suite runs in its own process: a cell that ended well never
+    printed a hang report (``--hang-report``'s false alarm). Cells that hang on purpose fail, and may report."""
+    before = len(nbfsdp.runs())
+    yield
+    alarms = [run.hang_report for run in nbfsdp.runs()[before:] if run.ok and run.hang_report]
+    assert not alarms, f"a healthy cell reported a hang: {alarms[0]}"
+
+
 @pytest.fixture(scope="session")
 def cluster(shell):
     """The running FSDPCluster behind ``%%fsdp`` (for pids and world state)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -406,3 +407,29 @@ def test_the_dashboard_says_what_trains_of_a_model_with_frozen_parameters(kernel
     assert reply["content"]["status"] == "ok"
     said = [str(m["content"]) for _, m in messages if m["msg_type"] in ("comm_open", "comm_msg")]
     assert any("half: 10 parameters train; 20 frozen have no gradient or optimizer state" in text for text in said)
+
+
+def test_a_hang_report_marks_the_stuck_rank_and_the_rank_it_waits_for_in_their_rows(kernel):
+    """Issue 45 (point 3): when the cell reports a hang by itself, its dashboard's rows say which rank is stuck,
+    in which collective, since when and at which cell line, and which rank has not issued it; the marks stay on
+    the failed cell's dashboard after --timeout ends it."""
+    reply, messages = kernel.execute(
+        "%%fsdp --world-size 2 --hang-report 2 --timeout 8\nimport torch.distributed as dist\nt = torch.ones(3)\n"
+        "if rank == 0:\n    dist.all_reduce(t)  # rank 1 never joins\n"
+    )  # fmt: skip
+    assert reply["content"]["status"] == "error"  # --timeout ended it
+    values = [
+        m["content"]["data"].get("state", {}).get("value")
+        for _, m in messages
+        if m["msg_type"] in ("comm_open", "comm_msg")
+    ]
+    tables = [value for value in values if isinstance(value, str) and "<th>state</th>" in value]
+    marked = [table for table in tables if "stuck in" in table]
+    assert marked, tables[-1]
+    # the numbers: collectives of the world so far (earlier cells' may count), seconds waited (at least 2)
+    stuck = re.search(r"<tr><td>0</td>.*?<td><b>stuck in all_reduce #(\d+) for (\d+) s at cell line 4</b>", marked[-1])
+    assert stuck and int(stuck[2]) >= 2, marked[-1]
+    rank_1 = re.search(r"<tr><td>1</td>.*?<td><b>has not issued all_reduce #(\d+) \(rank 0 waits in it\)", marked[-1])
+    assert rank_1 and rank_1[1] == stuck[1], marked[-1]
+    said = [str(m["content"]) for _, m in messages if m["msg_type"] in ("comm_open", "comm_msg")]
+    assert any("hang report: rank 0 issued all_reduce" in text for text in said)

@@ -247,7 +247,10 @@ def test_a_verdict_for_a_named_gpu_or_a_size(shell, models):
     ("line", "message"),
     [
         ("explain --gpu H100 mlp", "--gpu, --device-memory and --suggest need --batch EXPR"),
-        ("explain --batch torch.zeros(2,64) --suggest mlp", "--suggest needs --gpu NAME or --device-memory SIZE"),
+        (
+            "explain --batch torch.zeros(2,64) --suggest mlp",
+            "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE",
+        ),
         ("explain --batch no_such_name mlp", "--batch no_such_name: NameError"),
         ("explain --batch torch.zeros(2,64) --loss nothing mlp", "--loss nothing: not a function in the notebook"),
         ("explain --batch torch.zeros(2,64) --gpu Voodoo mlp", "gpu 'Voodoo': not a GPU nbfsdp knows"),

@@ -30,6 +30,7 @@ import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports 
 from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, scaling, where, writes
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
+from nbfsdp.engines.memory_limit import RankMemory
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, real_buffers, shard_model
 from nbfsdp.engines.world import World
@@ -382,7 +383,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
     world = worlds.current
     if world is None or world.generation != spec.generation:
         return CellOutcome.failed("world not set up")
-    recorder = None
+    recorder = rank_memory = None
     try:
         _load_models(world, spec, skeletons)
         cell_models = [world.models[name][1] for name in spec.models]
@@ -418,11 +419,16 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
                 [s.module for s in cell_models], control, recorder.changed, saver.agreement if saver else None
             )
             failed = True
+            rank_memory = RankMemory(
+                world.rank, world.device, [s.module for s in cell_models], spec.fsdp.memory_limit, meter,
+                spec.ranks_per_gpu,
+            )  # fmt: skip
             try:
                 with (
                     pasted.world_owned_calls(world.rank, world.device, spec.filename),
                     writes.dcp_loads_counted(),
                     scaling.scaled_losses(world, cell_models, recorder),  # fp16: GradScaler's work, done here
+                    rank_memory,  # --memory-limit; what a rank that runs out reports
                 ):
                     if spec.request is not None:
                         checkpointing.run_request(spec.request, namespace)
@@ -483,4 +489,5 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             secondary=isinstance(error, (KeyboardInterrupt, PeerEnded))
             or any(m in message for m in _PEER_FAILURE_MARKERS),
             metrics=recorder.records if recorder else [],
+            memory=rank_memory.report() if rank_memory else None,
         )

@@ -5,7 +5,8 @@ Two parts, both started once per engine process by ``engine.setup``:
 - a **ledger of collectives**: ``torch.distributed``'s collective functions wrapped, so each call is
   counted per process group (numbered as every rank of the group must issue them: the n-th collective of
   a group must be the same on all its ranks) with its operation, its first tensor's shape and dtype, and
-  the line of the cell or library that issued it; the one a rank is inside, while it is. FSDP2, DCP and
+  the line of the cell or library that issued it (its code object and line number, made words only when
+  the notebook asks); the one a rank is inside, while it is. FSDP2, DCP and
   a cell's own ``dist.all_reduce`` call these functions by their module attribute, so one wrapper sees
   them all. (NCCL's flight recorder keeps a similar record, but only for NCCL and only when enabled; gloo
   has none. Functional collectives, which DTensor's redistributions use, go through ``torch.ops`` and
@@ -15,7 +16,9 @@ Two parts, both started once per engine process by ``engine.setup``:
   a collective has released the GIL, so the thread answers while the cell hangs. Requests are files,
   looked for every ``POLL_SECONDS``: one ``stat`` each time, nothing else.
 
-A wrapper costs a Python call per collective (about a microsecond against the collective's own tens).
+A wrapper costs a Python call per collective: a few microseconds, for the frames it walks to the issuing line
+(each library frame's code object is looked up in a set once it is known); ``make bench``'s ``where_ledger`` row
+measures it against a step of the GPT-2 loop.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -92,8 +95,8 @@ class Ledger:
                 "op": name,
                 "seq": self.counts[ranks],
                 "group": list(ranks),
-                "tensor": (tuple(tensor.shape), tensor.dtype) if tensor is not None else None,  # words on answering
-                "at": _caller(),
+                "tensor": (tensor.shape, tensor.dtype) if tensor is not None else None,  # words on answering
+                "at": _caller(),  # words on answering
                 "since": time.time(),
             }
             self.recent[ranks].append(entry)
@@ -112,9 +115,11 @@ class Ledger:
 
 
 def _words(entry: dict[str, Any]) -> dict[str, Any]:
-    tensor = entry["tensor"]
+    """An entry as the notebook reads it: its tensor and the line that issued it in words."""
+    tensor, at = entry["tensor"], entry["at"]
     shape = f"{list(tensor[0])} {str(tensor[1]).removeprefix('torch.')}" if tensor else ""
-    return {**entry, "tensor": shape}
+    line = f"{at[0].co_filename}:{at[1]} in {at[0].co_name}" if at else ""
+    return {**entry, "tensor": shape, "at": line}
 
 
 #: Each process group's global ranks, by the group's id (the group kept with them, so the id stays its own).
@@ -136,18 +141,24 @@ def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 
 
 _LIBRARIES = ("torch" + os.sep, "nbfsdp" + os.sep + "engines")
+#: Code objects of torch and nbfsdp's engine code met so far, by id (a code object's own hash is computed anew
+#: from its fields at each lookup; each is kept here, so its id is never another's): an FSDP2 collective is
+#: issued some 20 frames below the cell's line, and a lookup per frame costs less than reading its file name.
+_LIBRARY_CODE: dict[int, CodeType] = {}
 
 
-def _caller() -> str:
-    """The first frame outside torch and nbfsdp's engine code: the line that issued the collective (for
-    FSDP2's own, the cell's line that ran the model)."""
+def _caller() -> tuple[CodeType, int] | None:
+    """The first frame outside torch and nbfsdp's engine code, as its code object and line number: the line
+    that issued the collective (for FSDP2's own, the cell's line that ran the model). ``_words`` says it."""
     frame: FrameType | None = sys._getframe(3)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not any(library in filename for library in _LIBRARIES):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        code = frame.f_code
+        if id(code) not in _LIBRARY_CODE:
+            if not any(library in code.co_filename for library in _LIBRARIES):
+                return code, frame.f_lineno
+            _LIBRARY_CODE[id(code)] = code
         frame = frame.f_back
-    return ""
+    return None
 
 
 ledger = Ledger()

@@ -65,6 +65,7 @@ _METAVARS = {
     "replicas": "R",
     "min_params": "N",
     "wrap_cls": "NAME[,NAME]",
+    "memory_limit": "SIZE",
     "save_folder": "FOLDER",
     "save_interval": "INTERVAL",
     "save_num_checkpoints_to_keep": "KEEP",

@@ -16,7 +16,7 @@ from IPython.display import display
 from nbfsdp.kernel import comparison, flags
 from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
-from nbfsdp.kernel.planning import fitting
+from nbfsdp.kernel.planning import check, fitting
 from nbfsdp.kernel.planning.plans import plan
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.status import status
@@ -39,6 +39,8 @@ LINE_ACTION_HELP = {
     "defaults)",
     "wait": "wait: the results of an --async run, and an --async save's end",
     "cancel": "cancel: end the running cell at its next step",
+    "check": "check: the last %%fsdp cell checked again (each is checked by itself before its first step): "
+    "branches on the rank around collectives, split ties, mixed dtypes, bf16, optimizers, gradient accumulation",
     "where": "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting",
     "interrupt": "interrupt: end an --async run now, as Ctrl-C ends a blocking one",
     "save": "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
@@ -151,22 +153,12 @@ class FSDPMagics(Magics):
     def _checkpointing(self, args) -> config.CheckpointSettings:
         """Explicit flags > the --config dict's Composer checkpoint keys."""
         given = {key: getattr(args, key) for key in config.CHECKPOINT_KEYS}
-        return config.checkpoint_settings(self._composer_dict(args.config), given)
+        return config.checkpoint_settings(_composer_dict(self.shell, args.config), given)
 
     def _settings(self, args) -> config.FSDPConfig:
         """Explicit flags > the --config dict > the panel's settings > defaults."""
         given = {k: getattr(args, k) for k in flags.CONFIG_FLAGS}
-        return config.resolve(self._composer_dict(args.config), given, self.session.panel)
-
-    def _composer_dict(self, name: str | None) -> dict | None:
-        if name is None:
-            return None
-        if name not in self.shell.user_ns:
-            raise UsageError(f"--config {name}: no such name in the notebook")
-        value = self.shell.user_ns[name]
-        if not isinstance(value, dict):
-            raise UsageError(f"--config {name}: is a {type(value).__name__}, not a dict like Composer's fsdp_config")
-        return value
+        return config.resolve(_composer_dict(self.shell, args.config), given, self.session.panel)
 
     @magic_arguments()
     @argument(
@@ -207,6 +199,10 @@ class FSDPMagics(Magics):
     def _action_cancel(self, rest: str) -> None:
         _no_arguments("cancel", rest)
         self.session.cancel()
+
+    def _action_check(self, rest: str) -> None:
+        _no_arguments("check", rest)
+        print(check.last_cell(self.session.last_cell, self.shell.user_ns))
 
     def _action_where(self, rest: str) -> None:
         _no_arguments("where", rest)
@@ -262,11 +258,13 @@ class FSDPMagics(Magics):
         devices = self.session.cluster.devices(world_size, settings.device, planning=True)
         settings = config.validate(settings, world_size, devices)
         workload = flags.explain_workload(args, self.shell.user_ns)
-        memory = fitting.device_memory(args.gpu, args.device_memory)
-        if (memory is not None or args.suggest) and workload is None:
+        memory = fitting.device_memory(args.gpu, args.device_memory, settings.memory_limit)
+        if (args.gpu or args.device_memory or args.suggest) and workload is None:
             raise UsageError("--gpu, --device-memory and --suggest need --batch EXPR: the step whose peak they judge")
         if args.suggest and memory is None:
-            raise UsageError("--suggest needs --gpu NAME or --device-memory SIZE: what the settings must fit")
+            raise UsageError(
+                "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE: what the settings must fit"
+            )
         planned = plan(
             model, settings, world_size, hosts, devices, workload=workload, memory=memory, suggest=args.suggest
         )
@@ -366,6 +364,18 @@ def settings_panel(session: Session, model: nn.Module | None, world_size: int) -
         (lambda config, size, devices: str(plan(model, config, size, devices=devices))) if model else None,
         world_size,
     )
+
+
+def _composer_dict(shell: InteractiveShell, name: str | None) -> dict | None:
+    """``--config NAME``: the notebook's dict of that name (Composer's ``fsdp_config``)."""
+    if name is None:
+        return None
+    if name not in shell.user_ns:
+        raise UsageError(f"--config {name}: no such name in the notebook")
+    value = shell.user_ns[name]
+    if not isinstance(value, dict):
+        raise UsageError(f"--config {name}: is a {type(value).__name__}, not a dict like Composer's fsdp_config")
+    return value
 
 
 def _no_arguments(action: str, rest: str) -> None:

@@ -32,6 +32,13 @@ def status(session: Session) -> None:
         f"world size {world.world_size}, backend {world.backend}, collective timeout {world.timeout:g}s: "
         f"{world.devices}{' (broken: restarts on the next cell)' if world.broken else ''}"
     )
+    if world.devices.shared:
+        share = world.devices.ranks_per_gpu
+        print(
+            f"GPU memory: each rank may allocate 1/{share} of its GPU ({share} ranks share one: "
+            "torch.cuda.set_per_process_memory_fraction, so one rank cannot starve the others; --memory-limit "
+            "SIZE sets another)"
+        )
     if (saving := session.pending_save) is not None:
         print(f"saving {saving.path} in the background (`%fsdp wait` for it)")
     _models(session)

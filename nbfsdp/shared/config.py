@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,6 +125,11 @@ class FSDPConfig:
     """cuda: every rank on a GPU, rank r on GPU r mod G (several ranks share one where there are fewer GPUs;
     NCCL between them goes over sockets); cpu: gloo; auto (default, or $NBFSDP_DEVICE): a GPU a rank where
     there are enough, else the CPU. A validated config holds the device chosen, cuda or cpu."""
+    memory_limit: int | None = None
+    """Each rank's memory, as a size (48MB, 512MiB, 2GiB): past it a rank runs out of memory as a GPU does (CPU
+    ranks: nbfsdp's accounting by FSDPMemTracker raises CUDA's error; GPU ranks: the allocator's fraction of
+    the GPU), and the cell reports each rank's bytes beside the planner's and the flags that fit. Default: none
+    on CPU; on GPU 1/k of the GPU where k ranks share one."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
     why: dict[str, str] = field(default_factory=dict)
@@ -214,8 +220,24 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "replicas": lambda v: None if v is None else _positive_int("replicas", v),
     "data_parallel_replicate_degree": lambda v: None if v is None else _positive_int("replicas", v),
     "sync_module_states": bool,
+    "memory_limit": lambda v: None if v is None or v == "" else size_bytes(v, "memory_limit"),
 }
 _ALIASES = {"data_parallel_replicate_degree": "replicas"}
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def size_bytes(value: str | int | float, what: str = "size", examples: str = "48MB, 512MiB or 2GiB") -> int:
+    """``48MB``, ``512MiB``, ``2 GiB`` or a number of bytes, as bytes; anything else a ``ConfigError`` naming
+    ``examples``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+    if not found or found[2] not in _SIZE_UNITS or float(found[1]) <= 0:
+        raise ConfigError(f"{what} must be a size such as {examples}; got {value!r}")
+    return int(float(found[1]) * _SIZE_UNITS[found[2]])
 
 
 def resolve(

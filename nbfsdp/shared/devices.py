@@ -111,6 +111,11 @@ class Devices:
         """Several ranks on one GPU: NCCL must take them for different hosts."""
         return bool(self.nccl_hosts)
 
+    @property
+    def ranks_per_gpu(self) -> int:
+        """The most ranks that share one GPU (ranks go round the GPUs): 1 where none is shared or on the CPU."""
+        return -(-self.world_size // self.gpus) if self.shared else 1
+
     def __str__(self) -> str:
         ranks = plural(self.world_size, "rank")
         if self.type == "cpu":

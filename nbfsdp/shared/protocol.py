@@ -205,9 +205,19 @@ class CellSpec:
     kept: list[str] = field(default_factory=list)
     """The notebook's optimizers and schedulers the cell reads that the ranks hold as the notebook does:
     not sent; each rank takes its own from its namespace."""
+    ranks_per_gpu: int = 1
+    """GPU ranks: how many share this rank's GPU (each may allocate 1/k of it unless ``fsdp.memory_limit``)."""
     request: InternalRequest | None = None
     """nbfsdp's own cell, run instead of ``code``: no run record, the notebook's names as the user's cell
     would have them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorShape:
+    """A tensor a rank's model was called with, as the kernel's planner traces it: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(kw_only=True, slots=True)
@@ -249,6 +259,9 @@ class CellOutcome:
     rank because of it): the cell's error names a primary failure first."""
     engine_lost: bool = False
     """The engine process went away under the task: the kernel asks how it died."""
+    memory: dict[str, Any] | None = None
+    """A failed rank: its bytes by category where it stopped, and, where it ran out of memory, what it was
+    doing and the shapes of its model's last call (``nbfsdp.engines.memory_limit.RankMemory.report``)."""
 
     @classmethod
     def failed(
@@ -259,6 +272,7 @@ class CellOutcome:
         secondary: bool = False,
         engine_lost: bool = False,
         metrics: list[dict[str, Any]] | None = None,
+        memory: dict[str, Any] | None = None,
     ) -> CellOutcome:
         """A failed rank, as the rank reports it or as the kernel records a rank that gave no answer."""
         return cls(
@@ -268,6 +282,7 @@ class CellOutcome:
             secondary=secondary,
             engine_lost=engine_lost,
             metrics=metrics or [],
+            memory=memory,
         )
 
 

@@ -264,3 +264,119 @@ def store_on(listening: socket.socket, world_size: int, timeout: datetime.timede
     except NotImplementedError:
         return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
                              master_listen_fd=descriptor, use_libuv=False)  # fmt: skip
+
+
+#: FSDPMemTracker's categories (``_FSDPRefType`` values) as ``%fsdp explain``'s planner files the same bytes
+#: (``nbfsdp.kernel.planning.peak``): the gathered parameters and autograd's unsharded gradients are
+#: communication buffers there, as FSDP2 allocates them around its all-gathers and reduce-scatters.
+MEMORY_TRACKER_CATEGORIES = {
+    "Sharded Param": "params",
+    "Buffer": "params",
+    "Sharded Grad": "grads",
+    "OptState": "optim",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "Unsharded Param": "comm_buffers",
+    "Unsharded Grad": "comm_buffers",
+    "All Gather": "comm_buffers",
+    "Reduce Scatter": "comm_buffers",
+}
+
+
+def limited_memory_tracker(root: nn.Module, over_limit: Callable[[int, int], None]) -> Any:
+    """``FSDPMemTracker`` over the FSDP model ``root`` that calls ``over_limit(asked, total)`` each time a
+    storage it tracks is made or grows (``asked`` bytes) and its tracked total is then ``total``.
+
+    Relies on ``torch.distributed._tools.fsdp2_mem_tracker`` (private) and overrides three of its private
+    methods: ``_update_snap`` (every change of its running totals), ``_fsdp_state_pre_forward`` (a root
+    called again is the next iteration, which FSDPMemTracker refuses unless its per-module statistics are
+    reset; they are not used here) and ``_register_module_and_optimizer_hooks`` (its optimizer hooks are
+    global here: a cell makes its optimizer after the tracker starts). ``doing`` says what the rank was
+    doing: the unit FSDP2 was gathering or reducing, else the operator."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _UpdateType
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    grows = (_UpdateType.ADD, _UpdateType.SIZE)
+
+    class LimitedTracker(FSDPMemTracker):
+        unit = "(before the first unit)"
+        collective = ""  # FSDP2's all-gather or reduce-scatter of ``unit`` under way, else ""
+        operator = ""
+
+        def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None) -> None:
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            if u_type in grows:
+                asked = (
+                    winfo.mem_consumed - (old_mem_consumed or 0) if u_type == _UpdateType.SIZE else winfo.mem_consumed
+                )
+                over_limit(asked, self._curr_mem_snap.get(winfo.device, {}).get("Total", 0))
+
+        def _noting(self, fsdp_mod: Any, collective: str, inner: Callable) -> Callable:
+            def noted(*args: Any, **kwargs: Any) -> Any:
+                name = self._mod_tracker.get_known_fqn(fsdp_mod) or ""
+                forward = collective == "all-gather" and not self._mod_tracker.is_bw
+                if forward and fsdp_mod in self.memory_tracking and self._mod_tracker.parents - {name} == {"Global"}:
+                    self.reset_mod_stats()  # the root again: the next iteration
+                self.unit, self.collective = _unit_name(name), collective
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self.collective = ""
+
+            return noted
+
+        def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Callable) -> Callable:
+            return self._noting(fsdp_mod, "all-gather", super()._fsdp_state_pre_forward(fsdp_mod, orig))
+
+        def _fsdp_param_group_pre_backward(self, fsdp_mod: Any, orig: Callable) -> Callable:
+            return self._noting(fsdp_mod, "all-gather", super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Callable) -> Callable:
+            return self._noting(fsdp_mod, "reduce-scatter", super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            super()._register_module_and_optimizer_hooks()  # no optimizer given: these hooks are every one's
+
+            def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                self._in_opt = True
+
+            def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                self._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+                self._in_opt = False
+
+            self._optimizer_hook_handles = (
+                register_optimizer_step_pre_hook(before),
+                register_optimizer_step_post_hook(after),
+            )  # FSDPMemTracker's exit removes them
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.operator = func
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        @property
+        def doing(self) -> str:
+            """What the rank was doing at the last change: FSDP2's collective for a unit, else the operator."""
+            phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+            if self.collective:
+                return f"{self.collective} of unit {self.unit} ({phase})"
+            operator = getattr(self.operator, "overloadpacket", self.operator)
+            name = getattr(operator, "__name__", "") or "allocation"
+            return f"{name} in {phase}" + ("" if self._in_opt else f", in unit {self.unit}")
+
+        def by_category(self) -> dict[str, int]:
+            """The bytes tracked now, by the planner's categories."""
+            totals = dict.fromkeys(dict.fromkeys(MEMORY_TRACKER_CATEGORIES.values()), 0)
+            for per_device in self._curr_mem_snap.values():
+                for kind, size in per_device.items():
+                    if kind in MEMORY_TRACKER_CATEGORIES:
+                        totals[MEMORY_TRACKER_CATEGORIES[kind]] += size
+            return totals
+
+    return LimitedTracker(root)
+
+
+def _unit_name(fqn: str) -> str:
+    """ModTracker's name of a module (``GPT2LMHeadModel.transformer.h.0``) as the planner names the unit."""
+    return fqn.partition(".")[2] or "(root)"

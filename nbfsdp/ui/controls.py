@@ -13,6 +13,7 @@ from typing import Any
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_bool import CheckboxStyle
 from ipywidgets.widgets.widget_description import DescriptionStyle
+from ipywidgets.widgets.widget_string import TextStyle
 
 from nbfsdp.shared.config import BACKWARD_PREFETCHES, DEVICE_CHOICES, MIXED_PRECISIONS, SHARDING_STRATEGIES
 from nbfsdp.shared.limits import MAX_WORLD_SIZE
@@ -61,8 +62,20 @@ def _checkbox(description: str) -> widgets.Checkbox:
     )
 
 
+def size_words(size: int | None) -> str:
+    """A memory limit in bytes as the text box shows it: a whole number of GiB, MiB, KiB, GB or MB where it is
+    one (it reads back as the same bytes), else bytes; '' for none."""
+    if size is None:
+        return ""
+    for unit, name in ((2**30, "GiB"), (10**9, "GB"), (2**20, "MiB"), (10**6, "MB"), (2**10, "KiB")):
+        if size % unit == 0:
+            return f"{size // unit}{name}"
+    return str(size)
+
+
 class SettingsControls:
-    """Sharding, mixed precision, prefetch, checkpointing, CPU offload, device and world size, as widgets."""
+    """Sharding, mixed precision, prefetch, checkpointing, CPU offload, device, memory limit and world size, as
+    widgets."""
 
     def __init__(self, values: dict[str, Any], on_change: Callable[[dict[str, Any]], object]) -> None:
         precision = values["mixed_precision"]
@@ -75,6 +88,13 @@ class SettingsControls:
             "activation_checkpointing": _checkbox("activation checkpointing"),
             "cpu_offload": _checkbox("CPU offload"),
             "device": _dropdown("device", DEVICE_CHOICES),
+            "memory_limit": widgets.Text(
+                description="memory limit a rank",
+                placeholder="none (e.g. 512MiB)",
+                continuous_update=False,
+                layout=shared(widgets.Layout, width="17em", margin=GAP),
+                style=shared(TextStyle, **_STYLE),
+            ),
             "world_size": widgets.BoundedIntText(
                 min=1,
                 max=MAX_WORLD_SIZE,
@@ -83,7 +103,11 @@ class SettingsControls:
                 style=shared(DescriptionStyle, **_STYLE),
             ),
         }
-        shown = {**values, "mixed_precision": CUSTOM_PRECISION if custom else precision}
+        shown = {
+            **values,
+            "mixed_precision": CUSTOM_PRECISION if custom else precision,
+            "memory_limit": size_words(values.get("memory_limit")),
+        }
         for key, control in self.widgets.items():
             control.value = shown[key]  # before observing: only a person's changes are reported
             control.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")
@@ -91,7 +115,9 @@ class SettingsControls:
         self.box = widgets.HBox(list(self.widgets.values()), layout=shared(widgets.Layout, flex_flow="row wrap"))
 
     def _changed(self, key: str, value: Any) -> None:
-        if value != CUSTOM_PRECISION:
+        if key == "memory_limit":  # text: empty is no limit; a size is checked where the change lands
+            self._on_change({key: value.strip() or None})
+        elif value != CUSTOM_PRECISION:
             self._on_change({key: value})
 
     def values(self) -> dict[str, Any]:

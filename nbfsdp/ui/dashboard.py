@@ -96,6 +96,7 @@ class LiveDashboard:
         self._show_lock = threading.Lock()
         renderer.start()
         self._states = ["running"] * world_size
+        self._marked: set[int] = set()  # ranks a hang report named: their state in bold
         self._notes: list[str] = []
         self._devices = devices
         self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
@@ -157,6 +158,15 @@ class LiveDashboard:
 
     def rank_state(self, rank: int, state: str) -> None:
         self._states[rank] = state
+
+    def mark_ranks(self, marks: dict[int, str], note: str) -> None:
+        """A hang report's ranks (``--hang-report``): each marked in its row, the stuck one first, shown at once
+        (no drawing is due while every rank waits), and the report's finding said under the controls."""
+        for rank, mark in marks.items():
+            self._states[rank] = mark
+            self._marked.add(rank)
+        self.note(note)
+        self._status.value = self._status_table()
 
     def note(self, message: str) -> None:
         """A line under the controls: what was asked for, and when it took effect."""
@@ -276,13 +286,17 @@ class LiveDashboard:
             step_time = f"{record['step_time'] * 1000:.0f} ms" if record else ""
             rows += (
                 f"<tr><td>{rank}</td>{host(rank)}<td>{step}</td><td>{step_time}</td><td>{self._rank_device(rank)}</td>"
-                f"<td>{self._states[rank]}</td></tr>"
+                f"<td>{self._state(rank)}</td></tr>"
             )
         header = "<th>rank</th>" + ("<th>host</th>" if self._hosts else "")
         mesh = "".join(f"<div>{html.escape(line)}</div>" for line in [str(self._devices), *self._across_hosts])
         return (
             f"{mesh}<table><tr>{header}<th>step</th><th>step time</th><th>device</th><th>state</th></tr>{rows}</table>"
         )
+
+    def _state(self, rank: int) -> str:
+        state = html.escape(self._states[rank])
+        return f"<b>{state}</b>" if rank in self._marked else state
 
     def _rank_device(self, rank: int) -> str:
         """``cuda:0`` (the GPU as the rank's host numbers it) or ``cpu``."""

@@ -44,6 +44,26 @@ class RankError(Exception):
         return [*lines, f"RankError: {self}"]
 
 
+class RankOutOfMemory(RankError):
+    """A rank ran out of memory (CUDA's allocator, or ``--memory-limit``): ``memories`` holds each failed
+    rank's bytes where it stopped (``CellOutcome.memory``); once ``report`` is written (the planner's view
+    beside them, ``nbfsdp.kernel.run.out_of_memory``) it is what the notebook shows, with the cell's line."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str, others: str, host: str | None,
+                 memories: dict[int, dict[str, Any]]) -> None:  # fmt: skip
+        super().__init__(rank, message, remote_traceback, others, host)
+        self.memories = memories
+        self.report = ""
+
+    def _render_traceback_(self) -> list[str]:
+        if not self.report:
+            return super()._render_traceback_()
+        cell = [line for line in self.remote_traceback.splitlines() if '"<fsdp-cell-' in line]
+        shown = self.remote_traceback.splitlines()
+        lines = [*shown[: shown.index(cell[-1]) + 2]] if cell else []  # the cell's frames, not torch's
+        return [*(f"[{self.label}] {line}" for line in lines), self.report, f"OutOfMemoryError: {self}"]
+
+
 class RankDied(Exception):
     """Rank ``rank``'s engine ended while the call ran: ``how`` says how (the cluster's word)."""
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbfsdp.shared.config import ConfigError
+from nbfsdp.shared.config import ConfigError, size_bytes
 
 if TYPE_CHECKING:
     from nbfsdp.kernel.planning.plans import Plan
@@ -71,10 +72,15 @@ class DeviceMemory:
     total: int
     capability: tuple[int, int] | None = None
     """A GPU named by family: its compute capability, which decides the default low precision."""
+    step_share: float | None = None
+    """Where given, the share of ``total`` a step may use (a rank's ``--memory-limit`` on CPU ranks, which has
+    no CUDA context and no allocator, less a margin for the planner's error); else what a GPU leaves."""
 
     @property
     def usable(self) -> int:
         """``total`` less the CUDA context, and the allocator's share of what is left."""
+        if self.step_share is not None:
+            return int(self.total * self.step_share)
         return max(0, int((self.total - CONTEXT_BYTES) / (1 + ALLOCATOR_FRACTION)))
 
     def __str__(self) -> str:
@@ -98,27 +104,23 @@ def gpu_memory(name: str) -> DeviceMemory:
     raise ConfigError(f"gpu {name!r}: not a GPU nbfsdp knows; known: {known} (or give --device-memory 80GiB)")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
 def memory_size(value: str | int | float) -> DeviceMemory:
     """``80GiB``, ``80 GB``, ``81559MiB`` or a number of bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return DeviceMemory(f"{value / 2**30:.1f} GiB", int(value))
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
-    if not found or found[2] not in _UNITS or float(found[1]) <= 0:
-        raise ConfigError(f"device memory must be a size such as 80GiB, 80GB or 81559MiB; got {value!r}")
-    total = int(float(found[1]) * _UNITS[found[2]])
+    total = size_bytes(value, "device memory", "80GiB, 80GB or 81559MiB")
+    if isinstance(value, (int, float)):
+        return DeviceMemory(f"{value / 2**30:.1f} GiB", total)
     return DeviceMemory(str(value).strip(), total)
 
 
-def device_memory(gpu: str | None, size: str | int | float | None) -> DeviceMemory | None:
-    """The memory to plan against: ``size`` (``--device-memory``) or the named ``gpu``; None for neither."""
+def device_memory(gpu: str | None, size: str | int | float | None, limit: int | None = None) -> DeviceMemory | None:
+    """The memory to plan against: ``size`` (``--device-memory``) or the named ``gpu``, else a rank's
+    ``--memory-limit`` (all of it: nbfsdp's accounting counts what the planner counts); None for none."""
     if gpu is not None and size is not None:
         raise ConfigError("give --gpu NAME or --device-memory SIZE, not both")
     if size is not None:
         return memory_size(size)
+    if gpu is None and limit is not None:
+        return DeviceMemory(f"--memory-limit {limit / 2**20:.1f} MiB", limit, step_share=1.0)
     return gpu_memory(gpu) if gpu is not None else None
 
 
@@ -204,23 +206,35 @@ def step_cost(plan: Plan, asked: Plan, tokens: int, micro_batches: int) -> float
 MAX_SUGGESTIONS = 8
 
 
-def suggest(asked: Plan, replan: Any) -> list[Plan]:
+def suggest(asked: Plan, replan: Any, seconds: float | None = None) -> tuple[list[Plan], int]:
     """Plans that fit, of the changes ``candidates`` lists and their ``pairs``, cheapest first (more ranks
-    last); ``replan(change)`` makes the plan of one change (None where the change cannot apply)."""
+    last), and how many changes were left untried; ``replan(change)`` makes the plan of one change (None where
+    the change cannot apply). With ``seconds``, no change is tried after that long (an out-of-memory report
+    is due within seconds; a large model's trace takes half a second)."""
+    deadline = time.monotonic() + seconds if seconds is not None else None
     found: list[Plan] = []
     single = candidates(asked.config, asked.world_size)
+    untried = 0
     for change in single:
-        _try(asked, replan, change, found)
+        untried += not _try(asked, replan, change, found, deadline)
     fitting_alone = {p.change for p in found}
     for pair in pairs(single, fitting_alone):
-        _try(asked, replan, pair, found)
-    return sorted(found, key=lambda p: (p.gpu_factor, p.cost_seconds))[:MAX_SUGGESTIONS]
+        untried += not _try(asked, replan, pair, found, deadline)
+    return sorted(found, key=lambda p: (p.gpu_factor, p.cost_seconds))[:MAX_SUGGESTIONS], untried
 
 
-def _try(asked: Plan, replan: Any, change: Change, found: list[Plan]) -> None:
+def _try(asked: Plan, replan: Any, change: Change, found: list[Plan], deadline: float | None) -> bool:
+    """Plan ``change``, kept in ``found`` where it fits; False where the deadline left it untried."""
+    if deadline is not None and time.monotonic() > deadline:
+        return False
     planned = replan(change)
     if planned is None or not planned.fits:
-        return
+        return True
     cost = step_cost(planned, asked, planned.tokens, change.settings.get("micro_batches", 1))
     factor = planned.world_size / asked.world_size
-    found.append(dataclasses.replace(planned, change=change.words, cost_seconds=cost, gpu_factor=factor))
+    found.append(
+        dataclasses.replace(
+            planned, change=change.words, change_settings=change.settings, cost_seconds=cost, gpu_factor=factor
+        )
+    )
+    return True

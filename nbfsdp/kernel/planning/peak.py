@@ -218,9 +218,13 @@ class _Step:
         self.accumulating = False
         self.gathered = 0
         self.in_flight = 0
+        self.deferred = 0
         self.pending_reduce = 0
         self.phase, self.where = "forward", ""
         self.best: Peak | None = None
+        self.limit: int | None = None
+        """Where set: ``crossed`` is the step's first moment past this many bytes (``crossing``)."""
+        self.crossed: Peak | None = None
         self.live = _Live(self._check)
         self.live.hold([*unique, *model.buffers()])
 
@@ -252,7 +256,7 @@ class _Step:
     # -- the peak
     def _check(self, where: str | None = None) -> None:
         split = self.live.split()
-        comm = self.gathered + self.in_flight + self.pending_reduce + split["grads"]
+        comm = self.gathered + self.in_flight + self.deferred + self.pending_reduce + split["grads"]
         peak = Peak(
             params=self.params + self.buffers,
             grads=self.grads,
@@ -264,6 +268,8 @@ class _Step:
         )
         if self.best is None or peak.total > self.best.total:
             self.best = peak
+        if self.limit is not None and self.crossed is None and peak.total > self.limit:
+            self.crossed = peak
 
     # -- FSDP2's gathers and reductions
     def _gather(self, unit: _Unit, prefetched: bool = False) -> None:
@@ -273,10 +279,18 @@ class _Step:
             return
         unit.gathered = True
         self.in_flight += unit.all_gather
+        # FSDP2 frees a forward all-gather's output only when the next unit's gather is waited on, before its
+        # copy-out (or at the root's post-forward), to overlap the copy with that all-gather
+        deferring = not prefetched and self.phase == "forward"
+        if deferring and self.deferred:
+            self._check(f"{unit.name}, all-gather in {self.phase}")
+            self.deferred = 0
         self.gathered += unit.unsharded
         self._check(f"{unit.name}, all-gather in {self.phase}")
         if not prefetched:
             self.in_flight -= unit.all_gather
+            if deferring:
+                self.deferred = unit.all_gather
 
     def _waited(self, unit: _Unit) -> None:
         """A prefetched unit's gather is waited on where it runs: its output buffer goes."""
@@ -339,6 +353,8 @@ class _Step:
                     self.live.kind = "temporaries"
                     return None
                 ended.append(unit)
+                if unit is self.units[0]:  # the root's post-forward frees the last unit's all-gather output
+                    self.deferred = 0
                 if unit.reshard_after_forward:
                     self._reshard(unit)
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -375,11 +391,19 @@ class _Step:
             unit.params = [p for p in unit.params if p.requires_grad]
 
     # -- the step
-    def run(self, args: tuple, kwargs: dict, loss_of: Callable[[Any], torch.Tensor], micro_batches: int = 1) -> Peak:
-        """The second step's forward and backward (the optimizer's state exists), then the optimizer's step.
-        With ``micro_batches``, its last micro-batch: the sharded gradients of the ones before it are held
-        (each micro-batch reduces its gradients, FSDP2's default) and each unit's adds into its own."""
-        self.optim = self._optimizer_state()
+    def run(
+        self,
+        args: tuple,
+        kwargs: dict,
+        loss_of: Callable[[Any], torch.Tensor],
+        micro_batches: int = 1,
+        first_step: bool = False,
+    ) -> Peak:
+        """The second step's forward and backward (the optimizer's state exists; with ``first_step`` not yet),
+        then the optimizer's step. With ``micro_batches``, its last micro-batch: the sharded gradients of the
+        ones before it are held (each micro-batch reduces its gradients, FSDP2's default) and each unit's adds
+        into its own."""
+        self.optim = 0 if first_step else self._optimizer_state()
         self.accumulating = micro_batches > 1
         if self.accumulating:
             self.grads = sum(u.shard for u in self.units if u.params)
@@ -741,6 +765,27 @@ def rank_peaks(
     for rank in range(world_size):
         optim = sum(2 * 4 * _owned(p, shards, rank % shards) + 4 for p in trained)
         peaks.append(dataclasses.replace(traced, optim=optim))
-    if config.cpu_offload:  # shards, their gradients and the optimizer's state live in host memory
+    if config.cpu_offload and devices.type == "cuda":  # shards, grads and optimizer state live in host memory
         peaks = [dataclasses.replace(p, params=step.buffers, grads=0, optim=0) for p in peaks]
     return peaks, inputs
+
+
+def crossing(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    devices: Devices,
+    workload: Workload,
+    limit: int,
+    first_step: bool,
+) -> Peak | None:
+    """The first moment of a training step at which rank 0's bytes pass ``limit``, by category, and where in
+    the step it falls (None: the step stays within it): what the planner says of a rank that ran out of
+    memory there. ``first_step``: the optimizer's state does not exist yet."""
+    _, shards = config.mesh_shape(world_size)
+    parts = 1 if workload.per_rank_batches else world_size
+    inputs = step_inputs(workload.batch, parts * workload.micro_batches, per_rank_batches=False)
+    step = _Step(transfer.meta_copy(model), config, shards, devices, workload.autocast)
+    step.limit = limit
+    step.run(inputs.args, inputs.kwargs, _loss_of(workload.loss, inputs.target), workload.micro_batches, first_step)
+    return step.crossed

@@ -113,12 +113,16 @@ class Plan:
     """With ``suggest``: plans of other settings that fit, cheapest first (``nbfsdp.kernel.planning.fitting``)."""
     change: str = ""
     """A suggestion's change against the settings asked for."""
+    change_settings: dict[str, Any] = field(default_factory=dict)
+    """The same change as fsdp_config keys (and ``world_size``, ``micro_batches``)."""
     cost_seconds: float = 0.0
     """A suggestion's added seconds per step (negative: saved), by ``nbfsdp.kernel.planning.fitting``'s cost model."""
     gpu_factor: float = 1.0
     """A suggestion's ranks against those asked for."""
     searched: bool = False
     """Suggestions were asked for (an empty list then means none fits)."""
+    untried: int = 0
+    """Changes the search left untried when its time ran out (``plan``'s ``search_seconds``)."""
 
     def __str__(self) -> str:
         name = lambda n: n or "(root)"  # noqa: E731
@@ -185,9 +189,11 @@ class Plan:
             top = max(p["total"] for p in self.peak)
             usable = self.device_memory["usable"]
             verdict = "fits" if self.fits else "does not fit"
+            total = self.device_memory["total"]
+            rest = "" if usable == total else "; the rest is the CUDA context and the allocator's margin"
             lines.append(
                 f"on {self.device_memory['name']}: {verdict} ({size_text(top)} of {size_text(usable)} usable of "
-                f"{size_text(self.device_memory['total'])}; the rest is the CUDA context and the allocator's margin)"
+                f"{size_text(total)}{rest})"
             )
         if self.suggestions:
             lines.append(
@@ -298,15 +304,17 @@ def plan(
     workload: Workload | None = None,
     memory: DeviceMemory | None = None,
     suggest: bool = False,
+    search_seconds: float | None = None,
 ) -> Plan:
     """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
     collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
     planned for GPUs it does not have. With a ``workload``, each rank's peak in a training step, traced
-    (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit.
-    A cell that trains ``model`` on no loader of its own predicts its peak with this ``workload``."""
+    (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit
+    (tried for at most ``search_seconds`` where given). A cell that trains ``model`` on no loader of its own
+    predicts its peak with this ``workload``."""
     if workload is not None:
         predicted.remember(model, workload)
-    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest)
+    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest, search_seconds)
 
 
 def _traced(
@@ -318,6 +326,7 @@ def _traced(
     workload: Workload | None,
     memory: DeviceMemory | None,
     suggest: bool,
+    search_seconds: float | None = None,
 ) -> Plan:
     planned = _plan(model, config, world_size, hosts, devices)
     if workload is None:
@@ -332,8 +341,8 @@ def _traced(
         planned.fits = fitting.fits(planned, memory)
     if suggest and memory is not None:
         planned.searched = True
-        planned.suggestions = fitting.suggest(
-            planned, functools.partial(_replan, model, config, world_size, hosts, workload, memory)
+        planned.suggestions, planned.untried = fitting.suggest(
+            planned, functools.partial(_replan, model, config, world_size, hosts, workload, memory), search_seconds
         )
     return planned
 

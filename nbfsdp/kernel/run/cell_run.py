@@ -20,11 +20,12 @@ from typing import Any, Protocol
 import torch.nn as nn
 from IPython.core.interactiveshell import InteractiveShell
 
+from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
 from nbfsdp.kernel.cluster.world import Cluster, World
 from nbfsdp.kernel.planning import predicted
 from nbfsdp.kernel.planning.plans import Plan, plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
-from nbfsdp.kernel.run import history, residence
+from nbfsdp.kernel.run import history, out_of_memory, residence
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
@@ -300,6 +301,11 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     run.clean_up()
     record, outcome = run.record, run.outcome
     record.elapsed = time.perf_counter() - run.started
+    if isinstance(outcome, RankOutOfMemory):  # each rank's bytes beside the planner's, and what fits
+        world = run.ranks.world
+        record.out_of_memory = out_of_memory.explain(
+            outcome, run.models, run.ranks.config, world.world_size, world.devices
+        )
     if isinstance(outcome, BaseException):
         record.ok, record.error = False, str(outcome) or type(outcome).__name__
         if run.dashboard:

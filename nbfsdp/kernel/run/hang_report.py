@@ -1,7 +1,9 @@
 """A hang reported by itself: while a cell runs, the kernel asks the ranks where they are (``%fsdp where``'s
 machinery, ``nbfsdp.kernel.run.where``) and, once a rank has waited in one collective longer than
 ``--hang-report`` seconds, prints that report once, as the user would have asked for it. The cell goes on
-waiting for ``--timeout`` or an interrupt: the report only says where it is stuck and why.
+waiting for ``--timeout`` or an interrupt: the report only says where it is stuck and why. The cell's live
+dashboard marks the ranks it names, in their rows: the stuck one ("stuck in all_reduce #1 for 17 s at cell line
+4") and the one that left it waiting.
 
 No rank is asked before ``seconds`` have passed (none can have waited that long), then once a second: each
 ask costs every rank's watcher thread one stack and ledger written to a file, about a millisecond. Runs in the
@@ -14,8 +16,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from nbfsdp.kernel.run.where import Where
+from nbfsdp.kernel.run.where import RankPosition, Where
+from nbfsdp.ui.dashboard import LiveDashboard
 
 #: How often the ranks are asked once a hang is possible.
 ASK_EVERY_SECONDS = 1.0
@@ -24,9 +28,10 @@ ASK_EVERY_SECONDS = 1.0
 class HangReporter:
     """Watches one running cell and reports, once, a rank that has waited in a collective too long."""
 
-    def __init__(self, ask: Callable[[], Where], seconds: float) -> None:
+    def __init__(self, ask: Callable[[], Where], seconds: float, dashboard: LiveDashboard | None = None) -> None:
         self._ask = ask
         self._seconds = seconds
+        self._dashboard = dashboard
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.report = ""
@@ -59,5 +64,43 @@ class HangReporter:
                     f"{self._seconds:g}); where the ranks are, as %fsdp where says it:\n{where}"
                 )
                 print(self.report, file=sys.stderr, flush=True)
+                if self._dashboard is not None:
+                    self._dashboard.mark_ranks(rank_marks(where), "hang report: " + "; ".join(where.findings))
                 return
             self._stop.wait(ASK_EVERY_SECONDS)
+
+
+def rank_marks(where: Where) -> dict[int, str]:
+    """What the dashboard says in the row of each rank a hang report names: a rank waiting in a collective is
+    stuck in it (for how long, issued at which line), and a rank of its group that has not issued that collective
+    yet is the one it waits for (with what that rank is doing)."""
+    marks: dict[int, str] = {}
+    answered = [p for p in where.positions if p.answered]
+    for position in answered:
+        inside = position.inside
+        if not inside:
+            continue
+        marks[position.rank] = (
+            f"stuck in {inside['op']} #{inside['seq']} for {where.asked_at - inside['since']:.0f} s at "
+            f"{_line(inside['at'])}"
+        )
+        for other in answered:
+            if other.rank in inside["group"] and other.count(tuple(inside["group"])) < inside["seq"]:
+                marks.setdefault(
+                    other.rank,
+                    f"has not issued {inside['op']} #{inside['seq']} (rank {position.rank} waits in it); "
+                    f"{_doing(other, where.asked_at)}",
+                )
+    return marks
+
+
+def _line(at: str) -> str:
+    """``<fsdp-cell-3>:4 in <module>`` as ``cell line 4``; a library's line as ``file.py:12 in f``."""
+    filename, _, rest = at.partition(":")
+    if filename.startswith("<fsdp-cell-"):
+        return f"cell line {rest.split(' ')[0]}"
+    return f"{Path(filename).name}:{rest}" if at else "?"
+
+
+def _doing(position: RankPosition, now: float) -> str:
+    return position.state(now).split(",")[0]

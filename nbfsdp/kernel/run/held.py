@@ -25,8 +25,9 @@ Fingerprint = tuple[Any, str]
 def settings_key(config: FSDPConfig) -> str:
     """An ``FSDPConfig``'s fields as part of a model's fingerprint: other settings, shard again.
 
-    ``why`` only explains them: FULL chosen by default and FULL asked for shard alike."""
-    return repr(sorted((key, value) for key, value in dataclasses.asdict(config).items() if key != "why"))
+    ``why`` only explains them: FULL chosen by default and FULL asked for shard alike; a memory limit is the
+    rank's, not the model's."""
+    return repr(sorted((k, v) for k, v in dataclasses.asdict(config).items() if k not in ("why", "memory_limit")))
 
 
 def fingerprint(model: nn.Module, skeleton: bytes, config: FSDPConfig) -> Fingerprint:

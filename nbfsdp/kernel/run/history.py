@@ -58,6 +58,11 @@ class RunRecord:
     (``%fsdp where``'s report); empty when none did."""
     hang_report_after: float = 0.0
     """Seconds from the cell's start to that report."""
+    out_of_memory: dict[str, Any] | None = None
+    """A rank ran out of memory: the report the cell printed (``text``) and its parts: ``rank``, ``limit``,
+    ``doing``, per rank the bytes by category ``measured`` where it stopped, the planner's ``planned`` bytes
+    where the step passes the limit (``planned_at``) and its whole step's ``planned_peak``, and the
+    ``fixes`` it offers (each ``flags`` and ``peak``, checked by the planner). None for any other cell."""
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
     counted them on arrival), their skeletons and the other names the cell reads."""

@@ -27,7 +27,7 @@ from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankError, submit
+from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankError, RankOutOfMemory, submit
 from nbfsdp.kernel.cluster.world import Cluster
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
@@ -234,6 +234,9 @@ class RankRun:
                 others.insert(0, f"also on ranks {', '.join(same)}")
             hosts = [info.host for info in self.world.engines]
             host = hosts[rank] if len(set(hosts)) > 1 else None  # named where the world spans hosts
+            memories = {r: o.memory for r, o in sorted(failed.items()) if o.memory is not None}
+            if any(memory.get("out_of_memory") for memory in memories.values()):
+                raise RankOutOfMemory(rank, message, primary[rank].traceback, "; ".join(others), host, memories)
             raise RankError(rank, message, primary[rank].traceback, "; ".join(others), host)
         return [outcomes[rank] for rank in range(len(self.results))]
 

@@ -19,6 +19,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly, plan_with
+from nbfsdp.kernel.planning import check
 from nbfsdp.kernel.run import cell_run, inputs, residence
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
@@ -96,7 +97,7 @@ class Session:
         run = cell_run.submit(self.cluster, prepared, spec, world, record, control, background, internal, started, self)
         run.markers = saves.markers if saves else None
         if hang_report > 0 and not internal and not self.cluster.unsteerable():
-            run.hang_reporter = HangReporter(self.where, hang_report).start()
+            run.hang_reporter = HangReporter(self.where, hang_report, run.dashboard).start()
         self.active = run
         if background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
@@ -148,6 +149,7 @@ class Session:
         """The cell parsed, its inputs read and pickled (``spec.prepare``): every refusal happens here."""
         devices = self.cluster.devices(world_size, config.device)
         config = validate(config, world_size, devices)
+        check.before_cell(cell, self.shell.user_ns, config, world_size, devices)  # said, never refused
         world = self.cluster.world
         reusing = self.cluster.reuses_world(world_size, timeout, config.device)
         held = self.held if reusing and world is not None and world.generation == self.held.generation else None

@@ -179,6 +179,7 @@ def cell_spec(
             for name in plans
         },
         resume_step=resume_step,
+        ranks_per_gpu=world.devices.ranks_per_gpu,
         saves=saves,
         kept=sorted(prepared.kept),
         loader_resume={
