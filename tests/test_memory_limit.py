@@ -84,6 +84,7 @@ def model(shell):
     run_ok(shell, cell())  # the world up, its engines warm
 
 
+@pytest.mark.floor
 def test_over_its_limit_a_cpu_rank_fails_as_cuda_does_with_one_report(shell, model, capsys, cluster):
     pids = [info.pid for info in cluster.world.engines]
     capsys.readouterr()
@@ -143,6 +144,13 @@ def test_the_limit_is_a_size_given_as_a_flag_a_config_key_or_a_control(shell, mo
     shell.user_ns["limits"] = {"memory_limit": "1MB"}
     error, _ = run_failing(shell, cell("--config limits"))
     assert isinstance(error, RankOutOfMemory)
+    shell.run_line_magic("fsdp", "set memory_limit=1MB")  # what the panel's box does: the next cells' default
+    try:
+        error, _ = run_failing(shell, cell())
+        assert isinstance(error, RankOutOfMemory)
+        run_ok(shell, cell("--memory-limit 1GB"))  # a flag wins over the default
+    finally:
+        shell.run_line_magic("fsdp", "set memory_limit=none")
     changes = []
     controls = SettingsControls(
         {**dataclasses.asdict(resolve({}, {})), "world_size": 2, "memory_limit": 2**29}, changes.append

@@ -161,3 +161,34 @@ def test_a_store_on_a_socket_bound_to_loopback_serves_there_alone():
     client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
     client.set("key", "value")
     assert server.get("key") == b"value" and server.port == port
+
+
+LIMITED = """%%fsdp --world-size 2 --wrap-cls Block --no-gather
+from nbfsdp.shared import torch_private
+
+asked = []
+tracker = torch_private.limited_memory_tracker(model, lambda size, total: asked.append((size, total)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+with tracker:
+    for step in range(2):  # a second iteration: FSDPMemTracker's own would refuse it without a reset
+        x, y = batch_for(rank, step)
+        loss_fn(model(x), y).backward()
+        opt.step(); opt.zero_grad()
+    during = tracker.doing
+    held = tracker.by_category()
+del tracker, opt
+"""
+
+
+def test_the_limited_memory_tracker_counts_by_category_and_calls_for_every_growth(shell, tiny_model):
+    """FSDPMemTracker with its private methods overridden: each storage made or grown reports its size and the
+    running total; the categories are the planner's; the optimizer's state is its own (global hooks)."""
+    run_ok(shell, LIMITED)
+    ns = shell.user_ns
+    assert len(ns["asked"]) > 50 and all(size >= 0 and total >= size for size, total in ns["asked"])
+    held = ns["held"]
+    assert set(held) == {"params", "grads", "optim", "activations", "temporaries", "comm_buffers"}
+    # AdamW: two fp32 moments the size of each shard, and a 4-byte step counter a parameter
+    assert 0 < 2 * held["params"] <= held["optim"] < 2 * held["params"] + 256
+    assert max(total for _, total in ns["asked"]) >= sum(held.values())
+    assert ns["during"].endswith("in optimizer step") or " in " in ns["during"]

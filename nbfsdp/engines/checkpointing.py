@@ -473,8 +473,10 @@ class IntervalSaver:
 
 
 def _fields(config: Any) -> dict[str, Any]:
+    """A model's settings as its checkpoint's manifest keeps them: how it is sharded, not the rank's memory."""
     fields = dataclasses.asdict(config)
     fields["wrap_cls"] = list(fields["wrap_cls"])
+    fields.pop("memory_limit")
     return fields
 
 

@@ -129,7 +129,7 @@ class FSDPConfig:
     """Each rank's memory, as a size (48MB, 512MiB, 2GiB): past it a rank runs out of memory as a GPU does (CPU
     ranks: nbfsdp's accounting by FSDPMemTracker raises CUDA's error; GPU ranks: the allocator's fraction of
     the GPU), and the cell reports each rank's bytes beside the planner's and the flags that fit. Default: none
-    on CPU; on GPU 1/k of the GPU where k ranks share one."""
+    on CPU; on GPU 1/k of the GPU where k ranks share one; ``none`` for none."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Composer keys given that have no effect under FSDP2, with why."""
     why: dict[str, str] = field(default_factory=dict)
@@ -220,7 +220,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "replicas": lambda v: None if v is None else _positive_int("replicas", v),
     "data_parallel_replicate_degree": lambda v: None if v is None else _positive_int("replicas", v),
     "sync_module_states": bool,
-    "memory_limit": lambda v: None if v is None or v == "" else size_bytes(v, "memory_limit"),
+    "memory_limit": lambda v: (
+        None if v is None or str(v).strip().lower() in ("", "none") else size_bytes(v, "memory_limit")
+    ),
 }
 _ALIASES = {"data_parallel_replicate_degree": "replicas"}
 

@@ -311,7 +311,8 @@ def limited_memory_tracker(root: nn.Module, over_limit: Callable[[int, int], Non
                 asked = (
                     winfo.mem_consumed - (old_mem_consumed or 0) if u_type == _UpdateType.SIZE else winfo.mem_consumed
                 )
-                over_limit(asked, self._curr_mem_snap.get(winfo.device, {}).get("Total", 0))
+                if asked > 0:  # a resize may shrink (FSDP2 frees an unsharded parameter's storage so)
+                    over_limit(asked, self._curr_mem_snap.get(winfo.device, {}).get("Total", 0))
 
         def _noting(self, fsdp_mod: Any, collective: str, inner: Callable) -> Callable:
             def noted(*args: Any, **kwargs: Any) -> Any:

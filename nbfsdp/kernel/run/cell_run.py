@@ -306,6 +306,8 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
         record.out_of_memory = out_of_memory.explain(
             outcome, run.models, run.ranks.config, world.world_size, world.devices
         )
+        if run.dashboard:
+            run.dashboard.note(record.out_of_memory["text"].splitlines()[0].removeprefix("nbfsdp: "))
     if isinstance(outcome, BaseException):
         record.ok, record.error = False, str(outcome) or type(outcome).__name__
         if run.dashboard:
