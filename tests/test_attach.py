@@ -50,6 +50,13 @@ groups = [None] * world_size
 torch.distributed.all_gather_object(groups, mine)
 """
 
+#: Each rank's engine process.
+PIDS = """%%fsdp
+import os, torch
+pids = [None] * world_size
+torch.distributed.all_gather_object(pids, os.getpid())
+"""
+
 
 @contextlib.contextmanager
 def _attachable(directory):
@@ -283,9 +290,13 @@ def test_a_checkpoint_across_hosts_holds_every_ranks_shards(shell, tiny_model, t
 # ipyparallel's SSH launcher watches each engine over ssh; those watchers fail once their host is gone
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_host_killed_mid_cell_ends_the_cell_in_seconds_and_the_next_runs_on_the_rest(shell, tmp_path):
+    """The ranks left on the living host wait in a collective that the dead host's ranks will never join; the
+    kernel tells them on their lifelines to release it, so the next cell runs on them at once, the same
+    engines (not killed: they are not nbfsdp's), instead of after --timeout (118 s here, before)."""
     with _attachable(tmp_path) as (machines, _):
         run_ok(shell, "%fsdp attach --profile gpus")
-        run_ok(shell, "%%fsdp\nwarm = rank")
+        run_ok(shell, PIDS)
+        pids = shell.user_ns["pids"]
         previous = nbfsdp.last_run()
         killed: list[float] = []
 
@@ -301,19 +312,48 @@ def test_a_host_killed_mid_cell_ends_the_cell_in_seconds_and_the_next_runs_on_th
 
         threading.Thread(target=kill_once_every_rank_runs, daemon=True).start()
         training = (
-            # the ranks left on the living host stay in their collective until --timeout (gloo cannot be woken,
-            # and the engines of an attached cluster are not nbfsdp's to kill): the next cell waits that long
-            "%%fsdp --timeout 20\nimport time, torch\nnbfsdp.log(running=1)\n"
+            "%%fsdp --timeout 120\nimport time, torch\nnbfsdp.log(running=1)\n"
             "for _ in range(100000):\n    torch.distributed.all_reduce(torch.ones(1)); time.sleep(0.01)"
         )
         error, _ = run_failing(shell, training)
         ended = time.monotonic() - killed[0]
         assert isinstance(error, RankError), error
-        assert ended < 10, ended  # not the controller's half-minute of missed heartbeats, nor the 20 s timeout
+        assert ended < 10, ended  # not the controller's half-minute of missed heartbeats, nor the 120 s timeout
         lost = machines.hosts[1].name
-        assert f"on {lost}" in str(error), error
-        run_ok(shell, "%%fsdp\nimport socket\nwhere = socket.gethostname()")
+        assert f"rank 2 on {lost}" in str(error) and f"engine 3 on {lost}" in str(error), error
+        started = time.monotonic()
+        run_ok(shell, PIDS + "import socket\nwhere = socket.gethostname()")
+        took = time.monotonic() - started
+        print(f"the cell ended {ended:.1f} s after the kill; the next cell took {took:.1f} s")
+        assert took < 30, took  # a hang guard: without the release it waits out the 120 s timeout
         assert nbfsdp.last_run().world_size == 2 and shell.user_ns["where"] == machines.hosts[0].name
+        assert shell.user_ns["pids"] == pids[:2]  # the same engines: released, not killed
+
+
+def test_an_interrupt_releases_ranks_waiting_in_a_collective_that_never_completes(shell, two_hosts):
+    """Every rank waits to receive from the next, which never sends: a rank inside gloo takes no SIGINT, and the
+    engines are not nbfsdp's to kill; the kernel releases them on their lifelines, so the next cell runs at
+    once on the same engines instead of after --timeout."""
+    run_ok(shell, "%fsdp attach --profile gpus")
+    run_ok(shell, PIDS)
+    pids = shell.user_ns["pids"]
+    previous = nbfsdp.last_run()
+    interrupt = interrupt_main_when(
+        lambda: nbfsdp.last_run() is not previous and len(nbfsdp.last_run().metrics) == 4, within=60
+    )
+    waiting = (
+        "%%fsdp --timeout 120\nimport torch\nnbfsdp.log(waiting=1)\n"
+        "torch.distributed.recv(torch.ones(1), (rank + 1) % world_size)"
+    )
+    error, _ = run_failing(shell, waiting)
+    assert isinstance(error, KeyboardInterrupt), error
+    assert interrupt.held, "the ranks had not all logged within 60 s (interrupted all the same)"
+    started = time.monotonic()
+    run_ok(shell, PIDS)
+    took = time.monotonic() - started
+    print(f"the cell ended {started - interrupt.at:.1f} s after the interrupt; the next took {took:.1f} s")
+    assert took < 30, took  # a hang guard: without the release it waits out the 120 s timeout
+    assert shell.user_ns["pids"] == pids  # the same engines: released, not killed
 
 
 LONG = """%%fsdp --async

@@ -245,6 +245,24 @@ def test_gradient_accumulation_without_no_sync_is_found_with_the_planners_bytes(
     assert findings(ACCUMULATES, namespace, world_size=1) == []  # one rank reduces nothing
     small = nn.Linear(8, 8)  # under ACCUMULATION_BYTES: the extra reduce-scatters cost their latency only
     assert findings(ACCUMULATES, {**namespace, "model": small, "opt": torch.optim.SGD(small.parameters())}) == []
+    assert findings(ACCUMULATES, {**namespace, "K": 1}) == []  # % 1: a step every backward
+
+
+ONE_MICRO_BATCH = """for step in range(3):
+    for part in x.chunk(MICRO):
+        loss = loss_fn(model(part), part)
+        loss.backward()
+    opt.step()
+"""
+
+
+def test_a_micro_batch_loop_of_one_is_no_accumulation():
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512))
+    namespace = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "MICRO": 1}
+    assert findings(ONE_MICRO_BATCH, namespace) == []
+    assert findings(ONE_MICRO_BATCH.replace("MICRO", "1"), namespace) == []
+    found = only(findings(ONE_MICRO_BATCH, {**namespace, "MICRO": 4}), "accumulation")
+    assert found.line == 4 and "MICRO (4) backwards per opt.step()" in found.what
 
 
 def test_check_alone_needs_a_cell_that_ran():

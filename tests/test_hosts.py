@@ -7,15 +7,27 @@ which host it is on. Two namespaces with the same hostname still count as two ho
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing
+import os
+import queue
+import signal
 import sys
+import time
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from benchmarks import namespaces as namespace_hosts
 from nbfsdp.engines import hosts as engine_hosts
+from nbfsdp.engines import release
 from nbfsdp.kernel.cluster.hosts import devices, place
+from nbfsdp.kernel.cluster.lifelines import Lifelines
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.network import loopback_interface
 from nbfsdp.shared.protocol import HostIdentity
 
 
@@ -108,3 +120,67 @@ def test_engines_the_ssh_launcher_started_on_two_hosts_say_which_host_they_are_o
     for first, second in (placed[:2], placed[2:]):
         assert found[first.engine_id].key == found[second.engine_id].key
     assert found[placed[0].engine_id].key != found[placed[2].engine_id].key
+
+
+def _rank_whose_peer_vanishes(rank: int, kernel: tuple[str, int], secret: str, directory: str, said: Any) -> None:
+    """A rank of a world of 3 with a lifeline to ``kernel``: all-reduces until released, then joins a world of
+    the 2 left (both over real gloo on loopback)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface() or "lo"
+    release.hold_lifeline(kernel, secret, rank)
+    release.world_begins(7)
+    wait = datetime.timedelta(seconds=120)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(f"{directory}/first", 3), rank=rank, world_size=3, timeout=wait
+    )
+    dist.all_reduce(torch.ones(1))
+    said.put((rank, "running", 0.0))
+    try:
+        while True:
+            dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        said.put((rank, "released", time.monotonic()))
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(f"{directory}/next", 2), rank=rank, world_size=2, timeout=wait)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    said.put((rank, f"next world {total.item()}", 0.0))
+    dist.destroy_process_group()
+
+
+@pytest.mark.faults
+@pytest.mark.floor
+def test_ranks_waiting_on_a_vanished_peer_are_released_by_the_kernels_word(tmp_path):
+    """A peer stopped mid all-reduce (a host gone without closing its connections) leaves the others waiting
+    until the timeout (120 s here); the kernel's ``release`` on their lifelines ends the wait at once, for
+    the world it names only, and the ranks then form a new world."""
+    lifelines = Lifelines("127.0.0.1")
+    context = multiprocessing.get_context("spawn")
+    said = context.Queue()
+    ranks = [
+        context.Process(
+            target=_rank_whose_peer_vanishes, args=(r, lifelines.address, lifelines.secret, str(tmp_path), said)
+        )
+        for r in range(3)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        assert sorted(said.get(timeout=60)[0] for _ in range(3)) == [0, 1, 2]
+        os.kill(ranks[2].pid, signal.SIGSTOP)  # its connections stay open: no peer hears it end
+        time.sleep(0.5)
+        lifelines.release([0, 1], 6)  # an older world's word: this one goes on waiting
+        with pytest.raises(queue.Empty):
+            said.get(timeout=1.0)
+        asked = time.monotonic()
+        lifelines.release([0, 1], 7)
+        released = [said.get(timeout=30) for _ in range(2)]  # a hang guard: released in milliseconds, measured
+        assert sorted(rank for rank, word, _ in released) == [0, 1] and {w for _, w, _ in released} == {"released"}
+        print(f"released {max(at for _, _, at in released) - asked:.3f} s after the kernel's word")
+        assert sorted(said.get(timeout=60)[1:2] for _ in range(2)) == [("next world 2.0",)] * 2
+    finally:
+        os.kill(ranks[2].pid, signal.SIGKILL)
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        lifelines.close()

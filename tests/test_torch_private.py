@@ -5,14 +5,17 @@ A PyTorch release that moves one fails here, by name. The FSDP2 ones run on real
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from nbfsdp.shared import torch_private
-from tests.conftest import run_ok
+from tests.conftest import gpu, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
@@ -192,3 +195,66 @@ def test_the_limited_memory_tracker_counts_by_category_and_calls_for_every_growt
     assert 0 < 2 * held["params"] <= held["optim"] < 2 * held["params"] + 256
     assert max(total for _, total in ns["asked"]) >= sum(held.values())
     assert ns["during"].endswith("in optimizer step") or " in " in ns["during"]
+
+
+def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_working(tmp_path):
+    """The world's groups are walked (``_world.pg_names``, each one's CUDA backend): a gloo world has no NCCL
+    communicator to abort (gloo's collectives are released by their connections, ``nbfsdp.engines.release``),
+    so nothing happens to it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.new_group([0])  # a second group, as a mesh makes
+        assert torch_private.abort_nccl_communicators() is False
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_of_a_stuck_nccl_world(rank: int, directory: str, said: Any) -> None:
+    """Rank 0 all-reduces alone (rank 1 never joins) until another thread aborts its communicators."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    os.environ["NCCL_HOSTID"] = f"nbfsdp-abort-test-{rank}"  # two ranks on one GPU: NCCL sees two hosts
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(f"{directory}/store", 2), rank=rank, world_size=2)
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+    if rank == 1:
+        said.put((rank, "joined once", 0.0))
+        time.sleep(120)  # never joins the next
+        return
+    threading.Timer(1.0, torch_private.abort_nccl_communicators).start()
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1, device="cuda"))
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    said.put((rank, "released", time.monotonic() - started))
+    dist.destroy_process_group()
+    said.put((rank, "destroyed", 0.0))
+
+
+@gpu
+def test_abort_nccl_communicators_releases_an_all_reduce_blocked_on_a_silent_peer(tmp_path):
+    """From another thread, as a dead host's survivors do: the blocked all-reduce returns within seconds, and
+    the process, and its group's teardown, live on (an attached cluster's engines are not nbfsdp's)."""
+    context = multiprocessing.get_context("spawn")
+    said = context.Queue()
+    ranks = [context.Process(target=_rank_of_a_stuck_nccl_world, args=(r, str(tmp_path), said)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        heard = {said.get(timeout=120)[1] for _ in range(3)}
+        assert heard == {"joined once", "released", "destroyed"}, heard
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join(10)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, scaling, where, writes
+from nbfsdp.engines import checkpointing, hosts, loaders, metrics, pasted, release, scaling, where, writes
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
 from nbfsdp.engines.memory_limit import RankMemory
@@ -97,6 +97,7 @@ def setup(
     else:
         device = torch.device("cpu")
     seconds = datetime.timedelta(seconds=timeout)
+    release.world_begins(generation)  # before the store: the connections made from here are the world's
     script_store = None
     if rendezvous is None:
         _use_interface(loopback_interface())

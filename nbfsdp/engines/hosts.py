@@ -5,7 +5,7 @@ apart even where hostnames do not (containers and network namespaces share a ker
 name): the boot id, the network namespace and the hostname. ``NBFSDP_HOST_ID`` overrides the key for
 set-ups where neither tells (two engines that should count as one host, or as two).
 
-Engines of an attached cluster also hold a lifeline to the kernel (``hold_lifeline``), and rank 0 opens
+Engines of an attached cluster also hold a lifeline to the kernel (``check_in``), and rank 0 opens
 the world's rendezvous (``open_rendezvous``).
 """
 
@@ -16,8 +16,9 @@ import socket
 
 import torch
 
+from nbfsdp.engines import release
 from nbfsdp.shared.devices import gpu_capability
-from nbfsdp.shared.network import keep_alive, source_address
+from nbfsdp.shared.network import source_address
 from nbfsdp.shared.protocol import HostIdentity
 
 #: An environment variable that names this engine's host outright.
@@ -74,24 +75,10 @@ def take_rendezvous() -> socket.socket | None:
     return taken
 
 
-#: This engine's connection to the kernel that attached (``nbfsdp.kernel.cluster.lifelines``), held open.
-_lifeline: socket.socket | None = None
-
-
 def check_in(kernel: tuple[str, int], secret: str, engine_id: int, seen: str) -> tuple[HostIdentity, bool]:
     """Say which host this engine is on, and whether it sees the notebook's file ``seen`` (holding
-    ``secret``): a directory both share. Then hold a lifeline to the kernel at ``kernel``: the kernel
-    sees the connection end the moment this engine does, or its host. A kernel out of reach (behind a
-    tunnel) gets no lifeline and falls back on the controller's heartbeats."""
-    global _lifeline
-    if _lifeline is not None:
-        _lifeline.close()
-        _lifeline = None
-    try:
-        connection = socket.create_connection(kernel, timeout=5)
-        keep_alive(connection, 1, 1, 3)
-        connection.sendall(f"{secret} {engine_id}\n".encode())
-        _lifeline = connection
-    except OSError:
-        pass
+    ``secret``): a directory both share. Then hold a lifeline to the kernel at ``kernel``
+    (``nbfsdp.engines.release.hold_lifeline``): the kernel sees the connection end the moment this engine
+    does, or its host, and tells this engine on it to release a world it gave up."""
+    release.hold_lifeline(kernel, secret, engine_id)
     return identity(), _read(seen) == secret

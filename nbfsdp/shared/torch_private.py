@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 __all__ = [
+    "abort_nccl_communicators",
     "checkpoint",
     "dcp_load_in_one_process",
     "is_iterable_loader",
@@ -381,3 +382,35 @@ def limited_memory_tracker(root: nn.Module, over_limit: Callable[[int, int], Non
 def _unit_name(fqn: str) -> str:
     """ModTracker's name of a module (``GPT2LMHeadModel.transformer.h.0``) as the planner names the unit."""
     return fqn.partition(".")[2] or "(root)"
+
+
+def abort_nccl_communicators() -> bool:
+    """Abort every NCCL communicator of this process's groups, from any thread: a collective blocked in one
+    ends with "NCCL communicator was aborted", and the main thread destroys the groups as usual after.
+
+    ``_abort_process_group`` would do it but also clears ``_world``'s maps, which the main thread's
+    ``destroy_process_group`` reads at the same moment; so only the backends are aborted here, all within
+    one ``ncclGroupStart``/``ncclGroupEnd`` as it does (one communicator's abort must not wait on
+    another's kernels, pytorch#119797). Relies on ``_world.pg_names``, ``ProcessGroup._get_backend`` and
+    ``ProcessGroupNCCL._group_start``/``_group_end``/``abort`` (all in torch 2.6 too). Returns whether there
+    was any NCCL communicator (False without NCCL: gloo has no abort for a running collective)."""
+    from torch.distributed.distributed_c10d import _world
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from a build without NCCL
+    backends = []
+    for group, _ in sorted(_world.pg_names.items(), key=lambda item: item[1], reverse=True):
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:  # a group with no CUDA backend
+            continue
+        if nccl is not None and isinstance(backend, nccl):
+            backends.append(backend)
+    if not backends:
+        return False
+    backends[0]._group_start()
+    try:
+        for backend in backends:
+            backend.abort()
+    finally:
+        backends[0]._group_end()
+    return True

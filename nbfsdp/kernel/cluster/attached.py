@@ -14,7 +14,6 @@ import contextlib
 import ipaddress
 import json
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -274,9 +273,11 @@ class AttachedCluster:
             self.world.processes[rank].signal(signum)
 
     def kill_engines(self) -> None:
-        """A stuck world is given up, its engines interrupted: they are not nbfsdp's to kill."""
+        """A stuck world is given up, its engines not killed (they are not nbfsdp's) but told on their lifelines
+        to release it: a rank waiting in a collective for a dead host's ranks, which the runner's SIGINT
+        cannot wake, ends it at once (``nbfsdp.engines.release``) and takes the next cell's set-up."""
         if self.world:
-            self.signal_ranks(list(range(self.world.world_size)), signal.SIGINT)
+            self._lifelines.release(self.world.engine_ids, self.world.generation)
         self.world = None
 
     def stop(self) -> None:

@@ -6,7 +6,8 @@ connection to the kernel (``nbfsdp.engines.hosts.hold_lifeline``): an engine tha
 (its host's kernel does), and a host that vanishes (power, network) is found by TCP keepalive probes
 within ``KEEPALIVE_SECONDS``. The kernel listens on the one address that reaches the engines, on a free
 port, and takes only connections that present the attach's secret (sent over ipyparallel's signed
-channel); nothing else travels on them.
+channel). One word goes the other way: ``release <generation>``, when the kernel gives up a world whose
+host died, so that the ranks left end the collective they wait in (``nbfsdp.engines.release``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Lifelines:
         self._listener = socket.create_server((address, 0))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._lock = threading.Lock()
-        self._held: set[int] = set()
+        self._held: dict[int, socket.socket] = {}
         self._lost: dict[int, str] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -44,6 +45,16 @@ class Lifelines:
         """Engines whose connection is open."""
         with self._lock:
             return set(self._held)
+
+    def release(self, engine_ids: list[int], generation: int) -> None:
+        """Tell these engines that the kernel gave up their world ``generation``: each ends the collectives
+        it waits in, at once (those whose lifeline has ended hear nothing)."""
+        word = f"release {generation}\n".encode()
+        with self._lock:
+            connections = [self._held[i] for i in engine_ids if i in self._held]
+        for connection in connections:
+            with contextlib.suppress(OSError):  # a few bytes into an empty buffer; or closed meanwhile
+                connection.send(word)
 
     def lost(self) -> dict[int, str]:
         """Engines whose connection ended, with how."""
@@ -92,7 +103,7 @@ class Lifelines:
         connection.setblocking(False)
         self._selector.register(connection, selectors.EVENT_READ, engine_id)
         with self._lock:
-            self._held.add(engine_id)
+            self._held[engine_id] = connection
             self._lost.pop(engine_id, None)
 
     def _read(self, key: selectors.SelectorKey) -> None:
@@ -108,5 +119,5 @@ class Lifelines:
         self._selector.unregister(connection)
         connection.close()
         with self._lock:
-            self._held.discard(key.data)
+            self._held.pop(key.data, None)
             self._lost[key.data] = how

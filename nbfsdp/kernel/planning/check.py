@@ -474,8 +474,12 @@ def _accumulation(
                 f"each reduce-scatters {name}'s gradients, {size_text(reduced)} a rank (the planner's), "
                 f"{micro} times a step where once would do",
                 why="FSDP2 reduces the gradients at every backward unless told not to; told, it keeps them unsharded "
-                f"until the last micro-batch instead, {size_text(extra)} more a rank (the planner's unsharded "
-                "gradients less the sharded ones): worth it while that fits",
+                + (
+                    f"until the last micro-batch instead, {size_text(extra)} more a rank (the planner's unsharded "
+                    "gradients less the sharded ones): worth it while that fits"
+                    if extra > 0
+                    else "until the last micro-batch instead, at no more memory a rank by the planner's count"
+                ),
                 fix=f"{sync}\n{statement_text(cell.source, statement)}",
             )
         ]
@@ -494,11 +498,15 @@ def _accumulated(cell: CellCode, backward: ast.Call, parents: dict[int, ast.AST]
         for step in steps:  # a step in the loop, under a condition the backward is not under: every k-th
             guard = _guard(step, node, parents)
             if guard is not None and backward not in list(ast.walk(guard)) and not cell.rank_dependent(guard.test):
+                if _known_count(cell, _moduli(guard.test)) == 1:
+                    return None  # every step: ``% 1``
                 test = ast.get_source_segment(cell.source, guard.test) or ast.unparse(guard.test)
                 return node, ast.unparse(step), test, _modulus(cell, guard.test)
         if steps:
             return None  # the step runs every iteration of this loop
         outer = _enclosing_loop(node, parents)
+        if _known_count(cell, _counted(node)) == 1:
+            continue  # one micro-batch: ``range(1)``, ``x.chunk(MICRO)`` with MICRO = 1
         if outer is not None and any(isinstance(s, ast.Call) and _is_step(cell, s) for s in own_nodes(outer)):
             step = next(s for s in own_nodes(outer) if isinstance(s, ast.Call) and _is_step(cell, s))
             return node, ast.unparse(step), _last_iteration(cell, node), _iterations(cell, node)
@@ -542,9 +550,34 @@ def _value(cell: CellCode, node: ast.AST) -> str:
     return f"{text} ({value})" if isinstance(value, int) else text
 
 
+def _moduli(test: ast.AST) -> list[ast.AST]:
+    return [n.right for n in ast.walk(test) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)]
+
+
 def _modulus(cell: CellCode, test: ast.AST) -> str:
-    found = [n.right for n in ast.walk(test) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)]
+    found = _moduli(test)
     return _value(cell, found[0]) if found else "several"
+
+
+def _counted(loop: ast.AST) -> list[ast.AST]:
+    """The count of ``for _ in range(N)`` or ``for part in x.chunk(N)`` / ``x.split(N)``: [N], else []."""
+    if not (isinstance(loop, ast.For) and isinstance(loop.iter, ast.Call) and loop.iter.args):
+        return []
+    name = dotted(loop.iter.func)
+    if name == "range" and len(loop.iter.args) == 1 or name.rpartition(".")[2] in ("chunk", "tensor_split"):
+        return [loop.iter.args[0]]
+    return []
+
+
+def _known_count(cell: CellCode, counts: list[ast.AST]) -> int | None:
+    """The first of ``counts`` as a number: a literal, or a name the notebook holds an int under."""
+    if not counts:
+        return None
+    node = counts[0]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    value = cell.namespace.get(node.id) if isinstance(node, ast.Name) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _range_of(loop: ast.AST) -> tuple[str, ast.AST] | None:
@@ -557,8 +590,8 @@ def _range_of(loop: ast.AST) -> tuple[str, ast.AST] | None:
 
 
 def _iterations(cell: CellCode, loop: ast.AST) -> str:
-    counted = _range_of(loop)
-    return _value(cell, counted[1]) if counted else "several"
+    counted = _counted(loop)
+    return _value(cell, counted[0]) if counted else "several"
 
 
 def _last_iteration(cell: CellCode, loop: ast.AST) -> str:

@@ -144,16 +144,19 @@ class Change:
 
 
 def candidates(config: dict[str, Any], world_size: int) -> list[Change]:
-    """The changes the search tries alone: activation checkpointing, PURE, SHARD_GRAD_OP and FULL_SHARD,
-    HYBRID_SHARD, CPU offload, 2 and 4 micro-batches, 2x and 4x the ranks."""
+    """The changes the search tries alone, likeliest to fit first (a search with a deadline tries those):
+    activation checkpointing, PURE, 2 and 4 micro-batches, 2x and 4x the ranks, HYBRID_SHARD, CPU offload
+    (where the ranks have a GPU: on CPU ranks it moves nothing out of the rank's memory), then the other of
+    FULL_SHARD and SHARD_GRAD_OP."""
     single: list[Change] = []
     if not config["activation_checkpointing"]:
         single.append(Change({"activation_checkpointing": True}, "activation checkpointing"))
     if config["mixed_precision"] != "PURE":
         single.append(Change({"mixed_precision": "PURE"}, "PURE mixed precision"))
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        if config["sharding_strategy"] != strategy:
-            single.append(Change({"sharding_strategy": strategy}, strategy))
+    for micro in (2, 4):
+        single.append(Change({"micro_batches": micro}, f"{micro} micro-batches with accumulation"))
+    for factor in (2, 4):
+        single.append(Change({"world_size": world_size * factor}, f"{world_size * factor} ranks"))
     for replicas in (2, 4):
         if world_size % replicas == 0 and world_size // replicas > 1 and config["sharding_strategy"] != "HYBRID_SHARD":
             single.append(
@@ -161,12 +164,11 @@ def candidates(config: dict[str, Any], world_size: int) -> list[Change]:
                     {"sharding_strategy": "HYBRID_SHARD", "replicas": replicas}, f"HYBRID_SHARD, {replicas} replicas"
                 )
             )
-    if not config["cpu_offload"]:
+    if not config["cpu_offload"] and config.get("device") != "cpu":
         single.append(Change({"cpu_offload": True}, "CPU offload"))
-    for micro in (2, 4):
-        single.append(Change({"micro_batches": micro}, f"{micro} micro-batches with accumulation"))
-    for factor in (2, 4):
-        single.append(Change({"world_size": world_size * factor}, f"{world_size * factor} ranks"))
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if config["sharding_strategy"] != strategy:
+            single.append(Change({"sharding_strategy": strategy}, strategy))
     return single
 
 
@@ -227,7 +229,10 @@ def _try(asked: Plan, replan: Any, change: Change, found: list[Plan], deadline: 
     """Plan ``change``, kept in ``found`` where it fits; False where the deadline left it untried."""
     if deadline is not None and time.monotonic() > deadline:
         return False
-    planned = replan(change)
+    try:
+        planned = replan(change)
+    except Exception:  # a model the trace cannot run so (a cache a recompute appends to): that change untold
+        return True
     if planned is None or not planned.fits:
         return True
     cost = step_cost(planned, asked, planned.tokens, change.settings.get("micro_batches", 1))

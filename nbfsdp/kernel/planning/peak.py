@@ -167,6 +167,8 @@ class _Unit:
     """Bytes of this rank's padded shards, in the parameters' own dtype (always held)."""
     unsharded: int
     """Bytes of the parameters gathered, in ``param_dtype``."""
+    unsharded_each: list[int]
+    """The same, parameter by parameter, in the order FSDP2 allocates them as it copies a gather out."""
     all_gather: int
     """The all-gather's output: every rank's padded shard, in ``param_dtype``."""
     reduce_scatter: int
@@ -240,6 +242,7 @@ class _Step:
             params=params,
             shard=sum(_padded(p, self.shards) * p.element_size() for p in params),
             unsharded=sum(p.numel() * _size(self.param_dtype or p.dtype) for p in params),
+            unsharded_each=[p.numel() * _size(self.param_dtype or p.dtype) for p in params],
             all_gather=sum(_padded(p, self.shards) * _size(self.param_dtype or p.dtype) for p in params) * self.shards
             if self.shards > 1
             else 0,
@@ -274,23 +277,26 @@ class _Step:
     # -- FSDP2's gathers and reductions
     def _gather(self, unit: _Unit, prefetched: bool = False) -> None:
         """All-gather ``unit``: its output buffer and the unsharded parameters copied out of it, both at once
-        until the copy is done (a prefetched unit's buffer waits for its own pre-hook)."""
+        until the copy is done (a prefetched unit's buffer waits for its own pre-hook). In forward FSDP2 keeps
+        the output until the next unit's copy-out is over (to overlap that copy with the next all-gather; its
+        ``wait_for_unshard`` holds the previous one in a local until it returns), or the root's post-forward."""
         if unit.gathered:
             return
         unit.gathered = True
+        where = f"{unit.name}, all-gather in {self.phase}"
         self.in_flight += unit.all_gather
-        # FSDP2 frees a forward all-gather's output only when the next unit's gather is waited on, before its
-        # copy-out (or at the root's post-forward), to overlap the copy with that all-gather
-        deferring = not prefetched and self.phase == "forward"
-        if deferring and self.deferred:
-            self._check(f"{unit.name}, all-gather in {self.phase}")
-            self.deferred = 0
-        self.gathered += unit.unsharded
-        self._check(f"{unit.name}, all-gather in {self.phase}")
+        if self.limit is None:
+            self.gathered += unit.unsharded
+        else:  # where the limit is passed: the output, then each parameter's storage as the copy-out makes it
+            self._check(where)
+            for size in unit.unsharded_each:
+                self.gathered += size
+                self._check(where)
+        self._check(where)
         if not prefetched:
             self.in_flight -= unit.all_gather
-            if deferring:
-                self.deferred = unit.all_gather
+            if self.phase == "forward":
+                self.deferred = unit.all_gather  # the previous one is freed
 
     def _waited(self, unit: _Unit) -> None:
         """A prefetched unit's gather is waited on where it runs: its output buffer goes."""
