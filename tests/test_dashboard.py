@@ -398,6 +398,7 @@ def test_the_dashboard_says_which_models_live_on_the_ranks(kernel):
     assert any("kept: weights live on the ranks only" in text for text in said)
     reply, messages = kernel.execute("print(repr(kept).splitlines()[1])")
     assert "on the 2 ranks only" in kernel.stdout(messages)
+    kernel.execute("del kept")  # the next cells may start another world (another --timeout) without it
 
 
 def test_the_dashboard_says_what_trains_of_a_model_with_frozen_parameters(kernel):
