@@ -22,10 +22,10 @@ def _source(cell: dict) -> str:
     return cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
 
 
-def test_the_course_is_sixteen_notebooks_in_order_and_an_appendix():
+def test_the_course_is_eighteen_notebooks_in_order_and_an_appendix():
     main = [name for name in NAMES if name[:2].isdigit()]
     appendix = [name for name in NAMES if name.startswith("a")]
-    assert [int(name[:2]) for name in main] == list(range(16)), main
+    assert [int(name[:2]) for name in main] == list(range(18)), main
     assert appendix == [
         "a1-your-own-training-loop",
         "a2-changing-settings-mid-run",
@@ -33,7 +33,7 @@ def test_the_course_is_sixteen_notebooks_in_order_and_an_appendix():
         "a4-lora-fine-tuning",
         "a5-out-of-memory-lab",
     ]
-    assert len(NAMES) >= 21
+    assert len(NAMES) >= 23
 
 
 def test_every_notebook_is_listed_in_the_course_page_the_site_and_the_readme():
@@ -57,3 +57,14 @@ def test_notebooks_name_only_notebooks_that_exist():
     for path in NOTEBOOKS:
         named = {match for cell in _cells(path) for match in REFERENCE.findall(_source(cell))}
         assert named <= set(NAMES), (path.name, named - set(NAMES))
+
+
+def test_the_course_page_says_what_ran_on_a_gpu_for_every_notebook():
+    """docs/course.md's GPU record: a row per notebook, saying when it last ran on GPU ranks or that it never did."""
+    course = (ROOT / "docs/course.md").read_text()
+    record = course.split("## What has run on a GPU", 1)[1]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in record.splitlines() if line.startswith("| `")}
+    assert sorted(rows) == NAMES, sorted(set(NAMES) ^ set(rows))
+    for name, row in rows.items():
+        last = row.split("|")[2].strip()
+        assert last == "never" or re.match(r"\d{4}-\d\d-\d\d, ", last), (name, last)

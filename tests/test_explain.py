@@ -49,7 +49,7 @@ def test_the_plan_shows_units_checkpointing_precision_prefetch_and_communication
         "(params bfloat16, reduce bfloat16"
     ) in out
     assert "activation checkpointing: blocks.0, blocks.1, blocks.2" in out
-    assert "forward order: (root) -> blocks.0 -> blocks.1 -> blocks.2" in out
+    assert "forward order (as registered): (root) -> blocks.0 -> blocks.1 -> blocks.2" in out
     assert "blocks.0 prefetches blocks.1, blocks.1 prefetches blocks.2" in out
     assert "backward order: blocks.2 -> blocks.1 -> blocks.0 -> (root)" in out
     assert "rank 3 predicted: params" in out and "per step per rank, tensors the collectives handle: all-gather" in out

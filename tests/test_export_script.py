@@ -4,8 +4,10 @@ under a real ``torchrun`` (gloo, 2 ranks); and a torchrun script pasted into a c
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +88,9 @@ def test_the_exported_script_computes_what_the_cell_computes(shell, tmp_path, ca
     assert "class Block(nn.Module):" in script and "def loss_fn(out, y):" in script  # the notebook's sources
     assert "class Pairs(Dataset):" in script and "from torch.utils.data.dataset import Dataset" in script
     assert "fully_shard(" in script and "import nbfsdp" not in script  # FSDP2 itself; no nbfsdp needed
+    _optimizer_built_after_sharding(script, "opt", "net")
+    assert "opt = torch.optim.AdamW(net.parameters(), lr=0.01)\n" in script  # as the notebook built it
+    (Path(os.environ.get("NBFSDP_KEEP_SCRIPT", tmp_path)) / "kept.py").write_text(script)
     run_ok(shell, CELL)  # the same cell again, from the state the script starts from
     in_notebook = [nbfsdp.last_run().metric("loss", rank) for rank in range(2)]
     trained = {name: value.clone() for name, value in shell.user_ns["net"].state_dict().items()}
@@ -95,6 +100,74 @@ def test_the_exported_script_computes_what_the_cell_computes(shell, tmp_path, ca
     assert from_script.keys() == trained.keys()
     for name, value in trained.items():
         torch.testing.assert_close(from_script[name], value, rtol=0, atol=0, msg=name)
+
+
+def _optimizer_built_after_sharding(script: str, optimizer: str, model: str) -> None:
+    """The script builds ``optimizer`` after ``fully_shard`` has replaced ``model``'s parameters (an optimizer
+    built before holds the old, whole tensors), over them, and loads its state with ``set_optimizer_state_dict``;
+    no optimizer travels in the inputs, and none is re-pointed."""
+    lines = script.splitlines()
+    sharded = lines.index(f"{model} = shard_{model}({model}.to(device))")
+    assert max(i for i, line in enumerate(lines) if "fully_shard(" in line) < sharded
+    built = [i for i, line in enumerate(lines) if line.startswith(f"{optimizer} = torch.optim.")]
+    assert len(built) == 1 and built[0] > sharded, (built, sharded)
+    loaded = [i for i, line in enumerate(lines) if line.startswith(f"set_optimizer_state_dict({model}, {optimizer}, ")]
+    assert len(loaded) == 1 and loaded[0] > built[0]
+    assert f'inputs["values"]["{optimizer}"]' not in script and "repoint" not in script
+
+
+GROUPS = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+decay, plain = [p for p in net.parameters() if p.dim() > 1], [p for p in net.parameters() if p.dim() == 1]
+opt = torch.optim.AdamW([{"params": decay}, {"params": plain, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+def falling(step):
+    return 1 / (1 + step)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, falling)
+"""
+GROUPS_CELL = """%%fsdp --world-size 2 --mixed-precision FULL
+for step in range(3):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x, y = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 1, generator=g).to(device)
+    loss = nn.functional.mse_loss(net(x), y)
+    loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+    nbfsdp.log(loss=loss.item(), lr=opt.param_groups[1]["lr"])
+"""
+
+
+def test_parameter_groups_and_a_scheduler_follow_the_optimizer_built_after_sharding(shell, tmp_path):
+    """Two parameter groups with their own settings, built again over the sharded parameters by name, and
+    a scheduler bound to the new optimizer: the losses and the learning rates the cell logs, bit for bit."""
+    run_ok(shell, GROUPS)
+    run_ok(shell, GROUPS_CELL)
+    run_ok(shell, f"%fsdp export-script {tmp_path / 'groups.py'}")
+    script = (tmp_path / "groups.py").read_text()
+    lines = script.splitlines()
+    built = lines.index('opt = torch.optim.AdamW(by_name(net, inputs["optimizers"]["opt"]["param_groups"]), lr=0.01)')
+    assert (
+        lines.index("net = shard_net(net.to(device))")
+        < built
+        < lines.index("sched.optimizer = opt  # the notebook's scheduler, on it")
+    )
+    run_ok(shell, GROUPS_CELL)
+    run = nbfsdp.last_run()
+    output = torchrun(tmp_path / "groups.py", 2)
+    assert logged_losses(output, 2) == [run.metric("loss", rank) for rank in range(2)]
+    lrs = [json.loads(line)["lr"] for line in output.splitlines() if line.startswith('{"rank": 0')]
+    assert lrs == run.metric("lr", 0) and lrs[0] < 3e-3 / 3  # the schedule went on from where the notebook left it
+
+
+def test_a_value_holding_an_optimizer_other_than_a_scheduler_is_named(shell, tmp_path):
+    run_ok(
+        shell, "import torch, torch.nn as nn\nnet = nn.Linear(4, 1)\nopt = torch.optim.SGD(net.parameters(), lr=0.1)"
+    )
+    run_ok(shell, "holder = {'opt': opt}")
+    run_ok(shell, "%%fsdp --world-size 2\nnet(torch.ones(2, 4)).sum().backward(); opt.step(); n = len(holder)")
+    error, _ = run_failing(shell, f"%fsdp export-script {tmp_path / 'train.py'}")
+    assert isinstance(error, UsageError) and "cannot export holder (it holds opt, which the script builds anew" in str(
+        error
+    )
 
 
 def test_a_value_that_cannot_be_saved_is_named(shell, tmp_path):

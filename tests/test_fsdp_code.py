@@ -88,3 +88,33 @@ def test_the_code_says_each_setting(shell, tiny_model):
     assert "for block in model.blocks:\n    fully_shard(block, mesh=mesh, reshard_after_forward=True" in code
     assert "set_modules_to_forward_prefetch" not in code and "checkpoint(" not in code
     compile(code, "<explain --code>", "exec")
+
+
+class _RegisteredLast(torch.nn.Module):
+    """Registers ``last`` before ``first`` but runs ``first`` first: registration order is not forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = torch.nn.Linear(8, 8)
+        self.first = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.first(x))
+
+
+def test_the_code_names_the_order_its_units_list_has():
+    model = _RegisteredLast()
+    code = nbfsdp.explain(model, world_size=2, wrap_cls="Linear", forward_prefetch=True).code
+    line = next(line for line in code.splitlines() if line.startswith("units = "))
+    ran = []
+    for name in ("last", "first"):
+        model.get_submodule(name).register_forward_hook(lambda module, *_: ran.append(module))
+    model(torch.randn(2, 8))
+    namespace = {"model": model, "FSDPModule": torch.nn.Linear}  # the units, as fully_shard would have made them
+    exec(line, namespace)
+    assert namespace["units"] == [model.last, model.first] != ran  # model.modules(): registration, not forward
+    assert "forward order" not in line  # the old comment called it forward order
+    comment = code.splitlines()[code.splitlines().index(line) - 2]
+    assert comment.startswith("# the units in registration order (model.modules())"), code
+    assert "set_modules_to_forward_prefetch" in code
+    compile(code, "<explain --code>", "exec")

@@ -115,6 +115,36 @@ def test_the_traced_peak_is_within_10_percent_of_fsdp_mem_tracker(shell, models,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
+    ("flags", "settings"),
+    [
+        ("--checkpoint-every 2", {"checkpoint_every": 2}),
+        ("--checkpoint-scope attention", {"checkpoint_scope": "attention"}),
+    ],
+    ids=["every-2nd-block", "attention-only"],
+)
+def test_selective_checkpointing_runs_on_the_ranks_as_the_planner_traces_it(shell, models, flags, settings):
+    """GPT-2 with every 2nd block, or only each block's attention, checkpointed on real ranks: FSDPMemTracker's
+    peak between full checkpointing's and none's, and explain's within 10% of it."""
+    measured = {}
+    for name, more in (
+        ("none", ""),
+        ("full", "--activation-checkpointing"),
+        ("selective", f"--activation-checkpointing {flags}"),
+    ):
+        run_ok(
+            shell, MEASURED.format(world_size=2, flags=f"--wrap-cls GPT2Block {more}", name="gpt", step=STEPS["gpt"])
+        )
+        measured[name] = shell.user_ns["measured"]
+    planned = nbfsdp.explain(shell.user_ns["gpt"], world_size=2, batch=shell.user_ns["gpt_batch"], wrap_cls="GPT2Block",
+                             activation_checkpointing=True, **settings)  # fmt: skip
+    for rank in range(2):
+        assert measured["full"][rank] < measured["selective"][rank] < measured["none"][rank], (rank, measured)
+        predicted = planned.peak[rank]["total"]
+        assert abs(predicted - measured["selective"][rank]) <= 0.10 * measured["selective"][rank], (rank, predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
     ("world_size", "flags", "settings"),
     [
         (2, "--sharding-strategy NO_SHARD", {"sharding_strategy": "NO_SHARD"}),

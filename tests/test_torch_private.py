@@ -129,6 +129,29 @@ def test_gradscalers_kernels_unscale_fp16_and_fp32_and_update_the_scale():
     assert scale.item() == 2.0**16
 
 
+def test_cpu_attention_flop_formulas_count_the_cpu_flash_op_as_torch_counts_the_gpu_one():
+    """The CPU's private flash op and its backward run under scaled_dot_product_attention on CPU, and get the GPU
+    flash op's registered formulas: the attention's two matmuls forward, five backward (sdpa_flop_count)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    from nbfsdp.course.meters import flop_counter
+
+    formulas = torch_private.cpu_attention_flop_formulas()
+    aten = torch.ops.aten
+    cpu = [aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward]
+    assert set(formulas) == set(cpu)
+    shape = (2, 4, 32, 16)  # batch, heads, tokens, head width
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    forward, backward = sdpa_flop_count(shape, shape, shape), sdpa_backward_flop_count(shape, shape, shape, shape)
+    assert forward == 2 * 2 * (2 * 4 * 32 * 32 * 16) and backward == 5 * forward // 2
+    counted_by_us = {cpu[0]: forward, cpu[1]: backward}
+    for counter, expected in ((FlopCounterMode(display=False), {}), (flop_counter(), counted_by_us)):
+        with counter:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        counted = {op: n for op, n in counter.get_flop_counts().get("Global", {}).items() if "attention" in str(op)}
+        assert counted == expected, counted  # torch alone: the CPU's attention is not counted at all
+
+
 def test_dcp_load_in_one_process_reads_whole_tensors_with_no_process_group(tmp_path):
     """What the kernel does to read a checkpoint (export, ``%fsdp load``'s notebook side): no world."""
     import torch.distributed.checkpoint as dcp

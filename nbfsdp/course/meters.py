@@ -5,6 +5,7 @@ collective with the size of the tensor it handles and the size of its group; fro
 ``planning.ring_bytes`` gives what the rank sends and receives under the ring algorithms.
 ``tcp_counters``, ``peer_connections`` and ``traffic`` read what a rank really sent and received
 on its own TCP connections to the other ranks (gloo's), from the kernel's per-socket counters.
+``flop_counter`` counts FLOPs as PyTorch's ``FlopCounterMode`` does, the attention included on CPU too.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from nbfsdp.shared.collectives import ring_bytes
+from nbfsdp.shared.torch_private import cpu_attention_flop_formulas
 
 #: c10d's ops as FSDP2 and DDP-style replication issue them, by the name the course uses.
 COLLECTIVES = {
@@ -134,6 +137,16 @@ class CollectiveMeter(_Collectives):
             return original(*args, **kwargs)
 
         return metered
+
+
+def flop_counter() -> FlopCounterMode:
+    """PyTorch's ``FlopCounterMode`` (``display=False``) that counts ``scaled_dot_product_attention`` on CPU too.
+
+    Left to itself it counts the GPU's attention kernels and not the CPU's (no formula for the CPU's flash
+    op in torch 2.13: 0 FLOPs), so a count on CPU ranks would be short of a GPU rank's by the attention.
+    Here the CPU op gets the GPU flash op's formula: the same FLOPs on either device for the same shapes.
+    """
+    return FlopCounterMode(display=False, custom_mapping=cpu_attention_flop_formulas())
 
 
 def unsharded_bytes(model: torch.nn.Module) -> int:

@@ -52,7 +52,7 @@ class ShardedModel:
 
     module: nn.Module
     units: list[FSDPModule]
-    """FSDP units in forward order, the root first."""
+    """FSDP units, the root first, then in registration order (``units.forward_order``)."""
     checkpointable: list[nn.Module]
     """Where activation checkpointing applies when it is on (Composer's rules)."""
     config: FSDPConfig

@@ -26,11 +26,13 @@ ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SH
 MixedPrecision = Literal["FULL", "DEFAULT", "PURE", "STORED"]
 Precision = Literal["bf16", "fp16"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
+CheckpointScope = Literal["block", "attention"]
 #: The choices of each setting, read off its type: the flags, the controls and ``resolve`` check against these.
 SHARDING_STRATEGIES: tuple[ShardingStrategy, ...] = get_args(ShardingStrategy)
 MIXED_PRECISIONS: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 BACKWARD_PREFETCHES: tuple[BackwardPrefetch, ...] = get_args(BackwardPrefetch)
+CHECKPOINT_SCOPES: tuple[CheckpointScope, ...] = get_args(CheckpointScope)
 #: ``None``: "as stored", each parameter (or buffer) in the dtype the model holds it in (FSDP2's policy field None).
 _DTYPES: dict[str, torch.dtype | None] = {
     "stored": None,
@@ -107,6 +109,13 @@ class FSDPConfig:
     """Gather the next unit during forward."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (Composer's module rules decide where)."""
+    checkpoint_every: int = 1
+    """With activation checkpointing: checkpoint one chosen block in every N (the 1st, the N+1th...;
+    torchtitan's selective_ac_option N): N times fewer recomputes, the other blocks' activations kept."""
+    checkpoint_scope: CheckpointScope = "block"
+    """With activation checkpointing: recompute each chosen block whole (block), or only its attention (the
+    submodule whose class name has Attention or Attn): attention's activations, which grow with the sequence,
+    for attention's FLOPs alone."""
     activation_cpu_offload: bool = False
     """Keep saved activations on the CPU until backward needs them."""
     cpu_offload: bool = False
@@ -175,6 +184,12 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return value.upper()
 
 
+def _lower_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value.lower()
+
+
 def _mixed_precision(value: Any) -> str | dict:
     if isinstance(value, dict):
         unknown = set(value) - set(_MIXED_PRECISION_KEYS)
@@ -213,6 +228,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "backward_prefetch": lambda v: _choice("backward_prefetch", "NONE" if v is None else v, BACKWARD_PREFETCHES),
     "forward_prefetch": bool,
     "activation_checkpointing": bool,
+    "checkpoint_every": lambda v: _positive_int("checkpoint_every", v),
+    "checkpoint_scope": lambda v: _lower_choice("checkpoint_scope", v, CHECKPOINT_SCOPES),
     "activation_cpu_offload": bool,
     "cpu_offload": bool,
     "min_params": lambda v: _positive_int("min_params", v),

@@ -28,6 +28,7 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 __all__ = [
     "abort_nccl_communicators",
     "checkpoint",
+    "cpu_attention_flop_formulas",
     "dcp_load_in_one_process",
     "is_iterable_loader",
     "infinite_sampler",
@@ -265,6 +266,35 @@ def store_on(listening: socket.socket, world_size: int, timeout: datetime.timede
     except NotImplementedError:
         return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
                              master_listen_fd=descriptor, use_libuv=False)  # fmt: skip
+
+
+def cpu_attention_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """``FlopCounterMode``'s formulas for ``scaled_dot_product_attention`` on CPU, for its ``custom_mapping``.
+
+    On CPU the attention runs as ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``),
+    private ops ``torch.utils.flop_counter`` has no formula for (torch 2.13): it counts them 0, while it counts
+    the GPU's flash, efficient and cuDNN attention. They take the same leading arguments as the GPU's flash op
+    (query, key, value; the backward's gradient first), so they are counted here with the GPU flash op's own
+    registered formulas (``sdpa_flop``, ``sdpa_backward_flop``): a CPU rank and a GPU rank count the same FLOPs.
+    The registered formulas already read shapes from tensors (``shape_wrapper``), so they are marked raw for
+    ``FlopCounterMode``, which would wrap them a second time."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    pairs = {
+        aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+    }
+    formulas: dict[Any, Callable[..., int]] = {}
+    for cpu_op, gpu_op in pairs.items():
+        formula = flop_registry[gpu_op]
+
+        def counted(*args: Any, _formula: Callable[..., int] = formula, **kwargs: Any) -> int:
+            return _formula(*args, **kwargs)
+
+        counted._get_raw = True  # type: ignore[attr-defined]
+        formulas[cpu_op] = counted
+    return formulas
 
 
 #: FSDPMemTracker's categories (``_FSDPRefType`` values) as ``%fsdp explain``'s planner files the same bytes

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -288,7 +289,9 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
 
 
 def forward_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """Units in the order forward reaches them: the root, then the others as the model lists them."""
+    """The root, then the other units in the order the model registers them (``model.modules()``): the order
+    forward reaches them in a model that calls its units as it lists them (Hugging Face's, torchtitan's), which
+    nbfsdp assumes rather than traces; forward prefetch follows it."""
     unit_ids = {id(u) for u in units}
     return [model, *(m for m in model.modules() if id(m) in unit_ids)]
 
@@ -316,7 +319,22 @@ def activation_modules(model: nn.Module, units: list[nn.Module], config: FSDPCon
         if selected:
             chosen.append(module)
             inside.update(id(m) for m in module.modules())
+    chosen = chosen[:: config.checkpoint_every]
+    if config.checkpoint_scope == "attention":
+        return [_attention_of(model, block) for block in chosen]
     return chosen
+
+
+def _attention_of(model: nn.Module, block: nn.Module) -> nn.Module:
+    """The outermost submodule of ``block`` whose class name says attention (``checkpoint_scope`` attention)."""
+    for module in block.modules():
+        if module is not block and re.search(r"attention|attn", type(module).__name__, re.IGNORECASE):
+            return module
+    names = {id(m): n for n, m in model.named_modules()}
+    raise ConfigError(
+        f"checkpoint_scope attention: {names[id(block)] or 'the root'} ({type(block).__name__}) has no submodule "
+        "whose class name has Attention or Attn; use checkpoint_scope block"
+    )
 
 
 def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] | None:

@@ -4,10 +4,15 @@ Graduating from the notebook: the script holds what the cell read from the noteb
 classes defined there, by their source; the modules and library objects, as imports), the process group
 and the device, the exact FSDP2 code of the cell's settings (``explain --code``), the notebook's loaders
 split as ``%%fsdp`` splits them, and the cell's body. It starts from the notebook's state at export time:
-the values the cell reads (models with their weights, optimizers with their state, loaders with their
-shuffle, tensors...) are saved beside it in one file, ``PATH`` with ``.inputs.pt``, which the script
-loads. Run under ``torchrun --nproc-per-node N PATH`` it computes what the same cell, run again in the
-notebook from that state, computes (``tests/test_export_script.py`` checks the losses). The script needs
+the values the cell reads (models with their weights, optimizers' state, loaders with their shuffle,
+tensors...) are saved beside it in one file, ``PATH`` with ``.inputs.pt``, which the script loads. The
+script builds each optimizer after ``fully_shard``, as a plain FSDP2 script must: ``fully_shard`` puts a new
+sharded parameter (a ``DTensor``) in place of each of the model's, so an optimizer built before it holds
+tensors the model no longer has. The notebook's optimizer state, keyed by parameter name
+(``get_optimizer_state_dict``), is loaded into the new one with ``set_optimizer_state_dict``, which shards
+it as the parameters are; an LR scheduler the cell reads is bound to the new optimizer. Run under
+``torchrun --nproc-per-node N PATH`` it computes what the same cell, run again in the notebook from that
+state, computes (``tests/test_export_script.py`` checks the losses). The script needs
 torch and the libraries the cell's objects come from, not nbfsdp: ``nbfsdp.log`` becomes a JSON line on
 each rank's standard output.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import datetime
 import importlib
 import inspect
@@ -38,7 +44,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from nbfsdp.kernel.planning.plans import plan
@@ -60,6 +68,9 @@ class _Parts:
     models: list[str] = field(default_factory=list)
     optimizers: list[str] = field(default_factory=list)
     loaders: list[str] = field(default_factory=list)
+    schedulers: dict[str, str] = field(default_factory=dict)  # a scheduler's name -> its optimizer's
+    optimizer_models: dict[str, list[str]] = field(default_factory=dict)  # the models its parameters are in
+    holding: dict[str, set[int]] = field(default_factory=dict)  # a value's name -> the optimizers its pickle holds
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,11 @@ def export_script(cell: LastCell | None, namespace: dict[str, Any], path: str, s
         parts = _gather(cell, namespace)
         inputs = script.with_name(script.stem + ".inputs.pt")
         states = {name: shuffle_states.get(name) for name in parts.loaders}
+        optimizers = {name: _optimizer_state(parts, name, namespace) for name in parts.optimizers}
+        values = {name: _unbound(value) if name in parts.schedulers else value for name, value in parts.values.items()}
+        values = {name: value for name, value in values.items() if name not in parts.optimizers}
         data = io.BytesIO()
-        torch.save({"values": parts.values, "shuffle": states}, data)
+        torch.save({"values": values, "optimizers": optimizers, "shuffle": states}, data)
     script.parent.mkdir(parents=True, exist_ok=True)
     inputs.write_bytes(data.getvalue())
     script.write_text(_render(cell, parts, inputs.name, namespace))
@@ -121,7 +135,8 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
                 refused.append(f"{name} (a DataLoader over an IterableDataset: export-script splits map-style ones)")
                 continue
             try:  # one pickle: whether it can be saved, and which of the notebook's definitions it needs
-                todo += _notebook_globals(value)  # its classes (a model's modules, a loader's dataset), functions
+                found, parts.holding[name] = _notebook_globals(value)
+                todo += found  # its classes (a model's modules, a loader's dataset), functions
             except Exception as error:  # an open file, a generator mid-iteration...
                 refused.append(f"{name} ({type(value).__name__}: {str(error)[:120]})")
                 continue
@@ -134,10 +149,11 @@ def _gather(cell: LastCell, namespace: dict[str, Any]) -> _Parts:
                 parts.optimizers.append(name)
             elif isinstance(value, DataLoader):
                 parts.loaders.append(name)
+    if not parts.models and not refused:
+        raise UsageError("%fsdp export-script: the last %%fsdp cell reads no model of the notebook")
+    refused += _bind_to_optimizers(parts, namespace)
     if refused:
         raise UsageError(f"%fsdp export-script: cannot export {'; '.join(refused)}")
-    if not parts.models:
-        raise UsageError("%fsdp export-script: the last %%fsdp cell reads no model of the notebook")
     parts.sources = _in_definition_order(parts.sources)
     return parts
 
@@ -284,14 +300,156 @@ def _read(name: ast.Name) -> bool:
     return isinstance(name.ctx, ast.Load)
 
 
-def _notebook_globals(value: Any) -> list[str]:
+def _notebook_globals(value: Any) -> tuple[list[str], set[int]]:
     """The notebook's classes and functions a value's pickle refers to by name (``__main__.Name``): found in
-    its pickle's GLOBAL opcodes (protocol 2 writes each as one, with its module and name)."""
+    its pickle's GLOBAL opcodes (protocol 2 writes each as one, with its module and name); and the ``id`` of
+    every other optimizer the pickle holds (a scheduler's), which the script builds anew."""
+    held: set[int] = set()
+
+    class Finder(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> None:
+            if isinstance(obj, Optimizer) and obj is not value:
+                held.add(id(obj))
+            return None  # pickled as usual: this only looks
+
+    data = io.BytesIO()
+    Finder(data, protocol=2).dump(value)
     found = []
-    for opcode, argument, _ in pickletools.genops(pickle.dumps(value, protocol=2)):
+    for opcode, argument, _ in pickletools.genops(data.getvalue()):
         if opcode.name == "GLOBAL" and isinstance(argument, str) and argument.startswith("__main__ "):
             found.append(argument.split(" ", 1)[1])
-    return found
+    return found, held
+
+
+def _bind_to_optimizers(parts: _Parts, namespace: dict[str, Any]) -> list[str]:
+    """Which models each optimizer's parameters are in (``parts.optimizer_models``), and which scheduler is
+    bound to which optimizer (``parts.schedulers``); what cannot follow an optimizer built anew, refused."""
+    refused = []
+    where = {id(p): m for m in parts.models for p in namespace[m].parameters()}
+    exported = {id(namespace[name]): name for name in parts.optimizers}
+    for name in parts.optimizers:
+        params = [p for group in namespace[name].param_groups for p in group["params"]]
+        if any(id(p) not in where for p in params):
+            refused.append(f"{name} (an optimizer over parameters of no model the cell reads)")
+        parts.optimizer_models[name] = list(dict.fromkeys(where[id(p)] for p in params if id(p) in where))
+    for name, held in parts.holding.items():
+        ours = held & exported.keys()
+        if not ours or name in exported:
+            continue
+        value = namespace[name]
+        if isinstance(value, (LRScheduler, ReduceLROnPlateau)) and ours == {id(value.optimizer)}:
+            parts.schedulers[name] = exported[id(value.optimizer)]
+        else:
+            held_names = ", ".join(exported[i] for i in ours)
+            refused.append(
+                f"{name} (it holds {held_names}, which the script builds anew after fully_shard: "
+                "only an LR scheduler is bound to the new one)"
+            )
+    return refused
+
+
+def _unbound(scheduler: Any) -> Any:
+    """A copy of the scheduler without its optimizer: the script binds it to the one it builds."""
+    unbound = copy.copy(scheduler)
+    unbound.optimizer = None
+    return unbound
+
+
+def _optimizer_state(parts: _Parts, name: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state and settings keyed by parameter name (``get_optimizer_state_dict``'s convention),
+    whole: the script's ``set_optimizer_state_dict`` shards it. One with no state yet is not touched
+    (``get_optimizer_state_dict`` would make it some): its groups alone, named by hand."""
+    optimizer, model = namespace[name], _state_model(parts, name, namespace)
+    if optimizer.state:
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    return {"state": {}, "param_groups": groups}
+
+
+def _state_model(parts: _Parts, name: str, namespace: dict[str, Any]) -> nn.Module:
+    """The module whose parameter names key the optimizer's state: its model, or its models together."""
+    models = parts.optimizer_models[name]
+    if len(models) == 1:
+        return namespace[models[0]]
+    return nn.ModuleDict({m: namespace[m] for m in models})
+
+
+def _optimizer_lines(parts: _Parts, name: str, namespace: dict[str, Any]) -> list[str]:
+    """The optimizer built over the sharded parameters, as the notebook built it, and its state loaded."""
+    optimizer, models = namespace[name], parts.optimizer_models[name]
+    lines = []
+    target = models[0]
+    if len(models) > 1:
+        target = f"{name}_models"
+        lines.append(f"{target} = torch.nn.ModuleDict({{{', '.join(f'{m!r}: {m}' for m in models)}}})")
+    groups = optimizer.param_groups
+    whole = [id(p) for p in namespace[models[0]].parameters()]
+    if len(groups) == 1 and len(models) == 1 and [id(p) for p in groups[0]["params"]] == whole:
+        params = f"{target}.parameters()"
+    else:
+        params = f'by_name({target}, inputs["optimizers"]["{name}"]["param_groups"])'
+    lines.append(f"{name} = {_class_of(optimizer, parts)}({', '.join([params, *_settings(optimizer, name)])})")
+    extra = sorted({key for group in groups for key in group} - set(optimizer.defaults) - {"params"})
+    if extra and "by_name(" not in params:  # by_name copies every key of the saved groups
+        lines += [
+            f'for group, saved in zip({name}.param_groups, inputs["optimizers"]["{name}"]["param_groups"]):',
+            f"    group.update((key, saved[key]) for key in {extra!r})  # set_optimizer_state_dict loads only a "
+            "group's own keys (a scheduler's initial_lr is not one)",
+        ]
+    if optimizer.state:
+        lines.append(
+            f'set_optimizer_state_dict({target}, {name}, inputs["optimizers"]["{name}"], '
+            "options=StateDictOptions(full_state_dict=True))  # sharded as the parameters are"
+        )
+    else:
+        lines.append(f'{name}.load_state_dict(inputs["optimizers"]["{name}"])  # no state yet: its settings')
+    bound = [scheduler for scheduler, on in parts.schedulers.items() if on == name]
+    lines += [f"{scheduler}.optimizer = {name}  # the notebook's scheduler, on it" for scheduler in bound]
+    return lines
+
+
+def _class_of(optimizer: Optimizer, parts: _Parts) -> str:
+    """How the script names the optimizer's class (an import it needs is added to ``parts.imports``)."""
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    if cls.__name__ in parts.sources:
+        return cls.__name__
+    line = _import_object(cls.__name__, cls)
+    if line is not None:
+        parts.imports.append(line)
+        return cls.__name__
+    parts.imports.append(f"import {cls.__module__}")
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _settings(optimizer: Optimizer, name: str) -> list[str]:
+    """The constructor's keyword arguments that differ from its defaults, as the optimizer's ``defaults``
+    hold them; by reference to the inputs file where one is no literal (a tensor learning rate)."""
+    try:
+        signature = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    given = {
+        key: value
+        for key, value in optimizer.defaults.items()
+        if key in signature and key not in ("self", "params") and not _same(value, signature[key].default)
+    }
+    try:
+        if all(ast.literal_eval(repr(value)) == value for value in given.values()):
+            return [f"{key}={value!r}" for key, value in given.items()]
+    except (ValueError, SyntaxError, TypeError):
+        pass
+    group = f'inputs["optimizers"]["{name}"]["param_groups"][0]'
+    return [f"{key}={group}[{key!r}]" for key in given]
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default) and type(value) is type(default)
+    except (RuntimeError, TypeError):  # a tensor against a number
+        return False
 
 
 def _import_module(name: str, module: types.ModuleType) -> str:
@@ -318,6 +476,7 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
     """The script's text."""
     device_type = cell.devices.type
     backend = "nccl" if device_type == "cuda" else "gloo"
+    optimizers = [line for name in parts.optimizers for line in _optimizer_lines(parts, name, namespace)]
     lines = [
         '"""The last %%fsdp cell of a notebook, as a script: exported by nbfsdp '
         f"({datetime.datetime.now().isoformat(timespec='seconds')}).",
@@ -339,7 +498,6 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         ),
         '"""',
         "",
-        "import collections",
         "import gc",
         "import json",
         "import os",
@@ -348,8 +506,11 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         "",
         "import torch",
         "import torch.distributed as dist",
-        "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict",
-        "from torch.distributed.tensor import distribute_tensor",
+        "from torch.distributed.checkpoint.state_dict import (",
+        "    StateDictOptions,",
+        "    get_model_state_dict,",
+        *(["    set_optimizer_state_dict,"] if parts.optimizers else []),
+        ")",
         "from torch.utils.data import Sampler",
         *sorted(set(parts.imports) - {"import torch"}),
         "",
@@ -381,12 +542,8 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
         "# -- the notebook's values at export time",
         "here = os.path.dirname(os.path.abspath(__file__))",
         f'inputs = torch.load(os.path.join(here, "{inputs}"), weights_only=False)',
-        *[f'{name} = inputs["values"]["{name}"]' for name in parts.values],
+        *[f'{name} = inputs["values"]["{name}"]' for name in parts.values if name not in parts.optimizers],
     ]
-    if parts.optimizers:
-        lines.append("parameter_names = {" + ", ".join(
-            f'**{{id(p): ("{m}", n) for n, p in {m}.named_parameters()}}' for m in parts.models
-        ) + "}  # before sharding: the optimizers' parameters are these")  # fmt: skip
     for name in parts.models:
         code = plan(namespace[name], cell.config, cell.world_size, None, cell.devices).code
         body = [line for line in code.splitlines() if line.strip()]
@@ -400,8 +557,10 @@ def _render(cell: LastCell, parts: _Parts, inputs: str, namespace: dict[str, Any
             f"{name} = shard_{name}({name}.to(device))",
         ]
     if parts.optimizers:
-        lines += ["", "MODELS = {" + ", ".join(f'"{m}": {m}' for m in parts.models) + "}", *_REPOINT.splitlines()]
-        lines += [f"repoint({name})" for name in parts.optimizers]
+        lines += _OPTIMIZERS.splitlines()
+        if any("by_name(" in line for line in optimizers):
+            lines += [*_BY_NAME.splitlines(), ""]
+        lines += optimizers
     if parts.loaders:
         lines += ["", *_SPLIT.splitlines()]
         lines += [f'split({name}, {cell.per_rank_batches}, inputs["shuffle"]["{name}"])' for name in parts.loaders]
@@ -447,24 +606,16 @@ def _shared_gpu_lines(devices: Devices) -> list[str]:
     ]
 
 
-_REPOINT = '''
-def repoint(optimizer):
-    """The optimizer built over the whole parameters, over their shards now; its state sharded as they are."""
-    sharded = {name: dict(model.named_parameters()) for name, model in MODELS.items()}
-    state = collections.defaultdict(dict)
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            model, name = parameter_names[id(p)]
-            shard = sharded[model][name]
-            for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.shape == p.shape:  # a whole tensor of the parameter's shape
-                    value = distribute_tensor(value.to(device), shard.device_mesh, shard.placements)
-                state[shard][key] = value
-            params.append(shard)
-        group["params"] = params
-    optimizer.state = state
-'''
+_OPTIMIZERS = """
+# -- the optimizers, built after fully_shard, over the sharded parameters (DTensors) it put in place of the
+# model's own: an optimizer built before it would hold the old, whole tensors, which the model no longer has
+# (they get no gradients; its step would change nothing the model computes). The notebook's optimizer state,
+# keyed by parameter name, is loaded into each, sharded as its parameters are."""
+
+_BY_NAME = '''def by_name(model, groups):
+    """The notebook optimizer's parameter groups, each parameter the model's (sharded) one of that name."""
+    params = dict(model.named_parameters())
+    return [{**group, "params": [params[name] for name in group["params"]]} for group in groups]'''
 
 _SPLIT = '''
 class SplitBatches(Sampler):

@@ -457,9 +457,12 @@ def _accumulation(
         reduced = planned.communication["reduce_scatter"]
         if planned.mesh[1] == 1 or reduced < ACCUMULATION_BYTES:
             continue
-        param_dtype = config.dtypes()[0]
+        # FSDP2 keeps a gradient it does not reduce unsharded in the reduce dtype where that differs from the one
+        # it computed in (``FSDPParam.to_accumulated_grad_if_needed``): 4 bytes a parameter under DEFAULT
+        param_dtype, reduce_dtype = config.dtypes()[:2]
+        kept = reduce_dtype or param_dtype
         unsharded = sum(
-            p.numel() * (p.element_size() if param_dtype is None else torch.empty((), dtype=param_dtype).element_size())
+            p.numel() * (p.element_size() if kept is None else torch.empty((), dtype=kept).element_size())
             for p in {id(p): p for p in models[name].parameters() if p.requires_grad}.values()
         )
         extra = unsharded - planned.memory[0]["grads"]
@@ -476,7 +479,8 @@ def _accumulation(
                 why="FSDP2 reduces the gradients at every backward unless told not to; told, it keeps them unsharded "
                 + (
                     f"until the last micro-batch instead, {size_text(extra)} more a rank (the planner's unsharded "
-                    "gradients less the sharded ones): worth it while that fits"
+                    "gradients, in the reduce dtype, less the sharded ones; at scale 4 bytes a parameter of the whole "
+                    "model under DEFAULT): worth it while that fits, else keep the sync on"
                     if extra > 0
                     else "until the last micro-batch instead, at no more memory a rank by the planner's count"
                 ),

@@ -10,13 +10,21 @@ context and cuBLAS's workspace (``CONTEXT_BYTES``), and what the caching allocat
 it has allocated, rounding and fragmentation (``ALLOCATOR_FRACTION`` of the peak). Their values and where
 they come from are in ``docs/guide/explain.md``.
 
-The cost model, per step and rank, in seconds at stated rates (``FLOPS``, ``NETWORK``, ``PCIE``): what
-a change adds against the settings asked for. Activation checkpointing recomputes the checkpointed
-modules' forward (2 FLOPs per parameter per token); FULL_SHARD gathers every unit once more than
-SHARD_GRAD_OP; more micro-batches gather every unit again per micro-batch; CPU offload copies each
-rank's fp32 shard up before every gather and its gradient down once, and steps AdamW on the CPU (16
-bytes a parameter read and written at ``CPU_BANDWIDTH``); bf16 reduction (PURE) halves the
-reduce-scatter (a saving, at the precision of the sum). More ranks cost GPUs, not time: they come last.
+The margin also holds NCCL's own buffers, which it allocates outside the caching allocator: one
+communicator's worth (``NCCL_BYTES_PER_GROUP``, more with NVLS on Hopper) for each process group a rank runs
+collectives on (``nccl_groups``: 1 for a mesh of one dimension, 3 for HSDP's two).
+
+The cost model (``step_time``), per step and rank on GPUs at stated rates: compute at ``FLOPS`` (2 FLOPs per
+parameter and token forward, 4 backward, 2 more for each recomputed parameter); collectives at NCCL's bus
+bandwidth (``collective_seconds``: ``NODE_BUS_BANDWIDTH`` inside a node, the node's NICs together,
+``NETWORK_BANDWIDTH``, for what leaves it), of which only what compute cannot hide counts: each unit's gather
+runs during the previous unit's compute, its reductions during the next unit's backward, and the first gather
+and the last reduction of a pass wait whole. Micro-batches repeat the passes, each with its gathers and its
+gradient reductions; CPU offload copies each rank's fp32 shard up before every gather and its gradient down
+once over ``PCIE``, and steps AdamW on the CPU (16 bytes a parameter at ``CPU_BANDWIDTH``). A suggestion's cost
+is its step's time less the asked-for step's. More ranks cost GPUs, not time: they come last. Not counted:
+attention's score FLOPs (they grow with the sequence; recomputing attention costs more than its parameters
+say), kernel launch and collective latency, and contention between the gathers' and the reductions' streams.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbfsdp.kernel.planning.placement import cross_host
 from nbfsdp.shared.config import ConfigError, size_bytes
 
 if TYPE_CHECKING:
@@ -59,9 +68,25 @@ GPU_CAPABILITY: dict[str, tuple[int, int]] = {
 CONTEXT_BYTES = 768 * 2**20
 #: What the caching allocator reserves above its allocated peak (rounding, segments, fragmentation).
 ALLOCATOR_FRACTION = 0.08
-#: The cost model's rates: bf16 FLOP/s a GPU achieves, bytes/s between ranks, host-device bytes/s, host
-#: memory bytes/s for a CPU optimizer step.
-FLOPS, NETWORK, PCIE, CPU_BANDWIDTH = 400e12, 50e9, 25e9, 20e9
+#: What one NCCL communicator holds on a GPU, outside the caching allocator (``cudaMalloc``'d by NCCL: channels x
+#: peers x protocols' buffers): 688 MB measured for a group of more than 2 A100s on NVLink (NVIDIA/nccl#964)...
+NCCL_BYTES_PER_GROUP = 688 * 10**6
+#: ... and about 1.6 GB for one on Hopper, where NVLink SHARP (NVLS) adds its multicast buffers (NVIDIA/nccl#864).
+NCCL_BYTES_PER_GROUP_NVLS = 1600 * 10**6
+#: The cost model's rates: bf16 FLOP/s a GPU achieves, host-device bytes/s, host memory bytes/s for a CPU
+#: optimizer step.
+FLOPS, PCIE, CPU_BANDWIDTH = 400e12, 25e9, 20e9
+#: NCCL's bus bandwidth (nccl-tests' ``busbw``: the bytes a rank sends in a ring collective, per second) of a
+#: group inside one node: eight H100s on NVLink 4 through NVSwitch measure about 360 GB/s for all-gather and
+#: reduce-scatter. A collective is as fast as its ring's slowest link, not one NIC's 50 GB/s.
+NODE_BUS_BANDWIDTH = 360e9
+#: What a node's network cards carry out of it together, per second: eight 400 Gb/s NICs (one a GPU) measure
+#: about 340 GB/s of bus bandwidth for an all-gather over 2 x 8 H100s in public runs. A ring over the nodes
+#: leaves each by as many links as it has channels, so a node's bytes out (``Plan.cross_host``) over this rate
+#: is the time the slow links take; HSDP's S replica groups share it, each about a NIC's worth.
+NETWORK_BANDWIDTH = 340e9
+#: GPUs a node holds, where a plan names no hosts: ranks fill nodes in order, as torchrun and Slurm place them.
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +100,23 @@ class DeviceMemory:
     step_share: float | None = None
     """Where given, the share of ``total`` a step may use (a rank's ``--memory-limit`` on CPU ranks, which has
     no CUDA context and no allocator, less a margin for the planner's error); else what a GPU leaves."""
+    nccl_groups: int = 0
+    """The NCCL communicators a rank of the plan opens: each holds buffers outside the caching allocator."""
+
+    @property
+    def nccl_bytes(self) -> int:
+        """What ``nccl_groups`` communicators hold on the GPU (``NCCL_BYTES_PER_GROUP``; NVLS's on Hopper on)."""
+        if self.step_share is not None or not self.nccl_groups:
+            return 0
+        nvls = self.capability is not None and self.capability >= (9, 0)
+        return self.nccl_groups * (NCCL_BYTES_PER_GROUP_NVLS if nvls else NCCL_BYTES_PER_GROUP)
 
     @property
     def usable(self) -> int:
-        """``total`` less the CUDA context, and the allocator's share of what is left."""
+        """``total`` less the CUDA context and NCCL's buffers, and the allocator's share of what is left."""
         if self.step_share is not None:
             return int(self.total * self.step_share)
-        return max(0, int((self.total - CONTEXT_BYTES) / (1 + ALLOCATOR_FRACTION)))
+        return max(0, int((self.total - CONTEXT_BYTES - self.nccl_bytes) / (1 + ALLOCATOR_FRACTION)))
 
     def __str__(self) -> str:
         return f"{self.name} ({self.total / 2**30:.1f} GiB, {self.usable / 2**30:.1f} GiB for the step)"
@@ -145,12 +180,18 @@ class Change:
 
 def candidates(config: dict[str, Any], world_size: int) -> list[Change]:
     """The changes the search tries alone, likeliest to fit first (a search with a deadline tries those):
-    activation checkpointing, PURE, 2 and 4 micro-batches, 2x and 4x the ranks, HYBRID_SHARD, CPU offload
-    (where the ranks have a GPU: on CPU ranks it moves nothing out of the rank's memory), then the other of
-    FULL_SHARD and SHARD_GRAD_OP."""
+    activation checkpointing (of every block, every 2nd, attention only), PURE, 2 and 4 micro-batches, 2x and 4x
+    the ranks, HYBRID_SHARD, CPU offload (where the ranks have a GPU: on CPU ranks it moves nothing out of the
+    rank's memory), then the other of FULL_SHARD and SHARD_GRAD_OP."""
     single: list[Change] = []
     if not config["activation_checkpointing"]:
         single.append(Change({"activation_checkpointing": True}, "activation checkpointing"))
+        single.append(
+            Change({"activation_checkpointing": True, "checkpoint_every": 2}, "checkpointing every 2nd block")
+        )
+        single.append(
+            Change({"activation_checkpointing": True, "checkpoint_scope": "attention"}, "checkpointing attention only")
+        )
     if config["mixed_precision"] != "PURE":
         single.append(Change({"mixed_precision": "PURE"}, "PURE mixed precision"))
     for micro in (2, 4):
@@ -186,22 +227,84 @@ def pairs(single: list[Change], fitting_alone: set[str]) -> list[Change]:
     ]
 
 
-def step_cost(plan: Plan, asked: Plan, tokens: int, micro_batches: int) -> float:
-    """Seconds a step of ``plan`` adds against ``asked`` (negative: saves), per the module's cost model."""
-    params = sum(u.params for u in plan.units)
-    recompute = sum(u.params for u in plan.units if u.name in plan.checkpointed) * 2 * tokens / FLOPS
-    recompute_asked = sum(u.params for u in asked.units if u.name in asked.checkpointed) * 2 * tokens / FLOPS
-    sent = sum(w["sent"] for w in plan.wire.values())
-    gathers = plan.wire["all_gather"]["sent"] * (micro_batches - 1)  # each micro-batch gathers every unit again
-    wire = (sent + gathers - sum(w["sent"] for w in asked.wire.values())) / NETWORK
+def node_hosts(world_size: int) -> list[str]:
+    """Each rank's node where none are named: ``GPUS_PER_NODE`` consecutive ranks to a node."""
+    return [f"node{rank // GPUS_PER_NODE}" for rank in range(world_size)]
+
+
+def collective_seconds(plan: Plan) -> dict[str, float]:
+    """Seconds each collective of a step takes at NCCL's bus bandwidth: the bytes a rank sends over
+    ``NODE_BUS_BANDWIDTH`` inside a node, or, where its groups cross nodes, the bytes the busiest node sends
+    out over ``NETWORK_BANDWIDTH``, whichever is longer. A plan without hosts is placed ``GPUS_PER_NODE``
+    ranks to a node."""
+    out = plan.cross_host or cross_host(plan.wire, plan.mesh, node_hosts(plan.world_size))
+    return {
+        kind: max(w["sent"] / NODE_BUS_BANDWIDTH, max(out.get(kind, {}).values(), default=0) / NETWORK_BANDWIDTH)
+        for kind, w in plan.wire.items()
+    }
+
+
+def nccl_groups(plan: Plan) -> int:
+    """The communicators a rank opens: the world's (every mesh of one dimension runs on it, and nbfsdp's own
+    collectives do), and a 2-D mesh's shard and replicate groups besides."""
+    replicas, shards = plan.mesh
+    return 1 if replicas == 1 or shards == 1 else 3
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A training step of one rank on GPUs, by the cost model, in seconds."""
+
+    compute: float
+    """Forward and backward at ``FLOPS``: 2 FLOPs per parameter and token forward, 4 backward for a trained
+    parameter (2 for a frozen one: its input's gradient alone), and 2 again for each recomputed parameter."""
+    exposed: float
+    """The communication compute does not hide: each unit's all-gather runs during the previous unit's compute
+    (FSDP2 prefetches it), its reduce-scatter and all-reduce during the next unit's backward; what is longer than
+    that compute waits, and the first gather of a pass and the last reduction wait whole."""
+    offload: float
+    """CPU offload's copies over PCIe and the optimizer's step on the CPU."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.offload
+
+
+def step_time(plan: Plan, micro_batches: int = 1) -> StepTime:
+    """The step of ``plan`` (``plan.tokens`` a rank) in ``micro_batches`` micro-batches, each gathering every unit
+    again and reducing its gradients (the gradient sync on every micro-batch, FSDP2's default)."""
+    tokens = plan.tokens / micro_batches
+    seconds = collective_seconds(plan)
+    rate = {kind: seconds[kind] / w["tensor"] if w["tensor"] else 0.0 for kind, w in plan.wire.items()}
+    trained = [u.params - u.frozen for u in plan.units]
+    reductions = seconds["reduce_scatter"] + seconds["all_reduce"]
+    reduce = [reductions * t / max(1, sum(trained)) for t in trained]
+    gather = [u.gathered_bytes * rate["all_gather"] for u in plan.units]
+    regathered = plan.config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")  # the root stays gathered
+    forward = [2 * u.params * tokens / FLOPS for u in plan.units]
+    backward = [
+        (2 * u.params + 2 * t + 2 * u.recomputed) * tokens / FLOPS for u, t in zip(plan.units, trained, strict=True)
+    ]
+    exposed = gather[0] + sum(max(0.0, g - c) for g, c in zip(gather[1:], forward[:-1], strict=True))
+    order = list(range(len(plan.units) - 1, 0, -1)) + [0]  # backward: the last unit first, the root last
+    back_gather = [gather[i] if regathered and i else 0.0 for i in order]
+    exposed += back_gather[0] + reduce[order[-1]]
+    for slot, unit in enumerate(order):
+        during = (back_gather[slot + 1] if slot + 1 < len(order) else 0.0) + (reduce[order[slot - 1]] if slot else 0.0)
+        exposed += max(0.0, during - backward[unit])
     offload = 0.0
-    if plan.config["cpu_offload"] and not asked.config["cpu_offload"]:
+    if plan.config["cpu_offload"]:
         shard = plan.memory[0]["params"]
         gathered = sum(u.gathered_bytes for u in plan.units)  # the model once, as the all-gathers carry it
         gathers_per_step = plan.wire["all_gather"]["tensor"] / max(1, gathered)  # FULL_SHARD: forward, backward
         copies = (shard * gathers_per_step * micro_batches + plan.memory[0]["grads"]) / PCIE
-        offload = copies + 16 * params / plan.mesh[1] / CPU_BANDWIDTH
-    return recompute - recompute_asked + wire + offload
+        offload = copies + 16 * sum(trained) / plan.mesh[1] / CPU_BANDWIDTH
+    return StepTime(micro_batches * (sum(forward) + sum(backward)), micro_batches * exposed, offload)
+
+
+def step_cost(plan: Plan, asked: Plan, micro_batches: int) -> float:
+    """Seconds a step of ``plan`` in ``micro_batches`` adds against ``asked`` in one (negative: saves)."""
+    return step_time(plan, micro_batches).total - step_time(asked).total
 
 
 #: At most this many suggestions are kept, the cheapest.
@@ -235,7 +338,7 @@ def _try(asked: Plan, replan: Any, change: Change, found: list[Plan], deadline: 
         return True
     if planned is None or not planned.fits:
         return True
-    cost = step_cost(planned, asked, planned.tokens, change.settings.get("micro_batches", 1))
+    cost = step_cost(planned, asked, change.settings.get("micro_batches", 1))
     factor = planned.world_size / asked.world_size
     found.append(
         dataclasses.replace(

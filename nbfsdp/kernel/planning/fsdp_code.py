@@ -152,7 +152,9 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
         ]
     lines += [
         "",
-        "units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]  # forward order",
+        "# the units in registration order (model.modules()), the order nbfsdp prefetches them in: forward's",
+        "# order only where forward runs the units as the model registers them (a ModuleList in a loop does)",
+        "units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]",
     ]
     if config.forward_prefetch:
         lines += [

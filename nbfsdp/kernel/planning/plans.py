@@ -28,10 +28,11 @@ import torch
 import torch.nn as nn
 
 from nbfsdp.kernel.cluster.world import planned_devices
-from nbfsdp.kernel.planning import fitting, predicted
+from nbfsdp.kernel.planning import fitting, placement, predicted
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.fsdp_code import render
 from nbfsdp.kernel.planning.peak import Workload, autocast_dtype, rank_peaks
+from nbfsdp.kernel.planning.placement import replicate_groups, shard_groups
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
@@ -56,6 +57,8 @@ class UnitPlan:
     """Of ``params``, those that do not train (``requires_grad`` False): no gradient, no optimizer state."""
     gathered_bytes: int = 0
     """Those parameters unsharded in the dtype they compute in (``param_dtype``, or each one's own as stored)."""
+    recomputed: int = 0
+    """Of ``params``, those inside a checkpointed module: backward computes their forward again."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,7 +70,7 @@ class Plan:
     units: list[UnitPlan]
     devices: str = ""
     """Where the ranks run, in words: "4 ranks on 1 GPU (shared)", "2 ranks on the CPU (gloo)"."""
-    """In forward order: the root first."""
+    """The root first, then in registration order, which forward prefetch follows (``units.forward_order``)."""
     wrap_rule: dict[str, Any]
     """What chose the units: the ``wrap_cls`` in force, their ``source`` (``_no_split_modules``...), in words;
     ``ties_kept``: the units a default rule left out to keep a tie whole (``units.ties_kept``); ``split_by_dtype``:
@@ -79,7 +82,8 @@ class Plan:
     """(unit, unit it prefetches) pairs in forward."""
     backward_order: list[str]
     memory: list[dict[str, int]] = field(default_factory=list)
-    """Per rank: predicted bytes of params, grads and optim (AdamW), and FSDP2's comm_buffers at their peak."""
+    """Per rank: predicted bytes of params, grads and optim (AdamW), and a lower bound of FSDP2's comm_buffers at
+    their peak (``_comm_buffers_lower_bound``; with a batch, ``peak`` traces them)."""
     communication: dict[str, int] = field(default_factory=dict)
     """Tensor bytes per step per rank: all_gather (unsharded output), reduce_scatter (input), all_reduce."""
     wire: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -150,7 +154,7 @@ class Plan:
                 f"{trained:,} train"
             )
         lines.append(f"activation checkpointing: {', '.join(map(name, self.checkpointed)) or 'none'}")
-        lines.append(f"forward order: {' -> '.join(name(u.name) for u in self.units)}")
+        lines.append(f"forward order (as registered): {' -> '.join(name(u.name) for u in self.units)}")
         prefetch = ", ".join(f"{name(a)} prefetches {name(b)}" for a, b in self.forward_prefetch) or "off"
         lines.append(f"forward prefetch: {prefetch}")
         lines.append(
@@ -159,7 +163,8 @@ class Plan:
         for rank, m in enumerate(self.memory):
             lines.append(
                 f"rank {rank} predicted: params {size_text(m['params'])}, grads {size_text(m['grads'])}, "
-                f"optimizer (AdamW) {size_text(m['optim'])}, comm buffers at peak {size_text(m['comm_buffers'])}"
+                f"optimizer (AdamW) {size_text(m['optim'])}, "
+                f"comm buffers at peak at least {size_text(m['comm_buffers'])}"
             )
         comm = self.communication
         lines.append(
@@ -190,7 +195,14 @@ class Plan:
             usable = self.device_memory["usable"]
             verdict = "fits" if self.fits else "does not fit"
             total = self.device_memory["total"]
-            rest = "" if usable == total else "; the rest is the CUDA context and the allocator's margin"
+            nccl = self.device_memory.get("nccl", 0)
+            rest = (
+                ""
+                if usable == total
+                else f"; the rest is the CUDA context, {size_text(nccl)} of NCCL's buffers and the allocator's margin"
+                if nccl
+                else "; the rest is the CUDA context and the allocator's margin"
+            )
             lines.append(
                 f"on {self.device_memory['name']}: {verdict} ({size_text(top)} of {size_text(usable)} usable of "
                 f"{size_text(total)}{rest})"
@@ -222,8 +234,8 @@ class Plan:
         replicas, shards = self.mesh
         dims = []
         for dim, degree, groups in (
-            ("shard", shards, _shard_groups(replicas, shards)),
-            ("replicate", replicas, _replicate_groups(replicas, shards)),
+            ("shard", shards, shard_groups(replicas, shards)),
+            ("replicate", replicas, replicate_groups(replicas, shards)),
         ):
             if degree > 1:
                 spans = frozenset(len({self.hosts[r] for r in group}) > 1 for group in groups)
@@ -265,33 +277,11 @@ def _shard_numel(param: torch.Tensor, shards: int, shard: int) -> tuple[int, int
     return per_shard * row_numel, max(0, min(per_shard, rows - shard * per_shard)) * row_numel
 
 
-def _shard_groups(replicas: int, shards: int) -> list[list[int]]:
-    """The all-gather and reduce-scatter groups: rows of the row-major (replicate, shard) mesh."""
-    return [list(range(r * shards, (r + 1) * shards)) for r in range(replicas)]
-
-
-def _replicate_groups(replicas: int, shards: int) -> list[list[int]]:
-    """The all-reduce groups: columns of the mesh."""
-    return [list(range(s, replicas * shards, shards)) for s in range(shards)]
-
-
 def _ranges(ranks: list[int]) -> str:
     """``0-1`` for consecutive ranks, ``0,2`` otherwise."""
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
-
-
-def _host_out(groups: list[list[int]], hosts: list[str], sent: int) -> dict[str, int]:
-    """Bytes each host sends to other hosts: in each group's ring (ranks in order), every link whose
-    two ends are on different hosts carries what one rank sends."""
-    out = dict.fromkeys(hosts, 0)
-    for group in groups:
-        if len(group) > 1:
-            for a, b in zip(group, group[1:] + group[:1], strict=True):
-                if hosts[a] != hosts[b]:
-                    out[hosts[a]] += sent
-    return out
 
 
 def plan(
@@ -337,7 +327,14 @@ def _traced(
     planned.batch = inputs.described
     planned.tokens = inputs.tokens * workload.micro_batches
     if memory is not None:
-        planned.device_memory = {"name": memory.name, "total": memory.total, "usable": memory.usable}
+        if config.device == "cuda":
+            memory = dataclasses.replace(memory, nccl_groups=fitting.nccl_groups(planned))
+        planned.device_memory = {
+            "name": memory.name,
+            "total": memory.total,
+            "usable": memory.usable,
+            "nccl": memory.nccl_bytes,
+        }
         planned.fits = fitting.fits(planned, memory)
     if suggest and memory is not None:
         planned.searched = True
@@ -401,6 +398,8 @@ def _plan(
     computed = lambda p: _size(param_dtype or p.dtype)  # noqa: E731
     reduced = lambda p: _size(reduce_dtype or param_dtype or p.dtype)  # noqa: E731
 
+    checkpointed = activation_modules(model, units, config) if config.activation_checkpointing else []
+    recomputed = {id(p) for module in checkpointed for p in module.parameters()}
     unit_plans = []
     owned_by: dict[int, list[nn.Parameter]] = {}
     for unit in ordered:
@@ -414,6 +413,7 @@ def _plan(
                 sharded_bytes=sum(_shard_numel(p, shards, 0)[0] * p.element_size() for p in own),
                 frozen=sum(p.numel() for p in own if not p.requires_grad),
                 gathered_bytes=sum(p.numel() * computed(p) for p in own),
+                recomputed=sum(p.numel() for p in own if id(p) in recomputed),
             )
         )
 
@@ -426,11 +426,8 @@ def _plan(
         memory.append({"params": stored, "grads": grads, "optim": 2 * 4 * owned + 4 * len(trained)})
 
     gathered_per_step = {id(u): 1 if u is model or config.sharding_strategy == "SHARD_GRAD_OP" else 2 for u in ordered}
-    gathered = sorted((u.gathered_bytes for u in unit_plans), reverse=True)
     reduced_bytes = {id(u): sum(p.numel() * reduced(p) for p in owned_by[id(u)] if p.requires_grad) for u in ordered}
-    # FSDP2's buffers at their peak: the unit computing and the one prefetched, gathered; one unit's
-    # unsharded gradients waiting for reduce-scatter (none of it without sharding: NO_SHARD all-reduces)
-    comm_buffers = 0 if shards == 1 else sum(gathered[:2]) + max(reduced_bytes.values())
+    comm_buffers = _comm_buffers_lower_bound(unit_plans, config.sharding_strategy, shards)
     for figures in memory:
         figures["comm_buffers"] = comm_buffers
     communication = {
@@ -452,13 +449,9 @@ def _plan(
         for kind, nbytes in communication.items()
     }
     several = hosts is not None and len(set(hosts)) > 1
-    cross_host: dict[str, dict[str, int]] = {}
-    if hosts is not None and several:
-        mesh_groups = {"shard": _shard_groups(replicas, shards), "replicate": _replicate_groups(replicas, shards)}
-        for kind, w in wire.items():
-            groups_of = mesh_groups["replicate" if kind == "all_reduce" else "shard"]
-            cross_host[kind] = _host_out(groups_of, hosts, w["sent"])
-            w["cross_host"] = sum(cross_host[kind].values())
+    cross_host = placement.cross_host(wire, (replicas, shards), hosts) if hosts is not None and several else {}
+    for kind, out in cross_host.items():
+        wire[kind]["cross_host"] = sum(out.values())
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch
@@ -473,9 +466,7 @@ def _plan(
             **({"ties_kept": kept} if (kept := ties_kept(model, config)) else {}),
             **({"split_by_dtype": split} if (split := dtype_splits(model, config)) else {}),
         },
-        checkpointed=[names[id(m)] for m in activation_modules(model, units, config)]
-        if config.activation_checkpointing
-        else [],
+        checkpointed=[names[id(m)] for m in checkpointed],
         dtypes={
             "param_dtype": _dtype_name(param_dtype, unique),
             "reduce_dtype": _dtype_name(reduce_dtype or param_dtype, trained),
@@ -492,6 +483,21 @@ def _plan(
         hosts=list(hosts) if hosts is not None and several else [],
         cross_host=cross_host,
     )
+
+
+def _comm_buffers_lower_bound(units: list[UnitPlan], strategy: str, shards: int) -> int:
+    """FSDP2's buffers without a step to trace: what must be alive together at the end of some unit's backward,
+    a lower bound of their peak (a traced step, ``Plan.peak``, says what is). FULL_SHARD and HSDP: the root
+    (gathered from forward into backward), the unit and its unsharded gradients, in the dtype it computes in;
+    SHARD_GRAD_OP: every unit, still gathered after forward, and the gradients of the unit backward starts with
+    (the last); NO_SHARD: nothing to gather, its gradients all-reduced where they are."""
+    if shards == 1:
+        return 0
+    root, rest = units[0], units[1:] or units[:1]
+    grads = lambda u: u.gathered_bytes * (u.params - u.frozen) // max(1, u.params)  # noqa: E731
+    if strategy == "SHARD_GRAD_OP":
+        return sum(u.gathered_bytes for u in units) + grads(units[-1])
+    return max((root.gathered_bytes if u is not root else 0) + u.gathered_bytes + grads(u) for u in rest)
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -34,6 +34,8 @@ SEARCH_SECONDS = 2.5
 #: How a change of settings is pasted: each fsdp_config key's flag (None: not a flag, said in words).
 _FLAGS = {
     "activation_checkpointing": lambda value: "--activation-checkpointing",
+    "checkpoint_every": lambda value: f"--checkpoint-every {value}",
+    "checkpoint_scope": lambda value: f"--checkpoint-scope {value}",
     "cpu_offload": lambda value: "--cpu-offload",
     "mixed_precision": lambda value: f"--mixed-precision {value}",
     "sharding_strategy": lambda value: f"--sharding-strategy {value}",
