@@ -112,13 +112,14 @@ def run(ctx: Context) -> dict:
 
 
 def _wrappers() -> list[tuple[Any, str, Any, Any]]:
-    """Each collective function the ledger wrapped: its module, its name, the function and the wrapper."""
+    """Each collective function the ledger watches (``collective_calls``' one wrapper): its module, its name, the
+    function and the wrapper."""
     import torch.distributed as dist
 
-    from nbfsdp.engines import where
+    from nbfsdp.shared import collective_calls
 
     found = []
-    for name in where.COLLECTIVES:
+    for name in collective_calls.COLLECTIVES:
         for module in (dist, dist.distributed_c10d):
             wrapper = getattr(module, name, None)
             if getattr(wrapper, "__wrapped_by_nbfsdp__", False):
@@ -138,16 +139,15 @@ class Timed:
 
         ledger = where.ledger
 
-        def timed(*args: Any, **kwargs: Any) -> Any:  # as deep in the stack as the ledger's: its _caller holds
+        def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter_ns()
-            entry = ledger._enter(name, args, kwargs)
+            entry = ledger.entered(name, function, args, kwargs)
             entered = time.perf_counter_ns()
             try:
                 return function(*args, **kwargs)
             finally:
                 returned = time.perf_counter_ns()
-                if ledger.inside is entry:
-                    ledger.inside = None
+                ledger.left(entry)
                 self.ns += entered - started + time.perf_counter_ns() - returned
 
         return timed

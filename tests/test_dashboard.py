@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.nn as nn
+from PIL import Image
 
 import nbfsdp
 from nbfsdp.helpers import drawing
@@ -25,6 +28,18 @@ from nbfsdp.ui.dashboard import LiveDashboard
 from tests.test_kernel import Kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+#: The docs' picture of a dashboard (README, docs/index.md): tests/test_browser.py takes it, and records in it
+#: the controls and buttons it shows, under this PNG text key.
+DOCS_IMAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "images" / "dashboard.png"
+IMAGE_PARTS_KEY = "nbfsdp:parts"
+
+
+def image_parts(path: pathlib.Path = DOCS_IMAGE) -> list[str] | None:
+    """The controls and buttons the dashboard had when its picture at ``path`` was taken; None if not recorded."""
+    recorded = Image.open(path).text.get(IMAGE_PARTS_KEY) if path.exists() else None
+    return json.loads(recorded) if recorded else None
+
 
 TEN_SECONDS = """%%fsdp --world-size 2 --wrap-cls Linear
 import time
@@ -434,3 +449,24 @@ def test_a_hang_report_marks_the_stuck_rank_and_the_rank_it_waits_for_in_their_r
     assert rank_1 and rank_1[1] == stuck[1], marked[-1]
     said = [str(m["content"]) for _, m in messages if m["msg_type"] in ("comm_open", "comm_msg")]
     assert any("hang report: rank 0 issued all_reduce" in text for text in said)
+
+
+def test_the_docs_picture_of_the_dashboard_shows_its_controls_and_buttons_as_they_are(shell):
+    """docs/images/dashboard.png cannot go stale: a control or button added, renamed or removed fails here until
+    tests/test_browser.py, which takes the picture again whenever what it shows differs, has run."""
+    dashboard = _dashboard()
+    parts = [control.description for control in dashboard.controls.widgets.values()]
+    parts += [dashboard._stop.description, dashboard._where.description]
+    assert image_parts() == parts, "run tests/test_browser.py: it takes docs/images/dashboard.png again"
+
+
+def test_every_choice_of_a_dropdown_has_room_in_it(shell):
+    """Left to JupyterLab's own width, the backward-prefetch dropdown cut its value to "BACKWARD_PRE": each
+    dropdown is as wide as its description and its longest choice, at a generous width per letter (capitals,
+    the widest, 0.72 em in DejaVu Sans). The browser test measures them as drawn."""
+    for control in _dashboard().controls.widgets.values():
+        if hasattr(control, "options"):
+            width = control.layout.width
+            assert width.endswith("em"), (control.description, width)
+            needed = 0.55 * len(control.description) + 0.72 * max(map(len, control.options)) + 2
+            assert float(width.removesuffix("em")) >= needed, (control.description, width)

@@ -16,8 +16,10 @@ import pytest
 import nbfsdp
 from nbfsdp.kernel import flags
 from nbfsdp.kernel.magics import FSDPMagics
+from tests.test_layout import ALLOWED
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
 
 
 def _docs_text() -> str:
@@ -84,3 +86,40 @@ def test_every_public_name_is_in_the_api_reference(name: str) -> None:
 def test_a_flag_without_docs_fails() -> None:
     """The check itself: a flag nobody wrote about is not found."""
     assert not re.search(r"`--no-such-flag(\s[^`]*)?`", _docs_text())
+
+
+@pytest.mark.parametrize("name", sorted(nbfsdp.__all__))
+def test_every_public_name_is_in_the_readme(name: str) -> None:
+    assert f"`nbfsdp.{name}" in (REPO / "README.md").read_text(), f"nbfsdp.{name} is not in the README's API line"
+
+
+def _nav_pages() -> list[str]:
+    """The pages of mkdocs.yml's nav, read as text (its Python tags keep a YAML loader from reading it safely)."""
+    nav = (REPO / "mkdocs.yml").read_text().partition("\nnav:\n")[2]
+    return re.findall(r":\s+(\S+\.(?:md|ipynb))\s*$", nav, re.M)
+
+
+def test_the_nav_is_read() -> None:
+    assert {"index.md", "guide/cell.md", "api.md", "notebooks/00-quickstart.ipynb"} <= set(_nav_pages())
+
+
+@pytest.mark.parametrize("page", [page for page in _nav_pages() if page != "index.md"])
+def test_every_page_of_the_nav_is_linked_from_the_home_page(page: str) -> None:
+    """The home page links each page; a notebook through the course's overview, which links each one."""
+    linked_from = "course.md" if page.startswith("notebooks/") else "index.md"
+    assert f"]({page})" in (DOCS / linked_from).read_text(), f"docs/{linked_from} does not link {page}"
+
+
+def _may_import(subpackage: str) -> set[str]:
+    """What a subpackage's docstring says it may import of nbfsdp, besides itself: the names in code quotes
+    in its sentence that starts "May import", up to that sentence's first colon, semicolon or full stop
+    (``nbfsdp`` alone: the package root)."""
+    docstring = (REPO / "nbfsdp" / subpackage / "__init__.py").read_text()
+    sentence = re.search(r"May import\s(.*?)(?:[:;]|\.\s|\.$)", docstring, re.S)
+    assert sentence, f"nbfsdp/{subpackage}/__init__.py says nothing starting 'May import'"
+    return {name.removeprefix("nbfsdp.") or "nbfsdp" for name in re.findall(r"``(nbfsdp(?:\.\w+)?)``", sentence[1])}
+
+
+@pytest.mark.parametrize("subpackage", sorted(ALLOWED))
+def test_each_subpackage_says_what_test_layout_allows_it(subpackage: str) -> None:
+    assert _may_import(subpackage) == ALLOWED[subpackage] - {subpackage}

@@ -161,3 +161,32 @@ def test_the_memory_legend_and_the_change_labels_keep_clear_of_the_axes_and_of_e
             near = others | {text.get_text(): text.get_window_extent(renderer) for text in shown if text is not label}
             for name, extent in near.items():
                 assert not box.overlaps(extent), (label.get_text(), name)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_measured_and_predicted_memory_stand_side_by_side_and_are_labelled(world_size):
+    """No bar mixes a measurement with a prediction: each rank's measured categories stack left of it, explain's
+    (hatched, its comm buffers on top) right of it, and each bar is labelled under it (the axis says it, past a
+    few ranks); explain's peak is dashed across its own bar, the measured peak across the measured bar."""
+    predicted = [{**PREDICTED[0], "peak": 5 * MIB}] * world_size
+    memory_axes = DashboardFigure(world_size, predicted).add(_records(range(3))).figure.axes[1]
+    for rank in range(world_size):
+        bars = [bar for bar in memory_axes.patches if rank - 0.5 < bar.get_x() < rank + 0.5]
+        measured = [bar for bar in bars if not bar.get_hatch()]
+        explained = [bar for bar in bars if bar.get_hatch()]
+        assert max(bar.get_x() + bar.get_width() for bar in measured) <= rank <= min(bar.get_x() for bar in explained)
+        if rank < 2:  # the ranks the records name
+            assert max(bar.get_y() + bar.get_height() for bar in measured) == pytest.approx(4.5)  # MEMORY, MiB
+        assert max(bar.get_y() + bar.get_height() for bar in explained) == pytest.approx(4.5)  # 4 + comm buffers
+        peaks = {
+            line.get_linestyle(): line.get_xdata()
+            for line in memory_axes.lines
+            if rank - 0.5 < line.get_xdata()[0] < rank + 0.5
+        }
+        assert peaks["--"][0] >= rank - 0.05 and peaks["-"][1] <= rank + 0.05
+    labels = [label.get_text() for label in memory_axes.get_xticklabels(minor=True)]
+    if world_size <= figures.MOST_LABELLED_RANKS:
+        assert labels == ["measured", "explain"] * world_size
+    else:
+        assert labels == [] and "measured" in memory_axes.get_xlabel() and "explain" in memory_axes.get_xlabel()
+    assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]

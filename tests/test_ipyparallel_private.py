@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -73,6 +74,27 @@ def test_an_adopted_process_is_signalled_stopped_and_reported_with_our_exit_code
     assert state == "after"
     assert joined
     assert child.returncode == -signal.SIGTERM
+
+
+def test_a_running_cluster_is_found_by_its_files_in_the_profile(tmp_path):
+    """What ``%fsdp attach`` reads of a cluster it did not start: its id, and its engines' connection file."""
+    security = tmp_path / "security"
+    cluster = ipp.Cluster(
+        profile_dir=str(tmp_path), cluster_id="c1", controller_ip="127.0.0.1", log_level=logging.ERROR
+    )
+    try:
+        cluster.start_controller_sync()
+        assert ipyparallel_private.running_cluster_ids(security) == ["c1"]
+        engine_file = ipyparallel_private.engine_connection_file(security, "c1")
+        deadline = time.monotonic() + 30
+        while not engine_file.is_file() and time.monotonic() < deadline:  # written once the controller listens
+            time.sleep(0.1)
+        connection = json.loads(engine_file.read_text())
+        assert "127.0.0.1" in connection["interface"]
+    finally:
+        cluster.stop_cluster_sync()
+    assert ipyparallel_private.running_cluster_ids(security) == []  # its file goes with it
+    assert ipyparallel_private.engine_connection_file(security, "").name == "ipcontroller-engine.json"
 
 
 def test_launched_pids_are_the_controller_then_each_engine(tmp_path):

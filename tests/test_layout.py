@@ -242,3 +242,100 @@ def test_the_kernels_packages_lean_only_on_those_below_them():
                 if parts[:2] == ["nbfsdp", "kernel"] and len(parts) > 3 and parts[2] not in allowed:
                     wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
     assert wrong == []
+
+
+#: The modules that may use torch's private names (docs/design.md, CONTRIBUTING.md): each function there is
+#: tested directly (tests/test_torch_private.py), so a torch release that breaks one fails by name.
+TORCH_FENCE = {"nbfsdp/shared/torch_private.py", "nbfsdp/kernel/planning/torch_private.py"}
+
+
+def _private(dotted: str) -> bool:
+    """A torch name with a private segment: ``torch.utils._pytree``, ``torch._C``, ``torch.ops.aten._x``."""
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
+
+
+def _private_torch_names(path: Path) -> list[str]:
+    """``line: name`` of each private torch name ``path`` imports or reaches by attribute, through the names it
+    binds to torch's modules and objects (``import torch.nn as nn``, ``aten = torch.ops.aten``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            bound.update((alias.asname or alias.name, f"{node.module}.{alias.name}") for alias in node.names)
+
+    def dotted(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    for node in ast.walk(tree):  # names bound to a torch object: ``aten = torch.ops.aten``
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = dotted(node.value)
+            if value is not None and value.startswith("torch"):
+                bound[node.targets[0].id] = value
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            found.append((node.lineno, dotted(node) or ""))
+    private = {(line, name) for line, name in found if _private(name)}
+    # ``torch._C._autograd.x`` once, not each prefix of it
+    longest = {
+        (line, name) for line, name in private if not any(o[0] == line and o[1].startswith(name + ".") for o in private)
+    }
+    return [f"{line}: {name}" for line, name in sorted(longest)]
+
+
+def test_private_torch_names_are_used_only_behind_the_fence():
+    """No module but the fenced ones imports, calls or reads a private torch name (``torch.*._x``, ``aten._x``):
+    what a torch release may move without notice is held in one place, by a test."""
+    wrong = {
+        str(path.relative_to(PACKAGE.parent)): names
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(PACKAGE.parent)) not in TORCH_FENCE and (names := _private_torch_names(path))
+    }
+    assert wrong == {}
+
+
+def test_the_fence_check_sees_each_way_of_reaching_a_private_name(tmp_path):
+    """The check itself: imports of private modules and names, attributes through any alias, ``aten._x``."""
+    source = tmp_path / "reaching.py"
+    source.write_text(
+        "import torch\nimport torch.nn as nn\nfrom torch.utils._pytree import tree_map\n"
+        "from torch.utils.data.dataloader import _InfiniteConstantSampler\n"
+        "aten = torch.ops.aten\n"
+        "def f(x):\n    torch._C._autograd.x\n    aten._scaled_dot_product_attention_math(x)\n"
+        "    nn.Module._apply\n    return torch.__version__, torch.nn.functional.relu(x), x._private\n"
+    )
+    assert _private_torch_names(source) == [
+        "3: torch.utils._pytree.tree_map",
+        "4: torch.utils.data.dataloader._InfiniteConstantSampler",
+        "7: torch._C._autograd.x",
+        "8: torch.ops.aten._scaled_dot_product_attention_math",
+        "9: torch.nn.Module._apply",
+    ]
+
+
+def test_the_planners_model_of_fsdp2_is_in_parts():
+    """The traced step (``planning/peak.py``, the ledger of FSDP2's allocations) apart from its dispatch counter,
+    attention, autocast and batch, each a module; ``plans._plan`` in units, memory and communication."""
+    planning = PACKAGE / "kernel" / "planning"
+    assert len((planning / "peak.py").read_text().splitlines()) < 500
+    functions = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse((planning / "plans.py").read_text()))
+        if isinstance(node, ast.FunctionDef)
+    }
+    assert {"_units", "_memory", "_communication"} <= set(functions) and functions["_plan"] <= 50

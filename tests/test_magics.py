@@ -180,14 +180,14 @@ def test_attach_without_a_running_cluster_says_where_it_looked_and_detach_withou
 
 
 def test_each_action_is_one_entry_whose_usage_makes_the_help(shell):
-    from nbfsdp.kernel.magics import LINE_ACTION_HELP, FSDPMagics
+    from nbfsdp.kernel.magics import ACTIONS, FSDPMagics
 
     parser_help = FSDPMagics.fsdp_line.parser.format_help()
     words = " ".join(parser_help.split())  # argparse wraps the help: compare words, not lines
-    for name, usage in LINE_ACTION_HELP.items():
-        shown = " ".join(usage.replace("%%", "%").split())  # argparse prints its help through %-formatting
-        assert usage.startswith(name) and shown in words, name
-        assert hasattr(FSDPMagics, f"_action_{name.replace('-', '_')}"), name
+    for name, action in ACTIONS.items():
+        shown = " ".join(action.usage.replace("%%", "%").split())  # argparse prints its help through %-formatting
+        assert action.usage.startswith(name) and shown in words, name
+        assert callable(action.handler), name
     with pytest.raises(UsageError, match="%fsdp status takes no arguments; got 'now'"):
         shell.run_line_magic("fsdp", "status now")
 

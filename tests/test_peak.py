@@ -14,7 +14,8 @@ from IPython.core.error import UsageError
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbfsdp
-from nbfsdp.kernel.planning import fitting, peak, predicted
+from nbfsdp.kernel.planning import fitting, live_bytes, peak, predicted
+from nbfsdp.kernel.planning.attention import device_sdpa
 from nbfsdp.shared.config import ConfigError, FSDPConfig, validate
 from nbfsdp.shared.devices import choose
 from tests.conftest import gpu, run_failing, run_ok
@@ -236,7 +237,7 @@ def test_a_gpu_plan_runs_flash_attention_which_keeps_no_scores():
     def kept(attention, dtype: torch.dtype, mask: bool) -> int:
         q, k, v = (torch.empty(shape, dtype=dtype, device="meta", requires_grad=True) for _ in range(3))
         attn_mask = torch.zeros(1, 1, 2048, 2048, dtype=dtype, device="meta") if mask else None
-        live = peak._Live(lambda: None)
+        live = live_bytes.LiveBytes(lambda: None)
         with live:
             out = attention(q, k, v, attn_mask=attn_mask)
         return sum(live.split().values()) - out.untyped_storage().nbytes()
@@ -245,7 +246,7 @@ def test_a_gpu_plan_runs_flash_attention_which_keeps_no_scores():
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask)[0]
 
     assert kept(math, torch.float32, True) >= scores * 4  # the textbook path keeps the scores
-    on_gpu, on_cpu = functools.partial(peak._sdpa, True, None), functools.partial(peak._sdpa, False, None)
+    on_gpu, on_cpu = functools.partial(device_sdpa, True, None), functools.partial(device_sdpa, False, None)
     assert kept(on_gpu, torch.bfloat16, False) < 0.01 * scores * 2  # flash: the log-sum-exp alone
     assert kept(on_gpu, torch.float32, True) < 0.01 * scores * 4  # memory-efficient, a mask as an input
     assert kept(on_cpu, torch.float32, True) < 0.01 * scores * 4  # the CPU flash kernel, as PyTorch picks it

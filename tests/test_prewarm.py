@@ -345,9 +345,9 @@ def test_a_failed_background_start_prints_nothing_and_the_next_start_tries_again
         assert cluster.starting is None and str(cluster.background_error) == "no engines today"
         assert capfd.readouterr() == ("", "")  # kept, not printed
         with pytest.raises(RuntimeError, match="no engines today"):
-            cluster.ensure_world(1, 30.0)  # the normal path raises it, where a cell would show it
+            cluster.ensure_world(cluster.plan_world(1, 30.0))  # the normal path raises it, where a cell would show it
         monkeypatch.setattr(FSDPCluster, "_start_engines", real)
-        world = cluster.ensure_world(1, 30.0)
+        world = cluster.ensure_world(cluster.plan_world(1, 30.0))
         assert world.world_size == 1 and cluster.background_error is None
     finally:
         cluster.stop()

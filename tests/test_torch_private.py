@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -281,3 +283,76 @@ def test_abort_nccl_communicators_releases_an_all_reduce_blocked_on_a_silent_pee
         for process in ranks:
             process.kill()
             process.join(10)
+
+
+def test_a_dispatch_mode_sees_operators_by_name_and_is_paused_and_pytrees_round_trip():
+    """What the planner's counter (``planning.live_bytes``) and the course's ``CommMeter`` are made of."""
+    seen = []
+
+    class Seen(torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(torch_private.operator_name(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2)
+    with Seen():
+        torch.add(x, x)
+        with torch_private.paused_dispatch_mode():
+            torch.mul(x, x)
+        torch.sub(x, x)
+    assert seen == ["aten::add", "aten::sub"]
+    leaves, spec = torch_private.tree_flatten({"a": (x, 1), "b": [x]})
+    assert len(leaves) == 3 and torch_private.tree_unflatten(leaves, spec)["a"][1] == 1
+    doubled = torch_private.tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, {"a": (x, "s")})
+    assert doubled["a"][0].tolist() == [2.0, 2.0] and doubled["a"][1] == "s"
+
+
+def test_apply_to_tensors_hands_each_parameter_and_buffer_the_given_tensor():
+    """How the ranks adopt delivered shards without a copy (``sharding.adopt_shards``)."""
+    model = torch.nn.BatchNorm1d(3, device="meta")
+    made = {}
+
+    def delivered(tensor: torch.Tensor) -> torch.Tensor:
+        made[tuple(tensor.shape), tensor.dtype, len(made)] = fresh = torch.full(tensor.shape, 7, dtype=tensor.dtype)
+        return fresh
+
+    with torch.no_grad():
+        torch_private.apply_to_tensors(model, delivered)
+    assert isinstance(model.weight, torch.nn.Parameter) and not model.weight.is_meta
+    pointers = {t.data_ptr() for t in made.values()}
+    assert {t.data_ptr() for t in [*model.parameters(), *model.buffers()]} == pointers
+
+
+def test_the_torch_2_6_patches_wait_for_the_engines_call_and_go_on_once():
+    """Importing the module patches nothing; ``patch_fsdp2_for_torch_2_6`` does (torch 2.6: the CPU stream's
+    event methods, FSDP2's copy-out wrapped once however many worlds are set up; from 2.7 torch has them)."""
+    code = (
+        "import torch, nbfsdp.shared.torch_private as tp\n"
+        "stream = [hasattr(torch.cpu.Stream, 'record_event')]\n"
+        "tp.patch_fsdp2_for_torch_2_6()\n"
+        "import torch.distributed.fsdp._fully_shard._fsdp_collectives\n"
+        "copy = torch.ops.fsdp.split_with_sizes_copy\n"
+        "tp.patch_fsdp2_for_torch_2_6()\n"
+        "print(stream + [hasattr(torch.cpu.Stream, 'record_event'), torch.ops.fsdp.split_with_sizes_copy is copy])"
+    )
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before_2_7 = torch.__version__ < "2.7"
+    assert printed.strip() == str([not before_2_7, True, True])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planners_attention_kernels_run_on_meta_tensors(dtype):
+    """Each private attention op the planner's trace names (``nbfsdp.kernel.planning.torch_private``), called
+    as the trace calls it, on meta tensors; and the CPU's choice among them, asked as the trace asks it."""
+    from nbfsdp.kernel.planning import torch_private as kernels
+
+    q, k, v = (torch.empty(2, 4, 32, 16, dtype=dtype, device="meta") for _ in range(3))
+    mask = torch.zeros(1, 1, 32, 32, dtype=dtype, device="meta")
+    outputs = [
+        kernels.flash_attention(q, k, v, 0.0, True, None),
+        kernels.efficient_attention(q, k, v, mask, 0.0, False, None),
+        kernels.cpu_flash_attention(q, k, v, None, 0.0, True, None),
+        kernels.math_attention(q, k, v, mask, 0.0, False, None),
+    ]
+    assert [tuple(o.shape) for o in outputs] == [(2, 4, 32, 16)] * 4
+    assert kernels.cpu_picks_flash(q, k, None, True) is True  # the CPU's flash kernel takes these

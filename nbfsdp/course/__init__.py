@@ -8,7 +8,8 @@ The notebooks import them by name::
 
     from nbfsdp.course import TinyGPT, batch_for, loss_fn, CommMeter
 
-Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course`` themselves).
+Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course`` themselves). May import
+``nbfsdp.shared`` only: nothing of the kernel's side, which the ranks do not have.
 """
 
 from nbfsdp.course.diagrams import collective, strategy_timeline

@@ -10,6 +10,7 @@ on its own TCP connections to the other ranks (gloo's), from the kernel's per-so
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import socket
@@ -19,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from nbfsdp.shared import collective_calls
 from nbfsdp.shared.collectives import ring_bytes
-from nbfsdp.shared.torch_private import cpu_attention_flop_formulas
+from nbfsdp.shared.torch_private import TorchDispatchMode, cpu_attention_flop_formulas, operator_name
 
 #: c10d's ops as FSDP2 and DDP-style replication issue them, by the name the course uses.
 COLLECTIVES = {
@@ -76,7 +77,7 @@ class CommMeter(TorchDispatchMode, _Collectives):
         self.calls: list[tuple[str, int, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func._schema.name
+        name = operator_name(func)
         if name.startswith("c10d::"):
             kind = COLLECTIVES.get(name, name)
             if kind == "all_gather":  # (output, input, group, ...)
@@ -92,7 +93,8 @@ class CommMeter(TorchDispatchMode, _Collectives):
 
 class CollectiveMeter(_Collectives):
     """``CommMeter``'s record, ``calls`` of (kind, tensor bytes, group size), taken where the collectives are
-    called: ``torch.distributed``'s functions are wrapped while the meter is active.
+    called: the meter watches ``torch.distributed``'s functions while it is active, through the one wrapper of
+    them the ranks' ledger of collectives watches too (``shared.collective_calls``).
 
     For code under ``torch.compile``: Dynamo runs a frame eagerly while a Python dispatch mode such as
     ``CommMeter`` is active, so measuring with one would measure the eager model. FSDP2 issues its
@@ -112,31 +114,31 @@ class CollectiveMeter(_Collectives):
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
-        self._originals: dict[str, Any] = {}
 
     def __enter__(self) -> CollectiveMeter:
-        for name, (kind, index) in self.FUNCTIONS.items():
-            original = getattr(dist, name, None)
-            if original is not None:
-                self._originals[name] = original
-                setattr(dist, name, self._wrap(original, kind, index))
+        collective_calls.watch(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        collective_calls.unwatch(self)
 
-    def _wrap(self, original: Any, kind: str, index: int) -> Any:
-        signature = inspect.signature(original)
+    def entered(self, name: str, function: Any, args: tuple, kwargs: dict) -> None:
+        """A collective call begins (``collective_calls``' watcher): one of ``FUNCTIONS`` is recorded."""
+        if name not in self.FUNCTIONS:
+            return
+        kind, index = self.FUNCTIONS[name]
+        arguments = _signature(function).bind(*args, **kwargs).arguments  # FSDP2 passes them by name
+        tensor = list(arguments.values())[index]
+        group_size = dist.get_world_size(arguments.get("group"))
+        self.calls.append((kind, tensor.numel() * tensor.element_size(), group_size))
 
-        def metered(*args: Any, **kwargs: Any) -> Any:
-            arguments = signature.bind(*args, **kwargs).arguments  # FSDP2 passes them by name
-            tensor = list(arguments.values())[index]
-            group_size = dist.get_world_size(arguments.get("group"))
-            self.calls.append((kind, tensor.numel() * tensor.element_size(), group_size))
-            return original(*args, **kwargs)
+    def left(self, token: None) -> None:
+        pass
 
-        return metered
+
+@functools.cache
+def _signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)
 
 
 def flop_counter() -> FlopCounterMode:

@@ -38,7 +38,7 @@ from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, GatherModel, ShardAllocation
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, GatherModel, ShardAllocation, WorldSetup
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
 #: Errors a rank raises only because a peer tore the world down first.
@@ -59,50 +59,35 @@ def _use_interface(interface: str | None) -> None:
             os.environ[name] = interface
 
 
-def setup(
-    *,
-    rank: int,
-    world_size: int,
-    backend: str,
-    store_path: str | None,
-    timeout: float,
-    threads: int,
-    generation: int,
-    rendezvous: tuple[str, int] | None = None,
-    environment: dict[str, str] | None = None,
-    gpu: int | None = None,
-    where_dir: str | None = None,
-) -> EngineInfo:
-    """Join a new world: a fresh process group on a fresh store, a fresh namespace.
+def setup(joining: WorldSetup) -> EngineInfo:
+    """Join the new world ``joining`` describes: a fresh process group on a fresh store, a fresh namespace.
 
     On one machine collectives talk over the loopback interface only, and the store is a file in the
-    client's private directory, so nothing listens on the network. Over several hosts (``rendezvous``:
-    rank 0's address and port, ``nbfsdp.engines.hosts.open_rendezvous``) the store is a TCPStore on
-    rank 0's socket, and each rank's collectives use the one interface that routes to rank 0, unless the
-    user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. ``environment``: torchrun's variables, and
-    ``NCCL_HOSTID`` where ranks share a GPU; on nbfsdp's own cluster rank 0 also serves the loopback store
-    they name. ``gpu``: the index of this rank's GPU among those the engine sees
-    (NCCL), None on the CPU (gloo). ``where_dir``: where ``%fsdp where`` asks this rank where it is (a
-    directory the notebook sees; None where it sees none).
+    client's private directory (``store_path``), so nothing listens on the network. Over several hosts
+    (``rendezvous``) the store is a TCPStore on rank 0's socket, and each rank's collectives use the one
+    interface that routes to rank 0, unless the user set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. On
+    nbfsdp's own cluster rank 0 also serves the loopback store torchrun's variables (``environment``) name.
     """
+    rank, world_size, backend, generation = joining.rank, joining.world_size, joining.backend, joining.generation
     if dist.is_initialized():
         dist.destroy_process_group()
-    torch.set_num_threads(threads)
-    os.environ.update(environment or {})
-    if gpu is not None:
+    torch.set_num_threads(joining.threads)
+    torch_private.patch_fsdp2_for_torch_2_6()  # FSDP2 on torch 2.6 runs on the CPU and gloo as on 2.7
+    os.environ.update(joining.environment)
+    if joining.gpu is not None:
         # nbfsdp's own engines see one GPU each (0); an attached host's engines see them all and take
         # LOCAL_RANK's, modulo the GPUs where ranks share them
-        device = torch.device("cuda", gpu)
+        device = torch.device("cuda", joining.gpu)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    seconds = datetime.timedelta(seconds=timeout)
+    seconds = datetime.timedelta(seconds=joining.timeout)
     release.world_begins(generation)  # before the store: the connections made from here are the world's
     script_store = None
-    if rendezvous is None:
+    if joining.rendezvous is None:
         _use_interface(loopback_interface())
-        assert store_path is not None  # nbfsdp's own cluster: a file in its private directory
-        store: dist.Store = dist.FileStore(store_path, world_size)
+        assert joining.store_path is not None  # nbfsdp's own cluster: a file in its private directory
+        store: dist.Store = dist.FileStore(joining.store_path, world_size)
         listening = hosts.take_rendezvous() if rank == 0 else None
         if listening is not None:
             # the store MASTER_ADDR:MASTER_PORT name, on the loopback socket the kernel had rank 0 open: a script
@@ -110,7 +95,7 @@ def setup(
             # would be; the world's group keeps its private FileStore
             script_store = torch_private.store_on(listening, world_size, seconds)
     else:
-        address, port = rendezvous
+        address, port = joining.rendezvous
         _use_interface(interface_of(source_address(address)))
         listening = hosts.take_rendezvous() if rank == 0 else None
         if listening is not None:
@@ -128,7 +113,8 @@ def setup(
     worlds.current = World(
         rank=rank, world_size=world_size, device=device, generation=generation, script_store=script_store
     )
-    where.watch(where_dir, rank)
+    where.watch(joining.where_dir, rank)
+    pasted.install(rank, device)  # a pasted script's init/destroy_process_group, taken as this world's
     return describe()
 
 
@@ -426,7 +412,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             )  # fmt: skip
             try:
                 with (
-                    pasted.world_owned_calls(world.rank, world.device, spec.filename),
+                    pasted.cell_calls(spec.filename),
                     writes.dcp_loads_counted(),
                     scaling.scaled_losses(world, cell_models, recorder),  # fp16: GradScaler's work, done here
                     rank_memory,  # --memory-limit; what a rank that runs out reports

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from nbfsdp.engines.metrics import MemoryMeter
 from nbfsdp.shared.protocol import TensorShape
-from nbfsdp.shared.torch_private import limited_memory_tracker
+from nbfsdp.shared.torch_private import limited_memory_tracker, tree_map
 
 
 def _mib(size: int) -> str:

@@ -17,7 +17,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
-from nbfsdp.shared.torch_private import checkpoint, set_checkpointing, set_mixed_precision, set_reshard_after_forward
+from nbfsdp.shared.torch_private import (
+    apply_to_tensors,
+    checkpoint,
+    set_checkpointing,
+    set_mixed_precision,
+    set_reshard_after_forward,
+)
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, wrap_units
 
 
@@ -169,7 +175,7 @@ def shard_model(
         skeleton.to_empty(device=storage)
         for name, buffer in made.items():
             owner, _, key = name.rpartition(".")
-            skeleton.get_submodule(owner)._buffers[key] = buffer.to(device)
+            setattr(skeleton.get_submodule(owner), key, buffer.to(device))  # an existing buffer's name: replaced
     elif torch.device(storage).type != mesh.device_type:
         # CPU offload on GPUs: DTensor.from_local would move the shard to the GPU, so copy instead
         skeleton.to_empty(device=storage)
@@ -198,7 +204,7 @@ def adopt_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
     """Make the delivered tensors this rank's shards and buffers without copying them.
 
     Where ``to_empty`` would hand each meta tensor a fresh ``empty_like``,
-    ``_apply`` hands it the delivered tensor, and FSDP2's own ``_apply`` then
+    ``apply_to_tensors`` hands it the delivered tensor, and FSDP2 then
     takes it as the sharded storage. FSDP2 copies only a shard it must pad
     (dim 0 not divisible by the shard count).
     """
@@ -216,7 +222,7 @@ def adopt_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
         )
 
     with torch.no_grad():
-        model._apply(delivered)
+        apply_to_tensors(model, delivered)
 
 
 def _copy_shards(model: nn.Module, shards: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -226,9 +232,8 @@ def _copy_shards(model: nn.Module, shards: dict[str, torch.Tensor], device: torc
             _check_shape(fqn, shards[fqn], local)
             local.copy_(shards[fqn])
         for name, module in model.named_modules():
-            for key, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[key] = shards[f"{name}.{key}" if name else key].to(device)
+            for key, _ in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                setattr(module, key, shards[f"{name}.{key}" if name else key].to(device))
 
 
 def cast_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -236,6 +241,6 @@ def cast_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
     if dtype is None:
         return
     for module in model.modules():
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                module._buffers[key] = buffer.to(dtype)
+        for key, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if buffer.is_floating_point():
+                setattr(module, key, buffer.to(dtype))

@@ -32,14 +32,14 @@ def prewarm_world_size() -> int | None:
 
     A value that is none of these is reported, and nothing starts in the background.
     """
-    from nbfsdp.shared.limits import MAX_WORLD_SIZE
+    from nbfsdp.shared.limits import MAX_WORLD_SIZE, world_size_error
 
     value = os.environ.get(PREWARM_ENV, "").strip()
     if not value:
         return None
     if value.lower() in PREWARM_OFF:
         return 0
-    if value.isdigit() and 1 <= int(value) <= MAX_WORLD_SIZE:
+    if value.isdigit() and world_size_error(int(value)) is None:
         return int(value)
     print(
         f"nbfsdp: {PREWARM_ENV}={value!r} is not valid, so nothing starts in the background; use 0, off, false "
@@ -121,7 +121,8 @@ class _Loading:
             import ipyparallel  # noqa: F401  (what the cluster's start imports, imported before cells run again)
 
             import nbfsdp.engines.engine  # noqa: F401  (torch, torch.distributed, FSDP2)
-            from nbfsdp.kernel.magics import DEFAULT_TIMEOUT_SECONDS, FSDPMagics
+            from nbfsdp.kernel.magics import FSDPMagics
+            from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS
 
             self.imported.set()
 

@@ -19,8 +19,9 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from nbfsdp.kernel.planning.peak import Workload, autocast_dtype
+from nbfsdp.kernel.planning.workload import Workload, autocast_dtype
 from nbfsdp.shared import config
+from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS
 
 WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
@@ -32,8 +33,6 @@ KEEP_ON_RANKS_HELP = (
 )
 
 
-#: ``--timeout``'s default.
-DEFAULT_TIMEOUT_SECONDS = 30.0
 TIMEOUT_HELP = f"Seconds a collective may wait before it fails (default {DEFAULT_TIMEOUT_SECONDS:g})."
 #: ``--hang-report``'s default: far above any one collective of a healthy step.
 DEFAULT_HANG_REPORT_SECONDS = 30.0

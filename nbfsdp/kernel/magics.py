@@ -3,8 +3,11 @@ run, checkpoints, explain) or answered here (status and compare tables)."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.nn as nn
 from IPython.core.error import UsageError
@@ -19,44 +22,239 @@ from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.planning import check, fitting
 from nbfsdp.kernel.planning.plans import plan
 from nbfsdp.kernel.run.session import Session
+from nbfsdp.kernel.run.spec import RunOptions
 from nbfsdp.kernel.status import status
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
-from nbfsdp.shared.limits import MAX_WORLD_SIZE
+from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS, world_size_error
 from nbfsdp.ui.panel import SettingsPanel
 
-DEFAULT_TIMEOUT_SECONDS = flags.DEFAULT_TIMEOUT_SECONDS
-#: ``%fsdp``'s actions: each one's usage and what it does (the help is made from these), in the order shown.
-#: Each is run by the ``FSDPMagics`` method ``_action_<name>`` (dashes as underscores) with the rest of the line.
-LINE_ACTION_HELP = {
-    "status": "status: engines, ranks, devices, pids",
-    "stop": "stop: end the cluster",
-    "explain": "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
-    "code it amounts to, nothing run (see %%fsdp? for settings)",
-    "compare": "compare [N]: the last N runs (default 5) side by side",
-    "panel": "panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan",
-    "set": "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' "
-    "defaults)",
-    "wait": "wait: the results of an --async run, and an --async save's end",
-    "cancel": "cancel: end the running cell at its next step",
-    "check": "check: the last %%fsdp cell checked again (each is checked by itself before its first step): "
-    "branches on the rank around collectives, split ties, mixed dtypes, bf16, optimizers, gradient accumulation",
-    "where": "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting",
-    "interrupt": "interrupt: end an --async run now, as Ctrl-C ends a blocking one",
-    "save": "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
-    "[--max-shard-size SIZE] [--model NAME]: one model as save_pretrained writes it, for from_pretrained",
-    "load": "load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a "
-    ".pt/.safetensors file of full weights, each rank reading its shard) into the engines and the notebook's objects",
-    "checkpoints": "checkpoints FOLDER: the checkpoints there",
-    "export": "export CHECKPOINT OUT [--model NAME] [--dtype D]: one model's full weights into one .pt or "
-    ".safetensors file, in the kernel; with --hf [--max-shard-size SIZE]: into the directory OUT as "
-    "save_pretrained writes it, one file at a time",
-    "export-script": "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it",
-    "attach": "attach [--profile P] [--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp "
-    "did not start (any launcher, several hosts)",
-    "detach": "detach: let go of it, leaving it running",
+
+@dataclass(frozen=True)
+class Action:
+    """One of ``%fsdp``'s actions: its usage (the help is made of these) and what runs it, given the magics and
+    the rest of the line."""
+
+    usage: str
+    handler: Callable[[FSDPMagics, str], None]
+
+
+def _no_arguments(action: str, rest: str) -> None:
+    if rest:
+        raise UsageError(f"%fsdp {action} takes no arguments; got {rest!r}")
+
+
+def _status(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("status", rest)
+    status(magics.session)
+
+
+def _stop(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("stop", rest)
+    magics.session.stop()
+    print("nbfsdp: cluster stopped")
+
+
+def _wait(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("wait", rest)
+    session = magics.session
+    waited = session.active is not None
+    if waited:
+        session.wait()
+    if session.pending_save is not None:
+        session.wait_for_save()
+        waited = True
+    if not waited:
+        print("nbfsdp: nothing to wait for: no background run or save")
+
+
+def _cancel(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("cancel", rest)
+    magics.session.cancel()
+
+
+def _check(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("check", rest)
+    print(check.last_cell(magics.session.last_cell, magics.shell.user_ns))
+
+
+def _where(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("where", rest)
+    print(magics.session.where())
+
+
+def _interrupt(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("interrupt", rest)
+    magics.session.interrupt()
+
+
+def _save(magics: FSDPMagics, rest: str) -> None:
+    from nbfsdp.kernel.checkpoints import sharded
+
+    args = parse_argstring(flags.save_arguments, rest)
+    sharded.save_with(magics.session, args.path, args.overwrite, **flags.save_options(args))
+
+
+def _load(magics: FSDPMagics, rest: str) -> None:
+    from nbfsdp.kernel.checkpoints import sharded
+
+    args = parse_argstring(flags.load_arguments, rest)
+    sharded.load_with(magics.session, args.path, args.world_size, args.load_ignore_keys, model=args.model)
+
+
+def _checkpoints(magics: FSDPMagics, rest: str) -> None:
+    from nbfsdp.kernel.checkpoints import sharded
+
+    args = parse_argstring(flags.checkpoints_arguments, rest)
+    found = sharded.checkpoints(args.folder)
+    print(sharded.table(found) if found else f"nbfsdp: no checkpoints in {args.folder}")
+
+
+def _export(magics: FSDPMagics, rest: str) -> None:
+    """In the kernel: no engines needed."""
+    from nbfsdp.kernel.checkpoints import exporting
+
+    args = parse_argstring(flags.export_arguments, rest)
+    print(exporting.wrote(exporting.export(args.checkpoint, args.out, **flags.export_options(args))))
+
+
+def _export_script(magics: FSDPMagics, rest: str) -> None:
+    if len(rest.split()) != 1:
+        raise UsageError("%fsdp export-script PATH: the script to write, e.g. train.py")
+    session = magics.session
+    reads = session.last_cell.reads if session.last_cell is not None else []
+    shuffle = session.loaders.shuffle_states(magics.shell.user_ns, reads)
+    print(export_script(session.last_cell, magics.shell.user_ns, rest, shuffle))
+
+
+def _attach(magics: FSDPMagics, rest: str) -> None:
+    args = parse_argstring(flags.attach_arguments, rest)
+    magics.attach(args.profile, args.cluster_id, args.shared_dir)
+
+
+def _detach(magics: FSDPMagics, rest: str) -> None:
+    _no_arguments("detach", rest)
+    attached = magics.session.detach()
+    print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
+
+
+def _explain(magics: FSDPMagics, rest: str) -> None:
+    args = parse_argstring(flags.explain_arguments, rest)
+    model = magics.shell.user_ns.get(args.model)
+    if not isinstance(model, nn.Module):
+        found = "no such name" if model is None else f"a {type(model).__name__}"
+        raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
+    settings, world_size = magics.cell_settings(args, args.world_size)
+    attached = magics.session.attached_cluster
+    # the ranks' hosts, to say which collectives cross between them
+    hosts = [p.host for p in attached.placements_for(world_size)] if attached is not None else None
+    devices = magics.session.cluster.devices(world_size, settings.device, planning=True)
+    settings = config.validate(settings, world_size, devices)
+    workload = flags.explain_workload(args, magics.shell.user_ns)
+    memory = fitting.device_memory(args.gpu, args.device_memory, settings.memory_limit)
+    if (args.gpu or args.device_memory or args.suggest) and workload is None:
+        raise UsageError("--gpu, --device-memory and --suggest need --batch EXPR: the step whose peak they judge")
+    if args.suggest and memory is None:
+        raise UsageError(
+            "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE: what the settings must fit"
+        )
+    planned = plan(model, settings, world_size, hosts, devices, workload=workload, memory=memory, suggest=args.suggest)
+    print(planned.code if args.code else planned, end="" if args.code else "\n")
+
+
+def _compare(magics: FSDPMagics, rest: str) -> None:
+    words = rest.split()
+    if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):
+        raise UsageError(f"%fsdp compare takes one optional positive number of runs; got {' '.join(words)!r}")
+    comparison.show(int(words[0]) if words else 5, with_figure=getattr(magics.shell, "kernel", None) is not None)
+
+
+def _set(magics: FSDPMagics, rest: str) -> None:
+    words = rest.split()
+    settings: dict[str, bool | str | int] = {}
+    for word in words:
+        key, equals, value = word.partition("=")
+        if not equals or not value:
+            raise UsageError(f"%fsdp set takes KEY=VALUE pairs (fsdp_config keys or world_size); got {word!r}")
+        if key not in flags.SETTABLE:
+            raise UsageError(f"%fsdp set {key}: not a setting; valid: {', '.join(flags.SETTABLE)}")
+        settings[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if "world_size" in settings:
+        if not str(settings["world_size"]).isdigit():
+            raise UsageError(f"world_size must be a whole number; got {settings['world_size']!r}")
+        settings["world_size"] = magics.world_size_for(int(settings["world_size"]))
+    if not settings:
+        raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
+    print(f"nbfsdp: {magics.session.change_settings(settings) or 'defaults of the next cells set'}")
+
+
+def _panel(magics: FSDPMagics, rest: str) -> None:
+    words = rest.split()
+    if len(words) > 1:
+        raise UsageError(f"%fsdp panel takes at most one model name; got {' '.join(words)!r}")
+    model = None
+    if words:
+        model = magics.shell.user_ns.get(words[0])
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
+    session = magics.session
+    world_size = magics.world_size_for(session.panel_world_size, session.panel.get("device"))
+    display(settings_panel(session, model, world_size).box)
+
+
+#: ``%fsdp``'s actions, in the order the help shows them.
+ACTIONS = {
+    "status": Action("status: engines, ranks, devices, pids", _status),
+    "stop": Action("stop: end the cluster", _stop),
+    "explain": Action(
+        "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
+        "code it amounts to, nothing run (see %%fsdp? for settings)",
+        _explain,
+    ),
+    "compare": Action("compare [N]: the last N runs (default 5) side by side", _compare),
+    "panel": Action("panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan", _panel),
+    "set": Action(
+        "set KEY=VALUE ...: what the controls do, as text (the running cell at its next step, later cells' defaults)",
+        _set,
+    ),
+    "wait": Action("wait: the results of an --async run, and an --async save's end", _wait),
+    "cancel": Action("cancel: end the running cell at its next step", _cancel),
+    "check": Action(
+        "check: the last %%fsdp cell checked again (each is checked by itself before its first step): "
+        "branches on the rank around collectives, split ties, mixed dtypes, bf16, optimizers, gradient accumulation",
+        _check,
+    ),
+    "where": Action(
+        "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting", _where
+    ),
+    "interrupt": Action("interrupt: end an --async run now, as Ctrl-C ends a blocking one", _interrupt),
+    "save": Action(
+        "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
+        "[--max-shard-size SIZE] [--model NAME]: one model as save_pretrained writes it, for from_pretrained",
+        _save,
+    ),
+    "load": Action(
+        "load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors "
+        "file of full weights, each rank reading its shard) into the engines and the notebook's objects",
+        _load,
+    ),
+    "checkpoints": Action("checkpoints FOLDER: the checkpoints there", _checkpoints),
+    "export": Action(
+        "export CHECKPOINT OUT [--model NAME] [--dtype D]: one model's full weights into one .pt or "
+        ".safetensors file, in the kernel; with --hf [--max-shard-size SIZE]: into the directory OUT as "
+        "save_pretrained writes it, one file at a time",
+        _export,
+    ),
+    "export-script": Action(
+        "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it", _export_script
+    ),
+    "attach": Action(
+        "attach [--profile P] [--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp "
+        "did not start (any launcher, several hosts)",
+        _attach,
+    ),
+    "detach": Action("detach: let go of it, leaving it running", _detach),
 }
-LINE_ACTIONS = tuple(LINE_ACTION_HELP)
 
 
 @magics_class
@@ -122,13 +320,11 @@ class FSDPMagics(Magics):
         if args.cluster_id is not None and args.profile is None:
             raise UsageError("--cluster-id goes with --profile P: the profile the cluster was started with")
         if args.profile is not None and not self.session.attached_to(args.profile, args.cluster_id):
-            self._attach(args.profile, args.cluster_id, None)
+            self.attach(args.profile, args.cluster_id, None)
         requested = args.world_size if args.world_size is not None else self.session.panel_world_size
         if not args.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-        settings = self._settings(args)
-        world_size = self.world_size_for(requested, settings.device)
-        settings = self._replica_per_host(settings, world_size)
+        settings, world_size = self.cell_settings(args, requested)
         saving = self._checkpointing(args)
         if saving.loads:
             from nbfsdp.kernel.checkpoints import sharded as checkpoints
@@ -137,215 +333,59 @@ class FSDPMagics(Magics):
             devices = self.session.cluster.devices(world_size, settings.device)
             config.validate(settings, world_size, devices, quiet=True)
             checkpoints.load_before_cell(self.session, saving, world_size, args.timeout, settings)
-        self.session.run_cell(
-            cell,
+        options = RunOptions(
             world_size=world_size,
             timeout=args.timeout,
             gather=not args.no_gather,
-            config=settings,
             background=args.background,
             per_rank_batches=args.per_rank_batches,
             checkpointing=saving,
             keep_on_ranks=args.keep_on_ranks,
             hang_report=flags.hang_report_seconds(args.hang_report, args.timeout),
         )
+        self.session.run_cell(cell, settings, options)
 
     def _checkpointing(self, args) -> config.CheckpointSettings:
         """Explicit flags > the --config dict's Composer checkpoint keys."""
         given = {key: getattr(args, key) for key in config.CHECKPOINT_KEYS}
         return config.checkpoint_settings(_composer_dict(self.shell, args.config), given)
 
-    def _settings(self, args) -> config.FSDPConfig:
-        """Explicit flags > the --config dict > the panel's settings > defaults."""
+    def cell_settings(self, args: argparse.Namespace, requested: int | None) -> tuple[config.FSDPConfig, int]:
+        """The settings of ``%%fsdp`` and ``%fsdp explain``, and their world size: explicit flags > the --config
+        dict > the panel's settings > defaults; on an attached cluster, HYBRID_SHARD without --replicas has a
+        replica per host (each host shards the model among its ranks)."""
         given = {k: getattr(args, k) for k in flags.CONFIG_FLAGS}
-        return config.resolve(_composer_dict(self.shell, args.config), given, self.session.panel)
+        settings = config.resolve(_composer_dict(self.shell, args.config), given, self.session.panel)
+        world_size = self.world_size_for(requested, settings.device)
+        attached = self.session.attached_cluster
+        if attached is None or settings.sharding_strategy != "HYBRID_SHARD" or settings.replicas is not None:
+            return settings, world_size
+        replicas = attached.host_replicas(world_size)
+        why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
+        return dataclasses.replace(settings, replicas=replicas, why=why), world_size
 
     @magic_arguments()
-    @argument(
-        "action",
-        choices=LINE_ACTIONS,
-        help="; ".join(LINE_ACTION_HELP.values()) + ".",
-    )
+    @argument("action", choices=tuple(ACTIONS), help="; ".join(action.usage for action in ACTIONS.values()) + ".")
     @line_magic("fsdp")  # type: ignore[arg-type]  # IPython types line_magic(name) as a function or a decorator
     @as_usage_errors
     def fsdp_line(self, line: str) -> None:
         """Inspect or stop the cluster behind ``%%fsdp``, or explain what it would do with a model."""
         name, _, rest = line.strip().partition(" ")
-        if name not in LINE_ACTION_HELP:
+        if name not in ACTIONS:
             parse_argstring(self.fsdp_line, line)  # argparse's error, naming the valid actions
-        getattr(self, f"_action_{name.replace('-', '_')}")(rest.strip())
+        ACTIONS[name].handler(self, rest.strip())
 
-    # -- one method per action, given the rest of the line
-    def _action_status(self, rest: str) -> None:
-        _no_arguments("status", rest)
-        status(self.session)
-
-    def _action_stop(self, rest: str) -> None:
-        _no_arguments("stop", rest)
-        self.session.stop()
-        print("nbfsdp: cluster stopped")
-
-    def _action_wait(self, rest: str) -> None:
-        _no_arguments("wait", rest)
-        waited = self.session.active is not None
-        if waited:
-            self.session.wait()
-        if self.session.pending_save is not None:
-            self.session.pending_save.wait()
-            waited = True
-        if not waited:
-            print("nbfsdp: nothing to wait for: no background run or save")
-
-    def _action_cancel(self, rest: str) -> None:
-        _no_arguments("cancel", rest)
-        self.session.cancel()
-
-    def _action_check(self, rest: str) -> None:
-        _no_arguments("check", rest)
-        print(check.last_cell(self.session.last_cell, self.shell.user_ns))
-
-    def _action_where(self, rest: str) -> None:
-        _no_arguments("where", rest)
-        print(self.session.where())
-
-    def _action_interrupt(self, rest: str) -> None:
-        _no_arguments("interrupt", rest)
-        self.session.interrupt()
-
-    def _action_save(self, rest: str) -> None:
-        self._checkpoint("save", rest)
-
-    def _action_load(self, rest: str) -> None:
-        self._checkpoint("load", rest)
-
-    def _action_checkpoints(self, rest: str) -> None:
-        self._checkpoint("checkpoints", rest)
-
-    def _action_export(self, rest: str) -> None:
-        self._checkpoint("export", rest)
-
-    def _action_export_script(self, rest: str) -> None:
-        if len(rest.split()) != 1:
-            raise UsageError("%fsdp export-script PATH: the script to write, e.g. train.py")
-        session = self.session
-        reads = session.last_cell.reads if session.last_cell is not None else []
-        shuffle = session.loaders.shuffle_states(self.shell.user_ns, reads)
-        print(export_script(session.last_cell, self.shell.user_ns, rest, shuffle))
-
-    def _action_attach(self, rest: str) -> None:
-        args = parse_argstring(flags.attach_arguments, rest)
-        self._attach(args.profile, args.cluster_id, args.shared_dir)
-
-    def _action_detach(self, rest: str) -> None:
-        _no_arguments("detach", rest)
-        attached = self.session.detach()
-        print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
-
-    def _action_explain(self, line: str) -> None:
-        args = parse_argstring(flags.explain_arguments, line)
-        model = self.shell.user_ns.get(args.model)
-        if not isinstance(model, nn.Module):
-            found = "no such name" if model is None else f"a {type(model).__name__}"
-            raise UsageError(f"%fsdp explain {args.model}: {found}, not an nn.Module in the notebook")
-        attached = self.session.attached_cluster
-        requested = args.world_size
-        settings = self._settings(args)
-        world_size = self.world_size_for(requested, settings.device)
-        hosts = None
-        if attached is not None:  # the ranks' hosts, to say which collectives cross between them
-            hosts = [p.host for p in attached.placements_for(world_size)]
-            settings = self._replica_per_host(settings, world_size)
-        devices = self.session.cluster.devices(world_size, settings.device, planning=True)
-        settings = config.validate(settings, world_size, devices)
-        workload = flags.explain_workload(args, self.shell.user_ns)
-        memory = fitting.device_memory(args.gpu, args.device_memory, settings.memory_limit)
-        if (args.gpu or args.device_memory or args.suggest) and workload is None:
-            raise UsageError("--gpu, --device-memory and --suggest need --batch EXPR: the step whose peak they judge")
-        if args.suggest and memory is None:
-            raise UsageError(
-                "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE: what the settings must fit"
-            )
-        planned = plan(
-            model, settings, world_size, hosts, devices, workload=workload, memory=memory, suggest=args.suggest
-        )
-        print(planned.code if args.code else planned, end="" if args.code else "\n")
-
-    def _replica_per_host(self, settings: config.FSDPConfig, world_size: int) -> config.FSDPConfig:
-        """HYBRID_SHARD without --replicas on an attached cluster: shard inside each host, replicate across."""
-        attached = self.session.attached_cluster
-        if not (attached is not None and settings.sharding_strategy == "HYBRID_SHARD" and settings.replicas is None):
-            return settings
-        replicas = attached.host_replicas(world_size)
-        why = {**settings.why, "replicas": f"not given: one replica per host ({replicas} hosts)"}
-        return dataclasses.replace(settings, replicas=replicas, why=why)
-
-    def _attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None) -> None:
+    def attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None) -> None:
+        """The next cells run on the running cluster of ``profile`` (``Session.attach``), said here."""
         for line in self.session.attach(profile, cluster_id, shared_dir):
             print(f"nbfsdp: {line}")
-
-    def _checkpoint(self, action: str, line: str) -> None:
-        from nbfsdp.kernel.checkpoints import sharded as checkpoints
-
-        if action == "export":  # in the kernel: no engines needed
-            from nbfsdp.kernel.checkpoints import exporting
-
-            args = parse_argstring(flags.export_arguments, line)
-            print(exporting.wrote(exporting.export(args.checkpoint, args.out, **flags.export_options(args))))
-            return
-
-        if action == "save":
-            args = parse_argstring(flags.save_arguments, line)
-            checkpoints.save_with(self.session, args.path, args.overwrite, **flags.save_options(args))
-        elif action == "load":
-            args = parse_argstring(flags.load_arguments, line)
-            checkpoints.load_with(self.session, args.path, args.world_size, args.load_ignore_keys, model=args.model)
-        else:
-            args = parse_argstring(flags.checkpoints_arguments, line)
-            found = checkpoints.checkpoints(args.folder)
-            print(checkpoints.table(found) if found else f"nbfsdp: no checkpoints in {args.folder}")
-
-    def _action_compare(self, rest: str) -> None:
-        words = rest.split()
-        if len(words) > 1 or (words and not (words[0].isdigit() and int(words[0]) > 0)):
-            raise UsageError(f"%fsdp compare takes one optional positive number of runs; got {' '.join(words)!r}")
-        comparison.show(int(words[0]) if words else 5, with_figure=getattr(self.shell, "kernel", None) is not None)
-
-    def _action_set(self, rest: str) -> None:
-        words = rest.split()
-        settings: dict[str, bool | str | int] = {}
-        for word in words:
-            key, equals, value = word.partition("=")
-            if not equals or not value:
-                raise UsageError(f"%fsdp set takes KEY=VALUE pairs (fsdp_config keys or world_size); got {word!r}")
-            if key not in flags.SETTABLE:
-                raise UsageError(f"%fsdp set {key}: not a setting; valid: {', '.join(flags.SETTABLE)}")
-            settings[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if "world_size" in settings:
-            if not str(settings["world_size"]).isdigit():
-                raise UsageError(f"world_size must be a whole number; got {settings['world_size']!r}")
-            settings["world_size"] = self.world_size_for(int(settings["world_size"]))
-        if not settings:
-            raise UsageError("%fsdp set takes KEY=VALUE pairs, e.g. %fsdp set activation_checkpointing=true")
-        print(f"nbfsdp: {self.session.change_settings(settings) or 'defaults of the next cells set'}")
-
-    def _action_panel(self, rest: str) -> None:
-        words = rest.split()
-        if len(words) > 1:
-            raise UsageError(f"%fsdp panel takes at most one model name; got {' '.join(words)!r}")
-        model = None
-        if words:
-            model = self.shell.user_ns.get(words[0])
-            if not isinstance(model, nn.Module):
-                raise UsageError(f"%fsdp panel {words[0]}: not an nn.Module in the notebook")
-        world_size = self.world_size_for(self.session.panel_world_size, self.session.panel.get("device"))
-        display(settings_panel(self.session, model, world_size).box)
 
     def world_size_for(self, requested: int | None, device: str | None = None) -> int:
         """The world size asked, or by default the cluster's (a rank per GPU, 2 on the CPU; attached: every
         engine)."""
         world_size = requested if requested is not None else self.session.cluster.default_world_size(device)
-        if not 1 <= world_size <= MAX_WORLD_SIZE:
-            raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+        if refused := world_size_error(world_size):
+            raise UsageError(refused)
         return world_size
 
     def stop(self) -> None:
@@ -376,8 +416,3 @@ def _composer_dict(shell: InteractiveShell, name: str | None) -> dict | None:
     if not isinstance(value, dict):
         raise UsageError(f"--config {name}: is a {type(value).__name__}, not a dict like Composer's fsdp_config")
     return value
-
-
-def _no_arguments(action: str, rest: str) -> None:
-    if rest:
-        raise UsageError(f"%fsdp {action} takes no arguments; got {rest!r}")

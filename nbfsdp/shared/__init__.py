@@ -3,5 +3,5 @@ their rules (config, units), the messages between kernel and engines (protocol),
 and shard-only models (transfer), optimizers both ways, processes by pid and start time, the network,
 the dashboard's figures, and PyTorch's private APIs.
 
-Imports no other nbfsdp subpackage, and nothing of IPython, ipykernel or ipyparallel.
+May import no other nbfsdp subpackage, and nothing of IPython, ipykernel or ipyparallel.
 """

@@ -32,6 +32,13 @@ from PIL import Image
 MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations")
 #: The peak's lines, measured (solid) and explain's (dashed): a colour no category's bar has.
 PEAK_COLOR = "C4"
+#: With explain's prediction, each rank's measured bar stands left of its rank and explain's right of it, this
+#: wide each, so that no bar mixes a measurement with a prediction; alone, the measured bar is centred, wider.
+PAIRED_BAR_WIDTH = 0.38
+PAIRED_OFFSET = 0.2
+ALONE_BAR_WIDTH = 0.8
+#: Up to this many ranks each bar is labelled under it ("measured", "explain"); beyond, the axis' label says it.
+MOST_LABELLED_RANKS = 4
 #: A live figure's limits leave this much room beyond its records (a share of their range): steps ahead,
 #: values above and below. The still picture is drawn again only when records leave the limits.
 STEPS_AHEAD = 0.5
@@ -88,22 +95,26 @@ class DashboardFigure:
         ]
         self._bars = [
             self._memory_axes.bar(
-                ranks, [0.0] * world_size, color=f"C{index}", label=category.removeprefix("mem_")
+                ranks, [0.0] * world_size, ALONE_BAR_WIDTH, color=f"C{index}", label=category.removeprefix("mem_")
             ).patches
             for index, category in enumerate(MEMORY_CATEGORIES)
         ]
-        self._predicted_lines: list[Any] = []
-        self._comm_buffers = self._predicted(predicted or [])
-        self._predicted_peaks: list[int] = []
-        self.predict_peaks(predicted or [])
         self._peaks = [0.0] * world_size  # each rank's measured peak so far (MiB)
         self._peak_lines = [
             self._memory_axes.plot(
-                [rank - 0.45, rank + 0.45], [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
+                _span(rank, ALONE_BAR_WIDTH), [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
                 label="peak so far (measured)" if rank == 0 else None,
             )[0]
             for rank in ranks
         ]  # fmt: skip
+        self._memory_axes.set_xlabel("rank")
+        self._memory_axes.set_xticks(ranks)
+        self._paired = False  # measured and explain's bars side by side, once there is a prediction
+        self._predicted_bars: list[Any] = []
+        self._predicted_lines: list[Any] = []
+        self._predicted(predicted or [])
+        self._predicted_peaks: list[int] = []
+        self.predict_peaks(predicted or [])
         # titles at a fixed height: placing them above the tick labels measured every axis at each drawing
         title_pad = 2 + MARKER_ROWS * MARKER_ROW_POINTS + 4
         self._loss_axes.set_title("loss", y=1.0, pad=title_pad)
@@ -111,31 +122,54 @@ class DashboardFigure:
         self._time_axes.set_title("step time (ms)", y=1.0, pad=title_pad)
         for axes in (self._loss_axes, self._time_axes):
             axes.set_xlabel("step")
-        self._memory_axes.set_xlabel("rank")
-        self._memory_axes.set_xticks(ranks)
-        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        self._memory_legend()
         self._legend_ranks: dict[str, tuple[int, ...]] = {}
         if live:
             for _, artist in self._moving_parts():
                 artist.set_animated(True)  # left out of the still picture; drawn over it each time
 
-    def _predicted(self, predicted: list[dict[str, int]]) -> dict[int, Any]:
-        """explain's figures: params+grads+optim as a dashed line per rank, its communication buffers
-        (not measurable on CPU) as a hatched bar on top of the measured ones. Returns those bars by rank."""
-        axes, comm_buffers = self._memory_axes, dict[int, Any]()
-        for rank, expected in enumerate(predicted):
-            if "params" not in expected:  # only a traced peak (a model explain could not plan)
-                continue
-            total = (expected["params"] + expected["grads"] + expected["optim"]) / 2**20
-            label = "explain: params+grads+optim" if rank == 0 else None
-            line = axes.plot([rank - 0.4, rank + 0.4], [total, total], color="black", linestyle="--", label=label)
-            self._predicted_lines.extend(line)
-            if expected["comm_buffers"]:
-                comm_buffers[rank] = axes.bar(
-                    rank, expected["comm_buffers"] / 2**20, color="none", edgecolor="grey", hatch="//",
-                    label="comm buffers (explain)" if not comm_buffers else None,
-                ).patches[0]  # fmt: skip
-        return comm_buffers
+    def _predicted(self, predicted: list[dict[str, int]]) -> None:
+        """explain's memory per rank as a bar of its own beside the measured one, hatched: params, grads and
+        optim in the measured categories' colours, then its communication buffers (a lower bound, not
+        measurable on CPU), outlined."""
+        axes, plans = self._memory_axes, [expected for expected in predicted if "params" in expected]
+        if plans:  # else only a traced peak (a model explain could not plan)
+            self._pair()
+        for rank, expected in enumerate(plans):
+            bottom, x = 0.0, rank + PAIRED_OFFSET
+            for index, category in enumerate(("params", "grads", "optim", "comm_buffers")):
+                value = expected[category] / 2**20
+                comm = category == "comm_buffers"
+                (bar,) = axes.bar(
+                    x, value, PAIRED_BAR_WIDTH, bottom, color="none" if comm else f"C{index}",
+                    alpha=1.0 if comm else 0.45, edgecolor="grey", hatch="//",
+                    label="comm buffers (explain)" if comm and rank == 0 else None,
+                ).patches  # fmt: skip
+                self._predicted_bars.append(bar)
+                bottom += value
+
+    def _pair(self) -> None:
+        """Measured bars to the left of each rank, leaving the right to explain's, each bar labelled."""
+        if self._paired:
+            return
+        self._paired = True
+        for rank, line in enumerate(self._peak_lines):
+            line.set_xdata(_span(rank - PAIRED_OFFSET, PAIRED_BAR_WIDTH))
+            for bars in self._bars:
+                bars[rank].set_x(rank - PAIRED_OFFSET - PAIRED_BAR_WIDTH / 2)
+                bars[rank].set_width(PAIRED_BAR_WIDTH)
+        axes, ranks = self._memory_axes, len(self._peak_lines)
+        if ranks > MOST_LABELLED_RANKS:
+            axes.set_xlabel("rank (left: measured, right: explain)")
+            return
+        axes.set_xlabel("")
+        axes.set_xticks([rank + side for rank in range(ranks) for side in (-PAIRED_OFFSET, PAIRED_OFFSET)], minor=True)
+        axes.set_xticklabels(["measured", "explain"] * ranks, minor=True, fontsize=7)
+        axes.set_xticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
+        axes.tick_params(axis="x", which="major", length=0, pad=12)
+
+    def _memory_legend(self) -> None:
+        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
 
     def predict_peaks(self, predicted: list[dict[str, int]]) -> None:
         """Each rank's peak as explain traced it (``peak``, once its trace is done: a live figure takes it
@@ -144,16 +178,17 @@ class DashboardFigure:
         if not peaks or peaks == self._predicted_peaks:
             return
         self._predicted_peaks = peaks
+        self._pair()
         for rank, peak in enumerate(peaks):
             mib = peak / 2**20
             line = self._memory_axes.plot(
-                [rank - 0.45, rank + 0.45], [mib, mib], color=PEAK_COLOR, linestyle="--", linewidth=1.5,
-                label="peak (explain)" if rank == 0 else None,
+                _span(rank + PAIRED_OFFSET, PAIRED_BAR_WIDTH), [mib, mib], color=PEAK_COLOR, linestyle="--",
+                linewidth=1.5, label="peak (explain)" if rank == 0 else None,
             )  # fmt: skip
             self._predicted_lines.extend(line)
             if self._live:
                 line[0].set_animated(True)
-        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        self._memory_legend()
         self._still = None
 
     def add(self, records: list[dict[str, Any]]) -> DashboardFigure:
@@ -220,8 +255,6 @@ class DashboardFigure:
             bars[rank].set_y(bottom)
             bars[rank].set_height(value)
             bottom += value
-        if rank in self._comm_buffers:
-            self._comm_buffers[rank].set_y(bottom)
         if "mem_peak" in record:
             self._peaks[rank] = max(self._peaks[rank], record["mem_peak"] / 2**20)
             self._peak_lines[rank].set_ydata([self._peaks[rank]] * 2)
@@ -288,7 +321,7 @@ class DashboardFigure:
         back over the lines from the still picture (``_legend_boxes``)."""
         memory = self._memory_axes
         parts: list[tuple[Axes, Artist]] = [(memory, bar) for bars in self._bars for bar in bars]
-        parts += [(memory, bar) for bar in self._comm_buffers.values()]
+        parts += [(memory, bar) for bar in self._predicted_bars]
         parts += [(memory, line) for line in self._predicted_lines + self._peak_lines]
         parts += [(self._loss_axes, line) for line in self._loss] + [(self._time_axes, line) for line in self._time]
         for axes in (self._loss_axes, memory, self._time_axes):
@@ -329,6 +362,11 @@ class DashboardFigure:
         image = Image.frombuffer("RGBA", (width, height), self._canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
         image.save(buffer, format="png", compress_level=1)  # print_png would draw the whole figure again
         return buffer.getvalue()
+
+
+def _span(x: float, width: float) -> list[float]:
+    """A peak's line across the bar centred at ``x``, a little wider than it."""
+    return [x - width / 2 - 0.05, x + width / 2 + 0.05]
 
 
 def figure(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> Figure:

@@ -6,6 +6,7 @@ finds here everything that crosses the line:
 - ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``): a user's cell,
   or one of nbfsdp's own requests (``LoadCheckpoint``, ``LoadWeightsFile``), typed, never source text;
 - ``CellOutcome``: what each rank answers, or what the kernel records for a rank that gave no answer;
+- ``WorldSetup``: what each rank is told to join a new world with, by either cluster;
 - ``EngineInfo``: an engine once it joined the world;
 - ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.run.delivery`` sends it;
 - ``ControlRequest`` and its files: live changes and cancel, read by the ranks at step boundaries;
@@ -41,6 +42,33 @@ class LoaderSplit:
     seed_state: torch.Tensor | None
     """The state of the generator the notebook keeps for a loader without one of its own, so every rank
     shuffles in one order; None when the loader has its own generator."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorldSetup:
+    """What a rank joins a new world with (``nbfsdp.engines.engine.setup``): nbfsdp's own cluster and an
+    attached one each send one per rank, so both say the same things by the same names."""
+
+    rank: int
+    world_size: int
+    backend: str
+    """``nccl`` on GPUs, ``gloo`` on the CPU."""
+    timeout: float
+    """Seconds a collective may wait before it fails."""
+    threads: int
+    """torch's intra-op threads on the rank (its share of its host's cores)."""
+    generation: int
+    """The world's number in its cluster: what the kernel's later calls name to reach this world."""
+    store_path: str | None = None
+    """nbfsdp's own cluster: the world's ``FileStore``, a fresh file in its private directory."""
+    rendezvous: tuple[str, int] | None = None
+    """An attached cluster: rank 0's address and port (``nbfsdp.engines.hosts.open_rendezvous``)."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """torchrun's variables, and ``NCCL_HOSTID`` where ranks share a GPU."""
+    gpu: int | None = None
+    """The index of the rank's GPU among those its engine sees (NCCL); None on the CPU (gloo)."""
+    where_dir: str | None = None
+    """Where ``%fsdp where`` asks the rank where it is (a directory the notebook sees; None where it sees none)."""
 
 
 @dataclass(kw_only=True, slots=True)

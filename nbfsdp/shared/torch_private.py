@@ -1,18 +1,21 @@
-"""Every private or internal PyTorch API nbfsdp relies on, in one place.
+"""Every private or internal PyTorch API nbfsdp relies on, in one place (the planner's attention kernels, used
+only in the kernel, are in ``nbfsdp.kernel.planning.torch_private``).
 
 Each function says what it relies on; ``tests/test_torch_private.py`` calls each one directly on
 real FSDP2 units, so a PyTorch release that moves one fails there, by name, instead of deep inside
-a cell. Runs wherever torch runs: the notebook's kernel and the engines.
+a cell. Nothing is patched on import: the engines call ``patch_fsdp2_for_torch_2_6`` when a world is set
+up. Runs wherever torch runs: the notebook's kernel and the engines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import inspect
 import socket
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,11 +25,15 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 __all__ = [
+    "TorchDispatchMode",
     "abort_nccl_communicators",
+    "apply_to_tensors",
     "checkpoint",
     "cpu_attention_flop_formulas",
     "dcp_load_in_one_process",
@@ -36,6 +43,9 @@ __all__ = [
     "local_tensor",
     "mark_optimizer_stepped",
     "mark_step_tracked",
+    "operator_name",
+    "patch_fsdp2_for_torch_2_6",
+    "paused_dispatch_mode",
     "pop_saved_tensors_hooks",
     "push_saved_tensors_hooks",
     "set_checkpointing",
@@ -44,6 +54,9 @@ __all__ = [
     "shard_whole_tensor",
     "store_on",
     "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
     "unscale_and_check_",
     "update_scale_",
 ]
@@ -108,9 +121,44 @@ def _gloo_gradient_mean_for_fsdp2() -> None:
     collectives._get_gradient_divide_factors = gradient_divide_factors  # type: ignore[attr-defined]
 
 
-_cpu_streams_for_fsdp2()
-_cpu_copy_out_for_fsdp2()
-_gloo_gradient_mean_for_fsdp2()
+#: Whether ``patch_fsdp2_for_torch_2_6`` has run in this process.
+_patched = False
+
+
+def patch_fsdp2_for_torch_2_6() -> None:
+    """What FSDP2 on torch 2.6 lacks for the ranks' CPU and gloo worlds (each a no-op from 2.7): called by
+    ``engine.setup`` before a world's first collective, never on import."""
+    global _patched
+    if _patched:  # each world's set-up calls it: the wrappers go on once
+        return
+    _cpu_streams_for_fsdp2()
+    _cpu_copy_out_for_fsdp2()
+    _gloo_gradient_mean_for_fsdp2()
+    _patched = True
+
+
+# -- dispatch modes and pytrees: ``torch.utils._python_dispatch`` and ``torch.utils._pytree`` (no public
+# equivalent in torch 2.6; ``torch.utils.pytree`` is not there either)
+
+
+@contextlib.contextmanager
+def paused_dispatch_mode() -> Iterator[None]:
+    """Operators run past the innermost dispatch mode while inside: ``_pop_mode_temporarily``."""
+    with _pop_mode_temporarily():
+        yield
+
+
+def operator_name(func: Any) -> str:
+    """An ``OpOverload``'s operator without its overload (``"c10d::allreduce_"``, ``"aten::add"``), as a
+    dispatch mode's ``__torch_dispatch__`` receives it: ``func._schema.name``."""
+    return func._schema.name
+
+
+def apply_to_tensors(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Hand every parameter and buffer of ``model`` (and its submodules) ``fn``'s tensor in its place, as
+    ``to_empty`` hands each an ``empty_like``: ``nn.Module._apply``, which FSDP2 overrides to take the new
+    tensors as its sharded storage."""
+    model._apply(fn)
 
 
 def local_tensor(dtensor: DTensor) -> torch.Tensor:

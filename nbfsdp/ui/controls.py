@@ -25,6 +25,12 @@ CUSTOM_PRECISION = "custom"
 GAP = "2px 1.2em 2px 0"
 _LAYOUT = {"width": "auto", "margin": GAP}
 _STYLE = {"description_width": "initial"}
+#: A dropdown's width, in em of its font: each letter of its description, each of its longest choice (capitals,
+#: wider), and its select's padding, arrow and the gap between the two. Left to "auto", JupyterLab gives the
+#: select a fixed 148 px whatever its choices, which cut BACKWARD_POST to "BACKWARD_PO" at its usual width.
+DESCRIPTION_EM = 0.6
+CHOICE_EM = 0.8
+DROPDOWN_PADDING_EM = 3.5
 
 _shared: dict[tuple[Any, ...], widgets.Widget] = {}
 
@@ -48,9 +54,15 @@ def _dropdown(description: str, options: tuple[str, ...]) -> widgets.Dropdown:
     return widgets.Dropdown(
         options=options,
         description=description,
-        layout=shared(widgets.Layout, **_LAYOUT),
+        layout=shared(widgets.Layout, **{**_LAYOUT, "width": dropdown_width(description, options)}),
         style=shared(DescriptionStyle, **_STYLE),
     )
+
+
+def dropdown_width(description: str, options: tuple[str, ...]) -> str:
+    """Room for the description and every choice in full (``DESCRIPTION_EM``)."""
+    longest = max(len(option) for option in options)
+    return f"{DESCRIPTION_EM * len(description) + CHOICE_EM * longest + DROPDOWN_PADDING_EM:.1f}em"
 
 
 def _checkbox(description: str) -> widgets.Checkbox:

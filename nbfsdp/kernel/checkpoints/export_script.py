@@ -642,7 +642,11 @@ class SplitBatches(Sampler):
                 yield part
 
     def __len__(self):
-        return len(self.batches) // world_size if self.per_rank else len(self.batches)
+        if self.per_rank:
+            return len(self.batches) // world_size
+        size, sampler = getattr(self.batches, "batch_size", None), getattr(self.batches, "sampler", None)
+        last = len(sampler) % size if size and sampler is not None and not self.batches.drop_last else 0
+        return len(self.batches) - (0 < last < world_size)  # a last batch too small to split gives none
 
 
 def split(loader, per_rank, shuffle_state):

@@ -30,7 +30,7 @@ from IPython.core.error import UsageError
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from nbfsdp.engines import hf_saving
-from nbfsdp.kernel.cluster.world import World
+from nbfsdp.kernel.cluster.world import RunningWorld
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.shared import hf_files
 from nbfsdp.shared.checkpoints import CheckpointError
@@ -40,7 +40,7 @@ from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import import_safetensors
 
 #: ``sharded._on_every_rank``'s shape: (session, world, function, args, doing, partial) -> results by rank.
-OnEveryRank = Callable[[Session, World, Any, tuple, str, Path], list]
+OnEveryRank = Callable[[Session, RunningWorld, Any, tuple, str, Path], list]
 
 
 def _usage(error: CheckpointError) -> UsageError:

@@ -28,22 +28,22 @@ from torch.utils.data import DataLoader
 from nbfsdp.engines import checkpointing
 from nbfsdp.kernel.checkpoints.pretrained import make_buffers
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
-from nbfsdp.kernel.cluster.world import World
+from nbfsdp.kernel.cluster.world import RunningWorld
 from nbfsdp.kernel.run import history, residence
 from nbfsdp.kernel.run.session import Session, current_session
+from nbfsdp.kernel.run.spec import ResumePoint, RunOptions
 from nbfsdp.shared import checkpoints as fmt
 from nbfsdp.shared.checkpoints import CheckpointError, CheckpointInfo, Manifest
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
-from nbfsdp.shared.limits import MAX_WORLD_SIZE
+from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS, world_size_error
 from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader, hugging_face_checkpoint, match_names
 
 #: How many differing keys an error names.
 _NAMED = 5
-DEFAULT_TIMEOUT_SECONDS = 30.0
 
 
 def _session() -> Session:
@@ -95,14 +95,13 @@ def _resume_step() -> int | None:
 class PendingSave:
     """A ``%fsdp save --async`` the ranks are still writing; the session holds it until it is waited for."""
 
-    def __init__(self, session: Session, world: World, path: str | os.PathLike, partial: Path) -> None:
+    def __init__(self, session: Session, world: RunningWorld, path: str | os.PathLike, partial: Path) -> None:
         self._session, self._world, self.path, self._partial = session, world, path, partial
 
     def wait(self) -> Manifest:
         """Wait for every rank's write and the checkpoint's completion; raise the write's error if it failed."""
         session = self._session
-        if session.pending_save is self:
-            session.pending_save = None
+        session.forget_save(self)
         if session.cluster.world is not self._world:
             raise UsageError(
                 f"the background save of {self.path} was lost: the world writing it stopped before it was "
@@ -141,8 +140,7 @@ def save_with(
         raise UsageError("--hf writes in the foreground: leave out --async")
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then save")
-    if session.pending_save is not None:
-        session.pending_save.wait()  # one save at a time: the one before must be complete (or its error said)
+    session.wait_for_save()  # one save at a time: the one before must be complete (or its error said)
     world = session.cluster.world
     if world is None or world.broken:
         raise UsageError("nothing to save: no world is running (run a %%fsdp cell, or %fsdp load a checkpoint)")
@@ -166,9 +164,10 @@ def save_with(
         snapshot = checkpointing.save_in_background
         skipped = _on_every_rank(session, world, snapshot, args, "taking a snapshot", partial)[0]
         _say_skipped(skipped)
-        session.pending_save = PendingSave(session, world, path, partial)
+        pending = PendingSave(session, world, path, partial)
+        session.hold_save(pending)
         print(f"nbfsdp: saving {path} in the background (every rank has its snapshot); `%fsdp wait` for it")
-        return session.pending_save
+        return pending
     args = (world.generation, str(partial), str(final), _resume_step(), overwrite, checkpointing.ENGINES_INTACT, epochs)
     text, skipped = _on_every_rank(session, world, checkpointing.save, args, "saving", partial)[0]
     manifest = Manifest.from_json(text)
@@ -192,7 +191,9 @@ def _report(path: str | os.PathLike, manifest: Manifest, skipped: dict[str, str]
     )
 
 
-def _on_every_rank(session: Session, world: World, function: Any, args: tuple, doing: str, partial: Path) -> list:
+def _on_every_rank(
+    session: Session, world: RunningWorld, function: Any, args: tuple, doing: str, partial: Path
+) -> list:
     """Run ``function(*args)`` on every rank at once; their results by rank.
 
     A rank that dies breaks the world (its peers wait in a collective): the error says so at once. A
@@ -271,8 +272,7 @@ def load_with(
     checkpoint: ``load_file_with``, into the notebook's model ``model``."""
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
-    if session.pending_save is not None:
-        session.pending_save.wait()  # a load may read what it writes, or start another world
+    session.wait_for_save()  # a load may read what it writes, or start another world
     full_weights = hugging_face_checkpoint(os.fspath(path)) is not None
     if full_weights or (Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir()):
         if ignore:
@@ -301,8 +301,8 @@ def load_with(
     running = session.cluster.world
     if world_size is None:
         world_size = running.world_size if running and not running.broken else manifest.world_size
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if refused := world_size_error(world_size):
+        raise UsageError(refused)
     same = world_size == manifest.world_size
     if not same:
         print(
@@ -325,7 +325,7 @@ def load_with(
         timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
     if patterns or any(p.is_meta for model in models.values() for p in model.parameters()):
         # part of a checkpoint, or a model with no storage yet: the notebook takes what the ranks loaded
-        session.run_cell(request, world_size=world_size, timeout=timeout, gather=True, config=config)
+        session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=True))
     else:
         # the kernel reads the same files into the notebook's objects while the ranks load theirs: nothing
         # loaded is gathered back, and the next cell sends none of them (the notebook holds what the ranks do)
@@ -333,26 +333,26 @@ def load_with(
 
         objects = {name: (namespace[name], owner) for name, owner in optimizers.items()}
         reading = exporting.NotebookRead(directory, models, objects, {n: namespace[n] for n in schedulers})
-        session.run_cell(request, world_size=world_size, timeout=timeout, gather=False, config=config)
+        session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=False))
         reading.apply()
         session.held.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
-    session.loader_resume = {}
+    part_way: dict[str, LoaderState] = {}
     for name, state in _loader_positions(directory, loaders).items():
         if isinstance(namespace.get(name), DataLoader):
             session.loaders.restore(namespace[name], state)
             if getattr(state, "taken", 0):  # saved part-way through an epoch: the next cell goes on there
-                session.loader_resume[name] = state
+                part_way[name] = state
     step = f"step {manifest.step}" if manifest.step is not None else "no step"
     print(
         f"nbfsdp: loaded {path} ({step}) into {world_size} ranks: models {', '.join(models)}; "
         f"optimizers {', '.join(optimizers) or 'none'}; schedulers {', '.join(schedulers) or 'none'}"
     )
-    session.resume_step = manifest.step or 0  # the next cell's resume_step
+    session.resume_after_load(ResumePoint(step=manifest.step or 0, loaders=part_way))
     return manifest
 
 
-def _on_running_device(config: FSDPConfig, running: World | None) -> FSDPConfig:
+def _on_running_device(config: FSDPConfig, running: RunningWorld | None) -> FSDPConfig:
     """``config``, on the running world's device where it names none: a load goes into the world there is."""
     if config.device is not None or running is None or running.broken:
         return config
@@ -390,8 +390,8 @@ def load_file_with(
     alive = running if running is not None and not running.broken else None  # a world to load into as it is
     if world_size is None:
         world_size = alive.world_size if alive else (session.panel_world_size or session.cluster.default_world_size())
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if refused := world_size_error(world_size):
+        raise UsageError(refused)
     if timeout is None:
         timeout = alive.timeout if alive else DEFAULT_TIMEOUT_SECONDS
     target = namespace[name]
@@ -407,7 +407,7 @@ def load_file_with(
             config = _on_running_device(resolve_settings(None, {}, session.panel), alive)
         except ConfigError as error:
             raise UsageError(str(error)) from None
-    session.run_cell(request, world_size=world_size, timeout=timeout, gather=True, config=config)
+    session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=True))
     world = session.cluster.world
     assert world is not None  # the cell just ran in it
     client = session.cluster.client

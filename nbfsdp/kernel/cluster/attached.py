@@ -26,11 +26,13 @@ from IPython.core.profiledir import ProfileDir, ProfileDirError
 from IPython.paths import get_ipython_dir
 
 from nbfsdp.engines import engine, hosts
+from nbfsdp.kernel.cluster import ipyparallel_private
 from nbfsdp.kernel.cluster.hosts import Placement, devices, place
 from nbfsdp.kernel.cluster.lifelines import Lifelines
 from nbfsdp.kernel.cluster.rank_calls import set_up_every_rank
 from nbfsdp.kernel.cluster.world import (
-    World,
+    RunningWorld,
+    WorldPlan,
     cpu_threads_per_rank,
     nccl_host_environment,
     run_id,
@@ -39,7 +41,7 @@ from nbfsdp.kernel.cluster.world import (
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.network import source_address
-from nbfsdp.shared.protocol import HostIdentity
+from nbfsdp.shared.protocol import HostIdentity, WorldSetup
 
 #: What attaching to a controller on the network without CurveZMQ prints (one line).
 CURVE_WARNING = (
@@ -75,11 +77,9 @@ class AttachedCluster:
         directory = _profile_dir(profile)
         if cluster_id is None:
             cluster_id = _only_cluster(directory, profile)
-        # ipyparallel's connection files, not Cluster.from_file: that would restore the cluster's launchers
-        # here, and an SSH launcher then watches every engine over ssh from this kernel, once a minute
-        name = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
         try:
-            self._engine_connection = json.loads(Path(directory.security_dir, f"{name}-engine.json").read_text())
+            engine_file = ipyparallel_private.engine_connection_file(directory.security_dir, cluster_id)
+            self._engine_connection = json.loads(engine_file.read_text())
             self.client = ipp.Client(profile_dir=directory.location, cluster_id=cluster_id)
         except (OSError, ValueError) as error:
             raise UsageError(
@@ -101,7 +101,7 @@ class AttachedCluster:
         Path(self._private_dir, SEEN_FILE).write_text(self._lifelines.secret)
         self._sees_private_dir: dict[int, bool] = {}
         self._generation = 0
-        self.world: World | None = None
+        self.world: RunningWorld | None = None
         self.placements: list[Placement] = []
         self._identities: dict[int, HostIdentity] = {}
         self.background_error: BaseException | None = None
@@ -156,8 +156,16 @@ class AttachedCluster:
         lost = self._lifelines.lost()
         return sorted(i for i in self.client.ids if i not in lost)
 
-    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
-        return bool(self.world and self.world.serves(world_size, timeout, self.devices(world_size, device)))
+    def plan_world(self, world_size: int, timeout: float, device: str | None = None) -> WorldPlan:
+        """Where a world of ``world_size`` runs (its engines placed once), and whether the running world serves it;
+        a device some host cannot have is a UsageError naming each."""
+        placements = self.placements_for(world_size)
+        try:
+            chosen = devices(placements, self._identities, device)
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
+        serves = bool(self.world and self.world.serves(world_size, timeout, chosen))
+        return WorldPlan(world_size, timeout, chosen, serves, tuple(placements))
 
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
@@ -204,50 +212,47 @@ class AttachedCluster:
             )
         return len(counts)
 
-    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
-        """A world of ``world_size`` of the cluster's engines, host by host, on ``device`` (None: not given)."""
-        if self.reuses_world(world_size, timeout, device):
-            assert self.world is not None  # reuses_world: it runs
+    def ensure_world(self, plan: WorldPlan) -> RunningWorld:
+        """A world of the cluster's engines as ``plan`` placed them, host by host."""
+        if self.world is not None and self.world.serves(plan.world_size, plan.timeout, plan.devices):
             return self.world
-        self.placements = self.placements_for(world_size)
-        try:
-            chosen = self.devices(world_size, device)
-        except ConfigError as error:
-            raise UsageError(str(error)) from None
+        world_size, timeout, chosen = plan.world_size, plan.timeout, plan.devices
+        self.placements = list(plan.placements)
         first = self.placements[0].engine_id
         rendezvous = self.client[first].apply_sync(hosts.open_rendezvous, self._controller_address())
         self._generation += 1
         threads = cpu_threads_per_rank(max(p.local_world_size for p in self.placements))
         host_count = self.placements[-1].group_rank + 1
-        keywords = {
-            p.rank: dict(
-                rank=p.rank,
-                world_size=world_size,
-                backend=chosen.backend,
-                store_path=None,
-                timeout=timeout,
-                threads=threads,
-                generation=self._generation,
-                rendezvous=tuple(rendezvous),
-                environment={
-                    **p.environment(
-                        world_size, host_count, tuple(rendezvous), run_id(self._private_dir, self._generation)
-                    ),
-                    **nccl_host_environment(chosen, p.rank, self._private_dir),
-                },
-                gpu=chosen.rank_gpus[p.rank] if chosen.type == "cuda" else None,
-                where_dir=self._private_dir if self._sees_private_dir.get(p.engine_id) else None,
+        joining = {
+            p.rank: (
+                WorldSetup(
+                    rank=p.rank,
+                    world_size=world_size,
+                    backend=chosen.backend,
+                    timeout=timeout,
+                    threads=threads,
+                    generation=self._generation,
+                    rendezvous=tuple(rendezvous),
+                    environment={
+                        **p.environment(
+                            world_size, host_count, tuple(rendezvous), run_id(self._private_dir, self._generation)
+                        ),
+                        **nccl_host_environment(chosen, p.rank, self._private_dir),
+                    },
+                    gpu=chosen.rank_gpus[p.rank] if chosen.type == "cuda" else None,
+                    where_dir=self._private_dir if self._sees_private_dir.get(p.engine_id) else None,
+                ),
             )
             for p in self.placements
         }
         rank_engines = {p.rank: p.engine_id for p in self.placements}
-        answers = set_up_every_rank(self.client, rank_engines, engine.setup, keywords=keywords)
+        answers = set_up_every_rank(self.client, rank_engines, engine.setup, joining)
         infos = [answers[p.rank] for p in self.placements]
         processes: list[Any] = [
             RegisteredEngine(self, p.engine_id, info.pid) for p, info in zip(self.placements, infos, strict=True)
         ]
         engine_ids = [p.engine_id for p in self.placements]
-        self.world = World(
+        self.world = RunningWorld(
             world_size, chosen.backend, timeout, self._generation, engine_ids, chosen, infos, processes=processes
         )
         return self.world
@@ -327,8 +332,8 @@ def _profile_dir(profile: str) -> ProfileDir:
 
 
 def _only_cluster(directory: ProfileDir, profile: str) -> str:
-    """The id of the one cluster running in ``profile`` (its ``security/cluster-<id>.json``)."""
-    found = sorted(p.name[len("cluster-") : -len(".json")] for p in Path(directory.security_dir).glob("cluster-*.json"))
+    """The id of the one cluster running in ``profile``."""
+    found = ipyparallel_private.running_cluster_ids(directory.security_dir)
     if len(found) == 1:
         return found[0]
     if not found:

@@ -1,4 +1,5 @@
-"""Every private or internal ipyparallel API nbfsdp relies on, in one place (kernel side).
+"""Every private or internal ipyparallel API nbfsdp relies on, in one place (kernel side): its launchers'
+internals, and the names of the files a running cluster leaves in its profile.
 
 nbfsdp's engines are forked by its fork server (``nbfsdp.kernel.cluster.launcher``), not started by
 ipyparallel, and ipyparallel has no public hook for a launcher whose process it did not start, nor a
@@ -15,6 +16,7 @@ interface and are used directly. Importing this module loads no ipyparallel.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,7 +24,14 @@ if TYPE_CHECKING:
     import psutil
     from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalProcessLauncher
 
-__all__ = ["adopt_process", "engine_arguments", "launched_pids", "watch_exit"]
+__all__ = [
+    "adopt_process",
+    "engine_arguments",
+    "engine_connection_file",
+    "launched_pids",
+    "running_cluster_ids",
+    "watch_exit",
+]
 
 
 def engine_arguments(launcher: LocalEngineLauncher) -> list[str]:
@@ -76,3 +85,24 @@ def launched_pids(cluster: ipp.Cluster) -> list[int]:
     """
     engines = [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
     return [launcher.pid for launcher in [cluster.controller, *engines]]
+
+
+def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:
+    """The file a running controller wrote for its engines: where it listens, and its CurveZMQ key if any.
+
+    Relies on ``IPController.engine_json_file``: ``ipcontroller-<cluster id>-engine.json`` in the profile's
+    security directory, ``ipcontroller-engine.json`` for the empty cluster id. Read instead of
+    ``Cluster.from_file``, which would restore the cluster's launchers here (an SSH launcher then watches
+    every engine over ssh from this kernel, once a minute).
+    """
+    name = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
+    return Path(security_dir, f"{name}-engine.json")
+
+
+def running_cluster_ids(security_dir: str | Path) -> list[str]:
+    """The ids of the clusters running in a profile, sorted.
+
+    Relies on ``Cluster.cluster_file``'s default, ``cluster-<cluster id>.json`` in the profile's security
+    directory, written while the cluster runs and removed when it stops.
+    """
+    return sorted(p.name[len("cluster-") : -len(".json")] for p in Path(security_dir).glob("cluster-*.json"))

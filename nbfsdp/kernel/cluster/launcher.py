@@ -4,18 +4,26 @@ They are ipyparallel's local launchers with one change: ``start`` asks the
 ``ForkServer`` for the process instead of running ``python -m
 ipyparallel.engine``, and the exit code comes from the server (the engine is
 its child, not the kernel's, so psutil cannot wait for its status). Output
-files, signals, stop and the cluster's bookkeeping stay ipyparallel's.
+files, signals, stop and the cluster's bookkeeping stay ipyparallel's. ``forked_cluster`` is a cluster whose
+engines are forked so.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
+import ipyparallel as ipp
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Instance
 
 from nbfsdp.kernel.cluster import ipyparallel_private
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
+
+#: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
+#: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
+HEARTBEAT_MS = 500
+HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):
@@ -43,3 +51,26 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkedEngineLauncher
     fork_server = Instance(ForkServer)
+
+
+def forked_cluster(private_dir: str) -> ipp.Cluster:
+    """A cluster, not yet started, whose controller listens on loopback with ``private_dir`` as its profile, and
+    whose engines a fork server forks (``start_engines_sync(..., fork_server=...)``)."""
+    return ipp.Cluster(
+        profile_dir=private_dir,
+        controller_ip="127.0.0.1",
+        engine_launcher_class=ForkedEngineSetLauncher,
+        # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
+        # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
+        log_level=logging.ERROR,
+        controller_args=[
+            # ipyparallel passes the profile in the environment; on the command line it names the cluster
+            # for the reaper, in the controller and in the schedulers it forks
+            f"--profile-dir={private_dir}",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            # no task database: ipyparallel's default keeps every request's and result's buffers (each
+            # cell's shards and gathered state, up to 1 GiB) in the controller, and nbfsdp never reads it
+            "--nodb",
+        ],
+    )

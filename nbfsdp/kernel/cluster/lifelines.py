@@ -2,7 +2,7 @@
 
 ipyparallel's controller drops an engine after ten missed heartbeats, half a minute by default, and a
 cell on a host that died would wait that long. So each engine of an attached cluster holds one TCP
-connection to the kernel (``nbfsdp.engines.hosts.hold_lifeline``): an engine that ends closes it at once
+connection to the kernel (``nbfsdp.engines.release.hold_lifeline``): an engine that ends closes it at once
 (its host's kernel does), and a host that vanishes (power, network) is found by TCP keepalive probes
 within ``KEEPALIVE_SECONDS``. The kernel listens on the one address that reaches the engines, on a free
 port, and takes only connections that present the attach's secret (sent over ipyparallel's signed

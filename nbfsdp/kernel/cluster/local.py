@@ -43,7 +43,6 @@ Importing this module loads neither torch nor ipyparallel.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import signal
@@ -59,7 +58,8 @@ from nbfsdp.kernel.cluster import ipyparallel_private, reaping
 from nbfsdp.kernel.cluster.rank_calls import set_up_every_rank
 from nbfsdp.kernel.cluster.world import (
     ENGINE_START_TIMEOUT,
-    World,
+    RunningWorld,
+    WorldPlan,
     cpu_threads_per_rank,
     devices_here,
     engine_layout,
@@ -72,16 +72,13 @@ from nbfsdp.kernel.cluster.world import (
 from nbfsdp.shared import processes
 from nbfsdp.shared.devices import Devices, requested_device
 from nbfsdp.shared.processes import ProcessRef
+from nbfsdp.shared.protocol import WorldSetup
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
     from nbfsdp.kernel.cluster.forkserver import ForkServer
 
-#: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
-#: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
-HEARTBEAT_MS = 500
-HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 #: The rank an engine on a GPU was started for (its engine set's environment), so ranks find their engines.
 _RANK_VARIABLE = "NBFSDP_RANK"
 
@@ -100,6 +97,48 @@ class _BackgroundStart:
     since: float  # time.monotonic()
 
 
+def _how_it_ended(code: int | None) -> str:
+    """An engine's end, said from its exit code as the fork server saw it (None: unknown)."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}{' (out of memory?)' if name == 'SIGKILL' else ''}"
+    return f"exited with code {code}"
+
+
+def _joining(
+    devices: Devices, timeout: float, private_dir: str, generation: int, script_store: tuple[str, int]
+) -> dict[int, tuple[WorldSetup]]:
+    """What each rank of a new world on this machine joins it with: a ``FileStore`` in the private directory,
+    the one GPU its engine sees, torchrun's variables naming ``script_store``."""
+    from nbfsdp.kernel.cluster.hosts import one_host
+
+    world_size = devices.world_size
+    store_path = os.path.join(private_dir, f"store-{generation}")
+    threads = cpu_threads_per_rank(world_size)
+    torchrun = [
+        p.environment(world_size, 1, script_store, run_id(private_dir, generation)) for p in one_host(world_size)
+    ]
+    return {
+        rank: (
+            WorldSetup(
+                rank=rank,
+                world_size=world_size,
+                backend=devices.backend,
+                store_path=store_path,
+                timeout=timeout,
+                threads=threads,
+                generation=generation,
+                gpu=0 if devices.type == "cuda" else None,  # the one GPU the engine sees
+                environment={**torchrun[rank], **nccl_host_environment(devices, rank, private_dir)},
+                where_dir=private_dir,
+            ),
+        )
+        for rank in range(world_size)
+    }
+
+
 class FSDPCluster:
     """Starts, reuses, resizes and stops the engines and their process group."""
 
@@ -114,12 +153,12 @@ class FSDPCluster:
         self._reaper: psutil.Popen | None = None
         self.background_error: BaseException | None = None
         """Why the last background start failed (the next ``ensure_world`` starts again)."""
-        self.world: World | None = None
+        self.world: RunningWorld | None = None
         self.processes_started = 0
 
     # ------------------------------------------------------------------ public
     def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
-        """Start what ``ensure_world(world_size, timeout)`` would, on a daemon thread; return at once.
+        """Start the world ``plan_world(world_size, timeout)`` plans, on a daemon thread; return at once.
 
         ``since`` (``time.monotonic()``, default now) is when the start was asked for, for ``starting``.
         """
@@ -139,24 +178,25 @@ class FSDPCluster:
             return None
         return background.world_size, time.monotonic() - background.since
 
-    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
-        """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
-        return bool(self.world and self.world.serves(world_size, timeout, self.devices(world_size, device)))
+    def plan_world(self, world_size: int, timeout: float, device: str | None = None) -> WorldPlan:
+        """Where a world of ``world_size`` ranks on ``device`` runs, and whether the running world serves it."""
+        devices = self.devices(world_size, device)
+        return WorldPlan(
+            world_size, timeout, devices, bool(self.world and self.world.serves(world_size, timeout, devices))
+        )
 
-    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
-        """A healthy world of ``world_size`` ranks on ``device`` (None: not given), reusing what already runs."""
+    def ensure_world(self, plan: WorldPlan) -> RunningWorld:
+        """A healthy world as ``plan`` says, reusing what already runs."""
         self._wait_for_background()
         self.background_error = None  # this start replaces a failed one
-        if self.reuses_world(world_size, timeout, device):
-            assert self.world is not None  # reuses_world: it runs
-            return self.world
         world = self.world
+        if world is not None and world.serves(plan.world_size, plan.timeout, plan.devices):
+            return world
         if self._cluster is None and self._fork_server is None:
-            self.start_fork_server()  # its imports overlap this kernel's (torch, to count the GPUs)
-        devices = self.devices(world_size, device)
-        if self._engine_layout != engine_layout(devices) or (world and self.dead_ranks()):
-            self._start_engines(devices)
-        return self._setup_world(devices, timeout)
+            self.start_fork_server()
+        if self._engine_layout != engine_layout(plan.devices) or (world and self.dead_ranks()):
+            self._start_engines(plan.devices)
+        return self._setup_world(plan.devices, plan.timeout)
 
     @property
     def client(self) -> ipp.Client:
@@ -170,7 +210,8 @@ class FSDPCluster:
         dead: dict[int, str] = {}
         for rank, process in enumerate(self.world.processes if self.world else []):
             if not process.alive():
-                dead[rank] = self._how_it_ended(process.pid)
+                assert self._fork_server is not None  # it started the world's engines, and stops only with them
+                dead[rank] = _how_it_ended(self._fork_server.wait(process.pid, timeout=1.0))
         return dead
 
     def how_rank_died(self, rank: int, within: float = 2.0) -> str | None:
@@ -240,7 +281,7 @@ class FSDPCluster:
     def _start_quietly(self, world_size: int, timeout: float) -> None:
         """The background thread: its error is kept for the next ``ensure_world``, never printed into a cell."""
         try:
-            self.ensure_world(world_size, timeout)
+            self.ensure_world(self.plan_world(world_size, timeout))
         except BaseException as error:
             self.background_error = error
             with contextlib.suppress(Exception):
@@ -253,16 +294,6 @@ class FSDPCluster:
             return
         join_interruptibly(background.thread)
         self._background = None
-
-    def _how_it_ended(self, pid: int) -> str:
-        assert self._fork_server is not None  # it started the world's engines, and stops only with them
-        code = self._fork_server.wait(pid, timeout=1.0)
-        if code is None:
-            return "exited"
-        if code < 0:
-            name = signal.Signals(-code).name
-            return f"killed by {name}{' (out of memory?)' if name == 'SIGKILL' else ''}"
-        return f"exited with code {code}"
 
     def start_fork_server(self) -> None:
         """Stop what runs, and start the engines' fork server (``nbfsdp.helpers.forkserver``) in a fresh private
@@ -307,28 +338,10 @@ class FSDPCluster:
             ]
         else:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
-        import ipyparallel as ipp
+        from nbfsdp.kernel.cluster.launcher import forked_cluster
 
-        from nbfsdp.kernel.cluster.launcher import ForkedEngineSetLauncher
-
-        self._cluster = ipp.Cluster(
-            profile_dir=self._private_dir,
-            controller_ip="127.0.0.1",
-            engine_launcher_class=ForkedEngineSetLauncher,
-            # engines that end are nbfsdp's to report (a RankError says how a rank died); at WARNING,
-            # ipyparallel would print engine logs into the cell each time nbfsdp ends engines on purpose
-            log_level=logging.ERROR,
-            controller_args=[
-                # ipyparallel passes the profile in the environment; on the command line it names the cluster
-                # for the reaper, in the controller and in the schedulers it forks
-                f"--profile-dir={self._private_dir}",
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-                # no task database: ipyparallel's default keeps every request's and result's buffers (each
-                # cell's shards and gathered state, up to 1 GiB) in the controller, and nbfsdp never reads it
-                "--nodb",
-            ],
-        )
+        assert self._private_dir is not None  # start_fork_server made it
+        self._cluster = forked_cluster(self._private_dir)
         self._cluster.start_controller_sync()
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
@@ -354,43 +367,20 @@ class FSDPCluster:
         ranks = self.client[ids].apply_sync(lambda name: int(__import__("os").environ[name]), _RANK_VARIABLE)
         return [engine_id for _, engine_id in sorted(zip(ranks, ids, strict=True))]
 
-    def _setup_world(self, devices: Devices, timeout: float) -> World:
+    def _setup_world(self, devices: Devices, timeout: float) -> RunningWorld:
         # torch: imported by the first world, not by importing this module
         from nbfsdp.engines import engine, hosts
-        from nbfsdp.kernel.cluster.hosts import one_host
 
         assert self._private_dir is not None  # _start_engines made it, or an earlier world's start
         self._generation += 1
         world_size = devices.world_size
-        store_path = os.path.join(self._private_dir, f"store-{self._generation}")
         engine_ids = self._rank_order(devices)
-        threads = cpu_threads_per_rank(world_size)
         # the address torchrun's variables name (MASTER_ADDR, MASTER_PORT): a store rank 0 serves on loopback
         script_store = tuple(self.client[engine_ids[0]].apply_sync(hosts.open_rendezvous, "127.0.0.1"))
-        torchrun = [
-            p.environment(world_size, 1, script_store, run_id(self._private_dir, self._generation))
-            for p in one_host(world_size)
-        ]
-        keywords = {
-            rank: dict(
-                rank=rank,
-                world_size=world_size,
-                backend=devices.backend,
-                store_path=store_path,
-                timeout=timeout,
-                threads=threads,
-                generation=self._generation,
-                gpu=0 if devices.type == "cuda" else None,  # the one GPU the engine sees
-                environment={**torchrun[rank], **nccl_host_environment(devices, rank, self._private_dir)},
-                where_dir=self._private_dir,
-            )
-            for rank in range(world_size)
-        }
-        engines = list(
-            set_up_every_rank(self.client, dict(enumerate(engine_ids)), engine.setup, keywords=keywords).values()
-        )
+        joining = _joining(devices, timeout, self._private_dir, self._generation, script_store)
+        engines = list(set_up_every_rank(self.client, dict(enumerate(engine_ids)), engine.setup, joining).values())
         processes = [self._engine_process(engine.pid) for engine in engines]
-        self.world = World(
+        self.world = RunningWorld(
             world_size, devices.backend, timeout, self._generation, engine_ids, devices, engines, processes=processes
         )
         return self.world

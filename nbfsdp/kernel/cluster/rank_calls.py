@@ -6,7 +6,7 @@ timeout. Here each rank's result is waited for in short slices, and between
 slices the cluster is asked which engines ended, so a death ends the wait
 within ``LIVENESS_SECONDS``. The world's set-up, the models' delivery, a
 checkpoint's save and load and a cell's run (``nbfsdp.kernel.run.runner``,
-which also streams output while it waits) all submit and watch through here.
+which also streams output while it waits) all go through ``submit`` and ``gather`` here.
 """
 
 from __future__ import annotations
@@ -87,14 +87,9 @@ def submit(
     engine_ids: Mapping[int, int],
     function: Callable[..., Any],
     arguments: Mapping[int, tuple],
-    keywords: Mapping[int, dict[str, Any]] | None = None,
 ) -> dict[int, ipp.AsyncResult]:
-    """``function(*arguments[rank], **keywords[rank])`` sent at once to each rank of ``engine_ids``
-    (rank -> engine id)."""
-    return {
-        rank: client[engine_id].apply_async(function, *arguments[rank], **(keywords or {}).get(rank, {}))
-        for rank, engine_id in engine_ids.items()
-    }
+    """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id)."""
+    return {rank: client[engine_id].apply_async(function, *arguments[rank]) for rank, engine_id in engine_ids.items()}
 
 
 def gather(
@@ -134,10 +129,9 @@ def set_up_every_rank(
     client: ipp.Client,
     engine_ids: Mapping[int, int],
     setup: Callable[..., Any],
-    arguments: Mapping[int, tuple] | None = None,
-    keywords: Mapping[int, dict[str, Any]] | None = None,
+    arguments: Mapping[int, tuple],
 ) -> dict[int, Any]:
-    """``setup(*arguments[rank], **keywords[rank])`` on each rank's engine (a new world's process group, an
+    """``setup(*arguments[rank])`` on each rank's engine (a new world's process group, an
     engine's check-in), within ``ENGINE_START_TIMEOUT``, an engine that leaves the controller meanwhile named
     at once. A failed set-up raises its ``RemoteError`` as ipyparallel gives it."""
 
@@ -149,7 +143,7 @@ def set_up_every_rank(
             if engine_id not in registered
         }
 
-    results = submit(client, engine_ids, setup, arguments or dict.fromkeys(engine_ids, ()), keywords)
+    results = submit(client, engine_ids, setup, arguments)
     try:
         return gather(results, left, deadline=time.monotonic() + ENGINE_START_TIMEOUT)
     except RankDied as died:

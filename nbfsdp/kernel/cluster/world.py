@@ -19,6 +19,7 @@ from nbfsdp.shared.processes import ProcessRef
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
+    from nbfsdp.kernel.cluster.hosts import Placement
     from nbfsdp.shared.protocol import EngineInfo
 
 #: The notebook's cluster, which ``planned_devices`` asks (set by the session as it changes).
@@ -30,7 +31,7 @@ _JOIN_SLICE_SECONDS = 0.1
 
 
 @dataclass
-class World:
+class RunningWorld:
     """A running world: which engine is which rank, and on what."""
 
     world_size: int
@@ -56,6 +57,20 @@ class World:
             and self.timeout == timeout
             and engine_layout(self.devices) == engine_layout(devices)
         )
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    """Where a cell's world runs, as its cluster decided once for the cell (``Cluster.plan_world``), carried
+    through the cell's steps so that none asks again (an attached cluster's ask places its engines anew)."""
+
+    world_size: int
+    timeout: float
+    devices: Devices
+    reuses: bool
+    """The running world serves the cell as it is: nothing is restarted."""
+    placements: tuple[Placement, ...] = ()
+    """An attached cluster's ranks, host by host (``nbfsdp.kernel.cluster.hosts.place``); nbfsdp's own has none."""
 
 
 def engine_layout(devices: Devices) -> tuple[str, int, tuple[int, ...]]:
@@ -134,7 +149,7 @@ class Cluster(Protocol):
     (``nbfsdp.kernel.cluster.attached.AttachedCluster``). The session, the runner and delivery use only this;
     what only an attached cluster has (its engines, hosts, profile) is asked of ``Session.attached_cluster``."""
 
-    world: World | None
+    world: RunningWorld | None
     """The running world; None before the first and after ``kill_engines`` or ``stop``."""
     background_error: BaseException | None
     """Why the last background start failed, for ``%fsdp status`` (the next ``ensure_world`` starts again)."""
@@ -152,13 +167,14 @@ class Cluster(Protocol):
         """While a background start runs: its world size and the seconds since it began. Never waits."""
 
     def start_in_background(self, world_size: int, timeout: float, since: float | None = None) -> None:
-        """Start what ``ensure_world(world_size, timeout)`` would, without waiting (nothing, where it runs)."""
+        """Start the world ``plan_world(world_size, timeout)`` plans, without waiting (nothing, where it runs)."""
 
-    def reuses_world(self, world_size: int, timeout: float, device: str | None = None) -> bool:
-        """Whether ``ensure_world`` would keep the running world (nothing restarted)."""
+    def plan_world(self, world_size: int, timeout: float, device: str | None = None) -> WorldPlan:
+        """Where a world of ``world_size`` ranks on ``device`` (None: not given) runs, and whether the running
+        world serves it: asked once a cell."""
 
-    def ensure_world(self, world_size: int, timeout: float, device: str | None = None) -> World:
-        """A healthy world of ``world_size`` ranks on ``device`` (None: not given), reusing what already runs."""
+    def ensure_world(self, plan: WorldPlan) -> RunningWorld:
+        """A healthy world as ``plan`` says, reusing what already runs."""
 
     def unsteerable(self) -> str | None:
         """Why a cell cannot be steered mid-run (live changes, cancel, interval saves), or None."""

@@ -25,6 +25,10 @@ there, and on the CPU the kernel PyTorch picks for those shapes. The second trai
 measured (the optimizer's state exists by then); the optimizer's own step runs on shard-sized meta
 tensors, foreach on a GPU as PyTorch's default is there, so its temporaries are counted too.
 
+This module is the ledger and the step; the dispatch counter is ``live_bytes``, attention as the device
+runs it ``attention``, autocast on the meta device ``meta_autocast``, and the rank's share of the batch
+``workload``.
+
 Runs in the notebook's kernel; allocates nothing but Python objects (a 70B model's step traces in seconds).
 """
 
@@ -32,23 +36,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from nbfsdp.kernel.planning.attention import device_attention
+from nbfsdp.kernel.planning.live_bytes import LiveBytes, paused
+from nbfsdp.kernel.planning.meta_autocast import meta_autocast
+from nbfsdp.kernel.planning.workload import StepInputs, Workload, loss_of_step, step_inputs
 from nbfsdp.shared import transfer
-from nbfsdp.shared.config import ConfigError, FSDPConfig
+from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.torch_private import tree_flatten, tree_map
 from nbfsdp.shared.units import activation_modules, forward_order, wrap_units
 
 #: ``Plan.peak``'s categories, in the order they are shown.
@@ -75,68 +77,6 @@ class Peak:
 
     def as_dict(self) -> dict[str, int]:
         return {**{key: getattr(self, key) for key in CATEGORIES}, "total": self.total}
-
-
-@dataclass
-class _Live(TorchDispatchMode):
-    """Bytes of the storages operators made and that are still alive, by when they were made.
-
-    A storage counts once, from the operator that made it until it is freed (a finalizer on the storage);
-    views share their base's. Made in forward: ``activations`` (what forward leaves alive is what backward
-    needs); in backward or the optimizer's step: ``temporaries``; a gradient autograd accumulated into a
-    parameter: ``grads`` (FSDP2's unsharded gradient). FSDPMemTracker files them the same way. The caller's
-    ``on_change`` sees every operator (where a peak can be)."""
-
-    on_change: Callable[[], None]
-    live: dict[int, tuple[int, str]] = field(default_factory=dict)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    kind: str = "activations"
-    held: dict[int, torch.UntypedStorage] = field(default_factory=dict)
-    """Storages the ledger counts (parameters, buffers, the optimizer's tensors): an operator's view of one,
-    or an in-place update, makes nothing new."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self.count(tensor, self.kind)
-        self.on_change()
-        return out
-
-    def hold(self, tensors: Iterable[torch.Tensor]) -> None:
-        """These tensors' storages are the ledger's: never counted here."""
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            self.held[id(storage)] = storage
-
-    def count(self, tensor: torch.Tensor, kind: str) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self.live or key in self.held:
-            return
-        size = storage.nbytes()
-        self.live[key] = (size, kind)
-        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + size
-        weakref.finalize(storage, self._freed, key)
-
-    def _freed(self, key: int) -> None:
-        size, kind = self.live.pop(key)
-        self.bytes_by_kind[kind] -= size
-
-    def reclassify(self, tensor: torch.Tensor, kind: str) -> None:
-        """``tensor``'s storage is ``kind`` from now on (a gradient autograd accumulated)."""
-        key = id(tensor.untyped_storage())
-        if key in self.live:
-            size, old = self.live[key]
-            self.bytes_by_kind[old] -= size
-            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + size
-            self.live[key] = (size, kind)
-        else:
-            self.count(tensor, kind)
-
-    def split(self) -> dict[str, int]:
-        """Live bytes now: activations, temporaries, unsharded gradients."""
-        return {kind: self.bytes_by_kind.get(kind, 0) for kind in ("activations", "temporaries", "grads")}
 
 
 def _padded(param: torch.Tensor, shards: int) -> int:
@@ -227,7 +167,7 @@ class _Step:
         self.limit: int | None = None
         """Where set: ``crossed`` is the step's first moment past this many bytes (``crossing``)."""
         self.crossed: Peak | None = None
-        self.live = _Live(self._check)
+        self.live = LiveBytes(self._check)
         self.live.hold([*unique, *model.buffers()])
 
     def _reduce_dtype(self, param: nn.Parameter) -> torch.dtype:
@@ -415,12 +355,12 @@ class _Step:
             self.grads = sum(u.shard for u in self.units if u.params)
         handles = list(self._hooks())
         try:
-            with self.live, _attention(self.on_gpu, self.autocast):
+            with self.live, device_attention(self.on_gpu, self.autocast):
                 for tensor in tree_flatten((args, kwargs))[0]:
                     if isinstance(tensor, torch.Tensor):
                         self.live.count(tensor, "activations")
                 self.phase = "forward"
-                with _autocast(self.autocast, self.device):
+                with meta_autocast(self.autocast, self.device):
                     output = self.model(*args, **kwargs)
                     loss = loss_of(output)
                 del output
@@ -444,7 +384,7 @@ class _Step:
     def _optimizer_step(self) -> None:
         """AdamW's step on shard-sized tensors (foreach on a GPU, as PyTorch picks there): its temporaries."""
         self.phase, self.where, self.live.kind = "optimizer step", "(all units)", "temporaries"
-        with _paused(self.live):  # the shards, their gradients and the state are the ledger's already
+        with paused(self.live):  # the shards, their gradients and the state are the ledger's already
             shards = []
             for unit in self.units:
                 for param in unit.params:
@@ -461,15 +401,6 @@ class _Step:
         self._check()
 
 
-@contextlib.contextmanager
-def _paused(mode: TorchDispatchMode) -> Iterator[None]:
-    """Operators run uncounted (``mode`` is the innermost dispatch mode)."""
-    from torch.utils._python_dispatch import _pop_mode_temporarily
-
-    with _pop_mode_temporarily():
-        yield
-
-
 def _checkpoint(module: nn.Module, autocast: torch.dtype | None, device: str) -> None:
     """Activation checkpointing as the ranks apply it; under autocast its recomputation casts as the forward
     did (``torch.utils.checkpoint`` restores autocast's state for it), in autograd's thread."""
@@ -478,272 +409,7 @@ def _checkpoint(module: nn.Module, autocast: torch.dtype | None, device: str) ->
     if autocast is None:
         checkpoint(module)
     else:
-        checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), _autocast(autocast, device)))
-
-
-# -- torch.autocast, as it would run on the device
-#: What autocast runs in the low-precision dtype (its inputs cast down) and in fp32 (cast up) on each device,
-#: by the name of the function or Tensor method a model calls (PyTorch's "Autocast Op Reference"); the rest
-#: runs in the dtype its inputs have.
-_AUTOCAST_DOWN = frozenset(
-    {
-        *("linear", "addmm", "addmv", "addr", "addbmm", "baddbmm", "bmm", "mm", "mv", "matmul", "__matmul__"),
-        *("__rmatmul__", "einsum", "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_transpose1d"),
-        *("conv_transpose2d", "conv_transpose3d", "prelu"),
-    }
-)
-_LOSSES_UP = frozenset(
-    {
-        *("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div"),
-        *("binary_cross_entropy_with_logits", "binary_cross_entropy", "poisson_nll_loss", "cosine_embedding_loss"),
-        *("hinge_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss"),
-        *("multi_margin_loss", "multilabel_margin_loss"),
-    }
-)
-_AUTOCAST_UP = {
-    "cuda": _LOSSES_UP
-    | {
-        *("pow", "__pow__", "__rpow__", "__rtruediv__", "__rdiv__", "acos", "asin", "cosh", "sinh", "tan", "exp"),
-        *("expm1", "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "erfinv", "softplus", "layer_norm"),
-        *("group_norm", "norm", "normalize", "softmax", "softmin", "log_softmax", "cumsum", "cumprod", "prod"),
-        *("sum", "cosine_similarity", "cdist", "pdist", "dist", "renorm", "logsumexp"),
-    },
-    "cpu": _LOSSES_UP | {"prod", "cdist", "quantile", "nanquantile", "trace"},
-}
-
-
-class _Autocast(TorchFunctionMode):
-    """``torch.autocast(device, dtype)`` for meta tensors, which autocast passes by (its dispatch keys are the
-    devices'): floating inputs of the functions listed above cast down or up, the casts recorded by
-    autograd (what backward keeps is the cast copy, as under autocast); a parameter's cast made once per
-    autocast region and kept (autocast's cast cache)."""
-
-    def __init__(self, dtype: torch.dtype, device: str) -> None:
-        super().__init__()
-        self.dtype, self.up = dtype, _AUTOCAST_UP[device]
-        self.cache: dict[int, torch.Tensor] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in _AUTOCAST_DOWN:
-            args, kwargs = tree_map(functools.partial(self._cast, self.dtype), (args, kwargs))
-        elif name in self.up:
-            args, kwargs = tree_map(functools.partial(self._cast, torch.float32), (args, kwargs))
-        return func(*args, **kwargs)
-
-    def _cast(self, dtype: torch.dtype, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
-            return value
-        if dtype != torch.float32 and value.dtype == torch.float64:
-            return value  # autocast leaves fp64 alone
-        if value.is_leaf and value.requires_grad:
-            if id(value) not in self.cache:
-                self.cache[id(value)] = value.to(dtype)
-            return self.cache[id(value)]
-        return value.to(dtype)
-
-
-def _autocast(dtype: torch.dtype | None, device: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if dtype is None else _Autocast(dtype, device)
-
-
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def autocast_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    """``explain(..., autocast=...)``: ``"bf16"``, ``"fp16"`` or their torch dtypes; None for none."""
-    if value is None or value in (torch.bfloat16, torch.float16):
-        return value
-    if isinstance(value, str) and value.lower() in _AUTOCAST_DTYPES:
-        return _AUTOCAST_DTYPES[value.lower()]
-    raise ConfigError(f"autocast must be one of bf16, fp16 (or torch.bfloat16, torch.float16); got {value!r}")
-
-
-#: Scaled dot-product attention's kernels, by what they keep for backward.
-_FLASH_ON_GPU = (torch.bfloat16, torch.float16)
-
-
-def _sdpa(
-    on_gpu: bool,
-    autocast: torch.dtype | None,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-):
-    """Scaled dot-product attention as the device would run it: the kernel decides what is kept for backward
-    (flash and memory-efficient attention keep the output and the log-sum-exp, the math path the scores).
-    Under ``autocast`` its inputs are cast down first, as autocast casts them."""
-    if autocast is not None:
-        query, key, value = (t.to(autocast) if t.dtype == torch.float32 else t for t in (query, key, value))
-    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: each key-value head serves several
-        repeat = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-    aten = torch.ops.aten
-    if on_gpu and query.dtype in _FLASH_ON_GPU and attn_mask is None and query.shape[-1] <= 256:
-        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
-    if on_gpu:
-        return aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
-        )[0]
-    if _cpu_flash(query, key, attn_mask, is_causal):
-        return aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )[0]
-    return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
-
-
-def _cpu_flash(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
-    """Whether PyTorch runs its CPU flash kernel for attention of these dtypes and head sizes: asked on
-    one-token tensors of the same layout."""
-    q, k, v = (torch.zeros(1, 1, 1, t.shape[-1], dtype=t.dtype) for t in (query, key, key))
-    mask = None if attn_mask is None else torch.zeros(1, 1, 1, 1, dtype=attn_mask.dtype)
-    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal)
-    return choice == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
-
-
-#: One trace at a time replaces attention: a second one (an explain while a cell's prediction traces in its
-#: thread) would otherwise put back the first one's replacement for good.
-_ATTENTION_REPLACED = threading.Lock()
-
-
-@contextlib.contextmanager
-def _attention(on_gpu: bool, autocast: torch.dtype | None = None) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` as the device would run it, for the trace. Replaced on the module
-    for the trace's length rather than intercepted with a TorchFunctionMode: such a mode is the calling
-    thread's, and autograd recomputes a checkpointed module on a thread of its own for the meta device."""
-    with _ATTENTION_REPLACED:
-        original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = functools.partial(_sdpa, on_gpu, autocast)
-        try:
-            yield
-        finally:
-            F.scaled_dot_product_attention = original
-
-
-# -- the batch a step plans with
-
-
-@dataclass(frozen=True, slots=True)
-class StepInputs:
-    """One rank's share of a step's batch, on the meta device, as the model is called with it."""
-
-    args: tuple
-    kwargs: dict
-    target: tuple
-    """What ``loss_fn(output, *target)`` takes besides the output (a tuple batch's second part onwards)."""
-    described: str
-    """The share's shapes, in words."""
-
-    @property
-    def tokens(self) -> int:
-        """Tokens in the share: a tensor of token ids' elements, else the rows of the first input (its
-        elements less the last dimension, the features)."""
-        first = next(t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor))
-        if first.is_floating_point() and first.dim() > 1:
-            return first.numel() // first.shape[-1]
-        return first.numel()
-
-
-def first_batch(batch: Any) -> Any:
-    """A DataLoader's first batch, leaving its shuffling where it was (iterating draws from its generator,
-    or from torch's own when it has none); anything else as it is."""
-    if not isinstance(batch, torch.utils.data.DataLoader):
-        return batch
-    generator = getattr(batch, "generator", None)
-    saved = generator.get_state() if generator is not None else torch.random.get_rng_state()
-    try:
-        return next(iter(batch))
-    finally:
-        if generator is not None:
-            generator.set_state(saved)
-        else:
-            torch.random.set_rng_state(saved)
-
-
-def on_meta(batch: Any) -> Any:
-    """``batch`` with its tensors as meta tensors of their shapes and dtypes."""
-
-    def shape_of(leaf: Any) -> Any:
-        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") if isinstance(leaf, torch.Tensor) else leaf
-
-    return tree_map(shape_of, batch)
-
-
-def _share(tensor: torch.Tensor, parts: int) -> torch.Tensor:
-    """A meta tensor of one rank's rows of ``tensor``: the first dimension split ``parts`` ways (rank 0's,
-    the largest share where it does not divide)."""
-    if tensor.dim() == 0 or parts == 1:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    return torch.empty((-(-tensor.shape[0] // parts), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
-
-
-def step_inputs(batch: Any, world_size: int, per_rank_batches: bool = False) -> StepInputs:
-    """``batch`` (one step's global batch as one process would feed it: a tensor, a tuple or list, a dict of
-    tensors, a DataLoader, or meta tensors for shapes alone) as one rank's share: each rank takes 1/N of
-    every tensor's first dimension, as ``%%fsdp`` splits a notebook's DataLoader; with
-    ``per_rank_batches`` the batch is each rank's already."""
-    batch = first_batch(batch)
-    parts = 1 if per_rank_batches else world_size
-    leaves, spec = tree_flatten(batch)
-    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        raise ConfigError(
-            f"batch must hold tensors (a tensor, a tuple, a dict of tensors, a DataLoader); got {type(batch).__name__}"
-        )
-    shared = tree_unflatten([_share(leaf, parts) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
-
-    def shape(leaf: torch.Tensor) -> str:
-        return f"{'x'.join(map(str, leaf.shape))} {str(leaf.dtype).removeprefix('torch.')}"
-
-    if isinstance(shared, dict):
-        shapes = ", ".join(f"{key} {shape(v)}" for key, v in shared.items() if isinstance(v, torch.Tensor))
-    else:
-        shapes = ", ".join(shape(leaf) for leaf in tree_flatten(shared)[0] if isinstance(leaf, torch.Tensor))
-    described = f"{shapes} a rank" + ("" if per_rank_batches else f" (the global batch / {world_size})")
-    if isinstance(shared, dict):
-        return StepInputs((), dict(shared), (), described)
-    if isinstance(shared, (tuple, list)):
-        return StepInputs((shared[0],), {}, tuple(shared[1:]), described)
-    return StepInputs((shared,), {}, (), described)
-
-
-def _loss_of(loss_fn: Callable[..., torch.Tensor] | None, target: tuple) -> Callable[[Any], torch.Tensor]:
-    """The loss a step backpropagates: the output's ``loss`` (Hugging Face's), else ``loss_fn(output,
-    *target)``, else the sum of the output's floating tensors."""
-
-    def loss_of(output: Any) -> torch.Tensor:
-        own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(own, torch.Tensor):
-            return own
-        if loss_fn is not None:
-            return loss_fn(output, *target)
-        floating = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        # a tensor (typeshed's sum starts at 0: with no floating tensors it is 0, which backward rejects)
-        return sum(t.float().sum() for t in floating)  # type: ignore[return-value]
-
-    return loss_of
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """What a training step runs, for its peak: one step's global batch, its loss, how it is split."""
-
-    batch: Any
-    """A tensor, a tuple or list, a dict of tensors, a DataLoader, or meta tensors (shapes alone)."""
-    loss: Callable[..., torch.Tensor] | None = None
-    """``loss(output, *target)`` where the output has no ``loss`` of its own."""
-    per_rank_batches: bool = False
-    """The batch is each rank's (as ``%%fsdp --per-rank-batches`` reads a loader), not the global one."""
-    micro_batches: int = 1
-    """Gradient accumulation: each rank's share runs in this many micro-batches, one at a time."""
-    autocast: torch.dtype | None = None
-    """The forward and the loss run under ``torch.autocast`` to this dtype (the loop's own, on top of FSDP2's
-    mixed precision)."""
+        checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), meta_autocast(autocast, device)))
 
 
 def rank_peaks(
@@ -765,7 +431,7 @@ def rank_peaks(
     loss = workload.loss
     meta = transfer.meta_copy(model)  # the trace changes the modules it runs (hooks, dtypes)
     step = _Step(meta, config, shards, devices, workload.autocast)
-    traced = step.run(inputs.args, inputs.kwargs, _loss_of(loss, inputs.target), workload.micro_batches)
+    traced = step.run(inputs.args, inputs.kwargs, loss_of_step(loss, inputs.target), workload.micro_batches)
     trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
     peaks = []
     for rank in range(world_size):
@@ -793,5 +459,5 @@ def crossing(
     inputs = step_inputs(workload.batch, parts * workload.micro_batches, per_rank_batches=False)
     step = _Step(transfer.meta_copy(model), config, shards, devices, workload.autocast)
     step.limit = limit
-    step.run(inputs.args, inputs.kwargs, _loss_of(workload.loss, inputs.target), workload.micro_batches, first_step)
+    step.run(inputs.args, inputs.kwargs, loss_of_step(workload.loss, inputs.target), workload.micro_batches, first_step)
     return step.crossed

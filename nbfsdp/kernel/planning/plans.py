@@ -31,8 +31,9 @@ from nbfsdp.kernel.cluster.world import planned_devices
 from nbfsdp.kernel.planning import fitting, placement, predicted
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.fsdp_code import render
-from nbfsdp.kernel.planning.peak import Workload, autocast_dtype, rank_peaks
+from nbfsdp.kernel.planning.peak import rank_peaks
 from nbfsdp.kernel.planning.placement import replicate_groups, shard_groups
+from nbfsdp.kernel.planning.workload import Workload, autocast_dtype
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
 from nbfsdp.shared.config import ConfigError, FSDPConfig, resolve, validate
@@ -371,18 +372,23 @@ def _replan(
         return None
 
 
-def _plan(
-    model: nn.Module,
-    config: FSDPConfig,
-    world_size: int,
-    hosts: list[str] | None = None,
-    devices: Devices | None = None,
-) -> Plan:
-    """The plan without a step: units, dtypes, the state's memory, communication, the code."""
-    if devices is None:
-        devices = planned_devices(world_size, config.device)
-    if hosts is not None and len(hosts) != world_size:
-        raise ConfigError(f"hosts: {len(hosts)} given for world size {world_size}; one per rank")
+@dataclass(frozen=True, slots=True)
+class _Units:
+    """The model's FSDP units as the plan counts them: forward order, who owns each parameter."""
+
+    ordered: list[nn.Module]
+    names: dict[int, str]
+    """Each module's name, by ``id``."""
+    owned_by: dict[int, list[nn.Parameter]]
+    """Each unit's own parameters, by the unit's ``id`` (the deepest unit takes a shared one)."""
+    unique: list[nn.Parameter]
+    trained: list[nn.Parameter]
+    checkpointed: list[nn.Module]
+    plans: list[UnitPlan]
+
+
+def _units(model: nn.Module, config: FSDPConfig, shards: int) -> _Units:
+    """The units ``config`` wraps, each with what it holds sharded and gathered."""
     units = wrap_units(model, config)
     ordered = forward_order(model, units)
     names = {id(m): n for n, m in model.named_modules()}
@@ -390,21 +396,15 @@ def _plan(
     for unit in reversed(ordered):  # deepest units first claim their parameters
         for param in unit.parameters():
             owner.setdefault(id(param), unit)
-    replicas, shards = config.mesh_shape(world_size)
-    param_dtype, reduce_dtype, buffer_dtype = config.dtypes()
+    param_dtype = config.dtypes()[0]
     unique = list({id(p): p for p in model.parameters()}.values())
-    trained = [p for p in unique if p.requires_grad]
-    # what each parameter computes in (as stored where the policy says None), and its gradient is reduced in
-    computed = lambda p: _size(param_dtype or p.dtype)  # noqa: E731
-    reduced = lambda p: _size(reduce_dtype or param_dtype or p.dtype)  # noqa: E731
-
     checkpointed = activation_modules(model, units, config) if config.activation_checkpointing else []
     recomputed = {id(p) for module in checkpointed for p in module.parameters()}
-    unit_plans = []
-    owned_by: dict[int, list[nn.Parameter]] = {}
+    owned_by = {id(unit): [p for p in unique if owner[id(p)] is unit] for unit in ordered}
+    plans = []
     for unit in ordered:
-        own = owned_by[id(unit)] = [p for p in unique if owner[id(p)] is unit]
-        unit_plans.append(
+        own = owned_by[id(unit)]
+        plans.append(
             UnitPlan(
                 name=names[id(unit)],
                 cls=type(unit).__name__,
@@ -412,31 +412,62 @@ def _plan(
                 full_bytes=sum(p.numel() * p.element_size() for p in own),
                 sharded_bytes=sum(_shard_numel(p, shards, 0)[0] * p.element_size() for p in own),
                 frozen=sum(p.numel() for p in own if not p.requires_grad),
-                gathered_bytes=sum(p.numel() * computed(p) for p in own),
+                gathered_bytes=sum(p.numel() * _size(param_dtype or p.dtype) for p in own),  # as it computes
                 recomputed=sum(p.numel() for p in own if id(p) in recomputed),
             )
         )
+    trained = [p for p in unique if p.requires_grad]
+    return _Units(ordered, names, owned_by, unique, trained, checkpointed, plans)
 
+
+def _memory(units: _Units, world_size: int, shards: int, strategy: str) -> list[dict[str, int]]:
+    """Per rank: its shards' bytes, its sharded gradients', AdamW's state's, and a lower bound of FSDP2's
+    communication buffers at their peak."""
+    comm_buffers = _comm_buffers_lower_bound(units.plans, strategy, shards)
     memory = []
     for rank in range(world_size):
-        numels = {id(p): _shard_numel(p, shards, rank % shards) for p in unique}
-        stored = sum(numels[id(p)][0] * p.element_size() for p in unique)
-        grads = sum(numels[id(p)][0] * p.element_size() for p in trained)  # a frozen parameter has none
-        owned = sum(numels[id(p)][1] for p in trained)  # AdamW: exp_avg and exp_avg_sq in fp32, one fp32 step each
-        memory.append({"params": stored, "grads": grads, "optim": 2 * 4 * owned + 4 * len(trained)})
+        numels = {id(p): _shard_numel(p, shards, rank % shards) for p in units.unique}
+        stored = sum(numels[id(p)][0] * p.element_size() for p in units.unique)
+        grads = sum(numels[id(p)][0] * p.element_size() for p in units.trained)  # a frozen parameter has none
+        owned = sum(numels[id(p)][1] for p in units.trained)  # AdamW: exp_avg, exp_avg_sq in fp32, an fp32 step
+        memory.append(
+            {
+                "params": stored,
+                "grads": grads,
+                "optim": 2 * 4 * owned + 4 * len(units.trained),
+                "comm_buffers": comm_buffers,
+            }
+        )
+    return memory
 
-    gathered_per_step = {id(u): 1 if u is model or config.sharding_strategy == "SHARD_GRAD_OP" else 2 for u in ordered}
-    reduced_bytes = {id(u): sum(p.numel() * reduced(p) for p in owned_by[id(u)] if p.requires_grad) for u in ordered}
-    comm_buffers = _comm_buffers_lower_bound(unit_plans, config.sharding_strategy, shards)
-    for figures in memory:
-        figures["comm_buffers"] = comm_buffers
-    communication = {
-        "all_gather": 0
-        if shards == 1
-        else sum(u.gathered_bytes * gathered_per_step[id(unit)] for u, unit in zip(unit_plans, ordered, strict=True)),
-        "reduce_scatter": 0 if shards == 1 else sum(reduced_bytes.values()),
-        "all_reduce": 0 if replicas == 1 else sum(_shard_numel(p, shards, 0)[0] * reduced(p) for p in trained),
+
+def _communication(model: nn.Module, units: _Units, config: FSDPConfig, mesh: tuple[int, int]) -> dict[str, int]:
+    """Bytes of the tensors each kind of collective handles in a step: every unit gathered for forward and
+    again for backward (the root and SHARD_GRAD_OP's once), each trained gradient reduced."""
+    replicas, shards = mesh
+    param_dtype, reduce_dtype, _ = config.dtypes()
+    reduced = lambda p: _size(reduce_dtype or param_dtype or p.dtype)  # noqa: E731
+    once = config.sharding_strategy == "SHARD_GRAD_OP"
+    gathered = sum(
+        plan.gathered_bytes * (1 if unit is model or once else 2)
+        for plan, unit in zip(units.plans, units.ordered, strict=True)
+    )
+    reduced_bytes = sum(
+        p.numel() * reduced(p) for unit in units.ordered for p in units.owned_by[id(unit)] if p.requires_grad
+    )
+    return {
+        "all_gather": 0 if shards == 1 else gathered,
+        "reduce_scatter": 0 if shards == 1 else reduced_bytes,
+        "all_reduce": 0 if replicas == 1 else sum(_shard_numel(p, shards, 0)[0] * reduced(p) for p in units.trained),
     }
+
+
+def _wire(
+    communication: dict[str, int], mesh: tuple[int, int], hosts: list[str] | None
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """What each collective puts on the wire under the ring algorithms, and (over several hosts) what crosses
+    between them, by kind."""
+    replicas, shards = mesh
     groups = {"all_gather": shards, "reduce_scatter": shards, "all_reduce": replicas}
     wire = {
         kind: {
@@ -449,9 +480,30 @@ def _plan(
         for kind, nbytes in communication.items()
     }
     several = hosts is not None and len(set(hosts)) > 1
-    cross_host = placement.cross_host(wire, (replicas, shards), hosts) if hosts is not None and several else {}
+    cross_host = placement.cross_host(wire, mesh, hosts) if hosts is not None and several else {}
     for kind, out in cross_host.items():
         wire[kind]["cross_host"] = sum(out.values())
+    return wire, cross_host
+
+
+def _plan(
+    model: nn.Module,
+    config: FSDPConfig,
+    world_size: int,
+    hosts: list[str] | None = None,
+    devices: Devices | None = None,
+) -> Plan:
+    """The plan without a step: units, dtypes, the state's memory, communication, the code."""
+    if devices is None:
+        devices = planned_devices(world_size, config.device)
+    if hosts is not None and len(hosts) != world_size:
+        raise ConfigError(f"hosts: {len(hosts)} given for world size {world_size}; one per rank")
+    mesh = config.mesh_shape(world_size)
+    param_dtype, reduce_dtype, buffer_dtype = config.dtypes()
+    units = _units(model, config, mesh[1])
+    names, ordered = units.names, units.ordered
+    communication = _communication(model, units, config, mesh)
+    wire, cross_host = _wire(communication, mesh, hosts)
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch
@@ -460,27 +512,27 @@ def _plan(
     return Plan(
         world_size=world_size,
         config=config.as_dict(),
-        units=unit_plans,
+        units=units.plans,
         wrap_rule={
             **wrap_rule(model, config).as_dict(),
             **({"ties_kept": kept} if (kept := ties_kept(model, config)) else {}),
             **({"split_by_dtype": split} if (split := dtype_splits(model, config)) else {}),
         },
-        checkpointed=[names[id(m)] for m in checkpointed],
+        checkpointed=[names[id(m)] for m in units.checkpointed],
         dtypes={
-            "param_dtype": _dtype_name(param_dtype, unique),
-            "reduce_dtype": _dtype_name(reduce_dtype or param_dtype, trained),
+            "param_dtype": _dtype_name(param_dtype, units.unique),
+            "reduce_dtype": _dtype_name(reduce_dtype or param_dtype, units.trained),
             "buffer_dtype": _dtype_name(buffer_dtype, list(model.buffers())),
         },
         forward_prefetch=forward_prefetch,
         backward_order=[names[id(u)] for u in reversed(ordered)],
-        memory=memory,
+        memory=_memory(units, world_size, mesh[1], config.sharding_strategy),
         communication=communication,
         wire=wire,
         code=render(model, config, world_size, devices),
         devices=str(devices),
-        mesh=(replicas, shards),
-        hosts=list(hosts) if hosts is not None and several else [],
+        mesh=mesh,
+        hosts=list(hosts) if hosts is not None and len(set(hosts)) > 1 else [],
         cross_host=cross_host,
     )
 

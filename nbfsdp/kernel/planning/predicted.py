@@ -27,30 +27,31 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from nbfsdp.kernel.planning import peak
+from nbfsdp.kernel.planning.workload import StepInputs, Workload, first_batch, on_meta
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
 
 #: The last ``explain(..., batch=...)`` of each notebook model, its batch as meta tensors (shapes alone: the
 #: notebook's tensors are not kept alive by it).
-_explained: weakref.WeakKeyDictionary[nn.Module, peak.Workload] = weakref.WeakKeyDictionary()
+_explained: weakref.WeakKeyDictionary[nn.Module, Workload] = weakref.WeakKeyDictionary()
 
 
-def remember(model: nn.Module, workload: peak.Workload) -> None:
+def remember(model: nn.Module, workload: Workload) -> None:
     """``explain`` planned ``model`` with ``workload``: a cell that trains it on no loader traces with it."""
-    _explained[model] = dataclasses.replace(workload, batch=peak.on_meta(peak.first_batch(workload.batch)))
+    _explained[model] = dataclasses.replace(workload, batch=on_meta(first_batch(workload.batch)))
 
 
 def cell_workload(
     model: nn.Module, loaders: list[Any], per_rank_batches: bool, autocast: torch.dtype | None
-) -> peak.Workload | None:
+) -> Workload | None:
     """What a cell that trains ``model`` on ``loaders`` (the notebook DataLoaders it reads) runs a step on,
     under ``autocast`` (``cell_autocast``), or None where the kernel cannot know."""
     explained = _explained.get(model)
     for loader in loaders:
         if isinstance(loader, DataLoader) and loader.num_workers == 0:
-            batch = peak.on_meta(peak.first_batch(loader))
-            return peak.Workload(batch, explained.loss if explained else None, per_rank_batches, autocast=autocast)
+            batch = on_meta(first_batch(loader))
+            return Workload(batch, explained.loss if explained else None, per_rank_batches, autocast=autocast)
     return dataclasses.replace(explained, autocast=autocast) if explained else None
 
 
@@ -88,7 +89,7 @@ class PeakPrediction:
         config: FSDPConfig,
         world_size: int,
         devices: Devices,
-        workload: peak.Workload,
+        workload: Workload,
         done: Callable[[list[int], str], None],
     ) -> None:
         """``done(peaks, described)`` gets the peaks and the batch share they were traced with, in words.
@@ -98,7 +99,7 @@ class PeakPrediction:
         self.error: BaseException | None = None
         self._copied = threading.Event()
 
-        def trace() -> tuple[list[peak.Peak], peak.StepInputs]:
+        def trace() -> tuple[list[peak.Peak], StepInputs]:
             try:
                 meta = transfer.meta_copy(model)
             finally:
@@ -113,7 +114,7 @@ class PeakPrediction:
         self._copied.wait()
 
     def _run(
-        self, trace: Callable[[], tuple[list[peak.Peak], peak.StepInputs]], done: Callable[[list[int], str], None]
+        self, trace: Callable[[], tuple[list[peak.Peak], StepInputs]], done: Callable[[list[int], str], None]
     ) -> None:
         try:
             peaks, inputs = trace()

@@ -21,7 +21,7 @@ import torch.nn as nn
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
-from nbfsdp.kernel.cluster.world import Cluster, World
+from nbfsdp.kernel.cluster.world import Cluster, RunningWorld
 from nbfsdp.kernel.planning import predicted
 from nbfsdp.kernel.planning.plans import Plan, plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
@@ -32,7 +32,7 @@ from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.runner import RankRun
-from nbfsdp.kernel.run.spec import PreparedCell
+from nbfsdp.kernel.run.spec import Delivery, PreparedCell, RunOptions
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
 from nbfsdp.shared.protocol import CellOutcome, CellSpec
@@ -120,7 +120,7 @@ _last_plan: tuple[tuple, Plan] | None = None
 
 def live_dashboard(
     cluster: Cluster,
-    world: World,
+    world: RunningWorld,
     prepared: PreparedCell,
     background: bool,
     session: SessionCallbacks,
@@ -159,24 +159,25 @@ def live_dashboard(
 
 
 def submit(
-    cluster: Cluster,
     prepared: PreparedCell,
+    delivery: Delivery,
+    *,
+    cluster: Cluster,
     spec: CellSpec,
-    world: World,
+    world: RunningWorld,
     record: history.RunRecord,
     control: RunControl,
-    background: bool,
-    internal: bool,
+    options: RunOptions,
     started: float,
     session: SessionCallbacks,
 ) -> CellRun:
     """The cell sent to every rank, with its dashboard and its predicted peak beside it."""
-    models, config = prepared.models, prepared.config
+    models, config, background = prepared.models, prepared.config, options.background
     dashboard = None
-    if not internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
+    if not prepared.internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
         dashboard = live_dashboard(cluster, world, prepared, background, session)
     prediction = None
-    if not internal:
+    if not prepared.internal:
         read = [prepared.sent[name] for name in prepared.plans]
         prediction = predict_peak(
             models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
@@ -185,13 +186,13 @@ def submit(
         cluster,
         spec,
         prepared.values,
-        prepared.sending,
+        delivery.sending,
         view=dashboard,
         sink=dashboard if background else None,
         on_records=functools.partial(stream_into, record, dashboard),
     )
     run = CellRun(
-        ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, prepared.tokens, started,
+        ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, delivery.tokens, started,
         prediction,
     )  # fmt: skip
     run.on_ranks, run.holder = prepared.on_ranks, (world.generation, world.world_size)
@@ -216,17 +217,17 @@ def _frozen_note(name: str, model: nn.Module) -> str:
 
 
 def new_record(
-    prepared: PreparedCell, world: World, timeout: float, gather: bool, sent_bytes: list[int], internal: bool
+    prepared: PreparedCell, world: RunningWorld, options: RunOptions, sent_bytes: list[int]
 ) -> history.RunRecord:
     """The cell's run record, kept for ``last_run()`` (a user's cell), and its loaders' plans said."""
     record = history.RunRecord(
         world_size=world.world_size,
-        config=effective_settings(world, timeout, gather, prepared.config, prepared.models),
+        config=effective_settings(world, options.timeout, options.gather, prepared.config, prepared.models),
         sent_bytes=sent_bytes,
     )
     if prepared.plans:
         record.config["loaders"] = {name: loader_plan.as_dict() for name, loader_plan in prepared.plans.items()}
-    if not internal:
+    if not prepared.internal:
         history.record(record)
     for name, loader_plan in prepared.plans.items():
         print(loader_plan.line(name))
@@ -234,7 +235,7 @@ def new_record(
 
 
 def effective_settings(
-    world: World, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
+    world: RunningWorld, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
 ) -> dict[str, Any]:
     """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names (``why``: those
     nbfsdp chose for the device or runs otherwise than asked)."""
@@ -262,7 +263,7 @@ def predict_peak(
     per_rank_batches: bool,
     cell: str,
     config: FSDPConfig,
-    world: World,
+    world: RunningWorld,
     record: history.RunRecord,
     dashboard: LiveDashboard | None,
 ) -> PeakPrediction | None:

@@ -15,14 +15,18 @@ import torch.nn as nn
 
 from nbfsdp.engines import engine
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
-from nbfsdp.kernel.cluster.world import Cluster, World
+from nbfsdp.kernel.cluster.world import Cluster, RunningWorld
+from nbfsdp.kernel.run import residence
+from nbfsdp.kernel.run.held import EngineHoldings
+from nbfsdp.kernel.run.inputs import on_meta
+from nbfsdp.kernel.run.spec import Delivery, PreparedCell
 from nbfsdp.shared import transfer
 from nbfsdp.shared.protocol import ShardAllocation
 
 
 def deliver(
     cluster: Cluster,
-    world: World,
+    world: RunningWorld,
     models: dict[str, nn.Module],
     tokens: dict[str, int],
     shard_degree: int,
@@ -77,3 +81,24 @@ def deliver(
             world.broken = True
             raise RankError(failed.rank, f"{failed.ename}: {failed.evalue} (while receiving its shards)") from None
         first = False
+
+
+def send_models(cluster: Cluster, world: RunningWorld, prepared: PreparedCell, held: EngineHoldings) -> Delivery:
+    """Deliver the shards of the cell's models the ranks do not hold as they are; what was sent."""
+    models = prepared.models
+    sending = [name for name in models if not held.holds(name, prepared.fingerprints[name])]
+    if sending:
+        held.models_sent(prepared.kept)
+    tokens = held.tokens_for(models, sending)
+    materialize = [name for name in sending if on_meta(models[name])]
+    sources = {}
+    for name in materialize:
+        record = residence.of(models[name])
+        if record is not None and record.source is not None:
+            sources[name] = record.source
+    delivering = {name: models[name] for name in sending if name not in materialize}
+    _, shard_degree = prepared.config.mesh_shape(world.world_size)
+    received = deliver(cluster, world, delivering, tokens, shard_degree, prepared.config.cpu_offload)
+    skeletons = {name: prepared.skeletons[name] for name in sending}
+    sent_bytes = [n + len(prepared.values) + sum(map(len, skeletons.values())) for n in received]
+    return Delivery(tokens, materialize, sources, skeletons, sent_bytes)

@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 
 from nbfsdp.kernel.run import residence
 from nbfsdp.kernel.run.session import current_session
+from nbfsdp.kernel.run.spec import RunOptions
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.protocol import GatherModel
@@ -51,7 +52,7 @@ def gather(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     if world is None or world.generation != generation or config is None:
         raise UsageError(f"nbfsdp.gather: the world of {world_size} ranks that held {name}'s weights has ended")
     request = GatherModel(model=name, dtype=str(dtype).removeprefix("torch.") if dtype is not None else None)
-    session.run_cell(request, world_size=world_size, timeout=world.timeout, gather=True, config=config)
+    session.run_cell(request, config, RunOptions(world_size=world_size, timeout=world.timeout, gather=True))
     _make_buffers(model)
     return model
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
 from nbfsdp.kernel.planning import peak
@@ -25,6 +24,7 @@ from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import TensorShape
+from nbfsdp.shared.torch_private import tree_map
 
 #: An offered fix's traced peak stays under this share of a CPU rank's ``--memory-limit``.
 MARGIN = 0.9

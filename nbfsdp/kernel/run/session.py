@@ -9,33 +9,43 @@ only after every rank has succeeded (``cell_run.finish``).
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.local import FSDPCluster
-from nbfsdp.kernel.cluster.world import Cluster, World, join_interruptibly, plan_with
+from nbfsdp.kernel.cluster.world import Cluster, RunningWorld, WorldPlan, join_interruptibly, plan_with
 from nbfsdp.kernel.planning import check
-from nbfsdp.kernel.run import cell_run, inputs, residence
+from nbfsdp.kernel.run import cell_run, residence
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
-from nbfsdp.kernel.run.delivery import deliver
+from nbfsdp.kernel.run.delivery import send_models
 from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
-from nbfsdp.kernel.run.spec import PreparedCell, cell_spec, interval_saves, prepare
+from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, interval_saves, prepare
 from nbfsdp.kernel.run.where import Where, where_of
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
-from nbfsdp.shared.protocol import InternalRequest, LoaderState
+from nbfsdp.shared.protocol import InternalRequest
 from nbfsdp.ui.widget_events import pending_events
 
 if TYPE_CHECKING:
     from nbfsdp.kernel.cluster.attached import AttachedCluster
+
+
+class BackgroundSave(Protocol):
+    """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.sharded.PendingSave``)."""
+
+    path: str | os.PathLike
+
+    def wait(self) -> object:
+        """Until every rank has written its part and the checkpoint is complete; its error raised."""
 
 
 class Session:
@@ -54,55 +64,41 @@ class Session:
         self._cells = itertools.count(1)
         self.last_cell: LastCell | None = None
         """The last user cell, for ``%fsdp export-script``."""
-        self.resume_step = 0
-        """``resume_step`` of the next user cell: the step of the checkpoint loaded since the last one, else 0."""
-        self.loader_resume: dict[str, LoaderState] = {}
-        """Loaders that checkpoint saved part-way through an epoch: the next user cell's ranks resume them there."""
+        self.resume_at = ResumePoint()
+        """Where the next user cell resumes: a checkpoint's, loaded since the last one (``resume_after_load``)."""
         self._own_cluster: Cluster | None = None
         """nbfsdp's own cluster, set aside while ``self.cluster`` is an attached one."""
-        self.pending_save: Any = None
-        """A ``%fsdp save --async`` the ranks still write (``nbfsdp.kernel.checkpoints.sharded.PendingSave``):
-        waited for by ``%fsdp wait``, ``stop``, the next save or load, and before its world is replaced."""
+        self._pending_save: BackgroundSave | None = None
 
-    def run_cell(
-        self,
-        cell: str | InternalRequest,
-        *,
-        world_size: int,
-        timeout: float,
-        gather: bool,
-        config: FSDPConfig,
-        background: bool = False,
-        per_rank_batches: bool = False,
-        checkpointing: CheckpointSettings | None = None,
-        keep_on_ranks: bool = False,
-        hang_report: float = 0.0,
-    ) -> None:
-        """Run ``cell`` on every rank and bring its results back. ``cell`` a typed request (``shared.protocol``):
-        nbfsdp's own cell, with no dashboard and no run record, so ``last_run()`` stays the user's last cell.
-        ``checkpointing``: with a save interval, the ranks save inside the cell (loads happen before it, in
-        ``nbfsdp.kernel.checkpoints.sharded.load_before_cell``). ``keep_on_ranks``: the cell's models live on the
-        ranks from now on (``residence``): never gathered, the notebook's copy freed. ``hang_report``: seconds a
-        rank may wait in one collective before the cell says where the ranks are (``HangReporter``); 0, never."""
-        internal = not isinstance(cell, str)
+    def run_cell(self, cell: str | InternalRequest, config: FSDPConfig, options: RunOptions) -> None:
+        """Run ``cell`` on every rank as ``options`` say, and bring its results back. ``cell`` a typed request
+        (``shared.protocol``): nbfsdp's own cell, with no dashboard and no run record, so ``last_run()`` stays the
+        user's last cell. Loads a cell asks for happen before it (``sharded.load_before_cell``)."""
         self._refuse_while_running()
         started = time.perf_counter()
-        prepared = self._prepare(cell, world_size, timeout, config, per_rank_batches, internal, keep_on_ranks)
-        world = self._world_for(prepared, world_size, timeout, checkpointing)
-        sent_bytes = self._send_models(prepared, world)
+        prepared, plan = self._prepare(cell, config, options)
+        world = self._world_for(plan, prepared.config, options.checkpointing)
+        if world.generation != self.held.generation:
+            self.held.forget(world.generation)
+            prepared = prepared.sent_to(world)  # it was to run in the running world (a rank died since)
+        delivery = send_models(self.cluster, world, prepared, self.held)
         control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
-        saves = interval_saves(self.cluster.private_dir, prepared.number, checkpointing)
-        spec = cell_spec(prepared, world, gather, control, saves, self.loaders, *self._resume_for(internal))
-        record = cell_run.new_record(prepared, world, timeout, gather, sent_bytes, internal)
-        run = cell_run.submit(self.cluster, prepared, spec, world, record, control, background, internal, started, self)
+        saves = interval_saves(self.cluster.private_dir, prepared.number, options.checkpointing)
+        resume = self._resume_for(prepared.internal)
+        spec = cell_spec(prepared, delivery, world, options.gather, control, saves, self.loaders, resume)
+        record = cell_run.new_record(prepared, world, options, delivery.sent_bytes)
+        run = cell_run.submit(
+            prepared, delivery, cluster=self.cluster, spec=spec, world=world, record=record, control=control,
+            options=options, started=started, session=self,
+        )  # fmt: skip
         run.markers = saves.markers if saves else None
-        if hang_report > 0 and not internal and not self.cluster.unsteerable():
-            run.hang_reporter = HangReporter(self.where, hang_report, run.dashboard).start()
+        if options.hang_report > 0 and not prepared.internal and not self.cluster.unsteerable():
+            run.hang_reporter = HangReporter(self.where, options.hang_report, run.dashboard).start()
         self.active = run
-        if background:
+        if options.background:
             run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
             run.thread.start()
-            print(f"nbfsdp: running in the background on {world_size} ranks; `%fsdp wait` for the results")
+            print(f"nbfsdp: running in the background on {options.world_size} ranks; `%fsdp wait` for the results")
             return
         try:
             with pending_events() as poll:
@@ -111,14 +107,37 @@ class Session:
             run.outcome = error
         self._finish(run)
 
-    def _resume_for(self, internal: bool) -> tuple[int, dict[str, LoaderState]]:
+    def _resume_for(self, internal: bool) -> ResumePoint:
         """Where a checkpoint loaded since the last cell left the steps and the loaders: for the one user
         cell after it."""
         if internal:
-            return 0, {}
-        resume = self.resume_step, self.loader_resume
-        self.resume_step, self.loader_resume = 0, {}
+            return ResumePoint()
+        resume, self.resume_at = self.resume_at, ResumePoint()
         return resume
+
+    def resume_after_load(self, resume: ResumePoint) -> None:
+        """A checkpoint was loaded: the next user cell resumes where it left the steps and the loaders."""
+        self.resume_at = resume
+
+    @property
+    def pending_save(self) -> BackgroundSave | None:
+        """A ``%fsdp save --async`` the ranks still write: waited for by ``%fsdp wait``, ``stop``, the next save
+        or load, and before its world is replaced."""
+        return self._pending_save
+
+    def hold_save(self, save: BackgroundSave) -> None:
+        """``save`` is written in the background from now on: the session waits for it before what would end it."""
+        self._pending_save = save
+
+    def forget_save(self, save: BackgroundSave) -> None:
+        """``save`` is being waited for: the session holds it no longer."""
+        if self._pending_save is save:
+            self._pending_save = None
+
+    def wait_for_save(self) -> None:
+        """The background save, if any, waited for (its error raised)."""
+        if self._pending_save is not None:
+            self._pending_save.wait()
 
     def _refuse_while_running(self) -> None:
         if self.active is not None:
@@ -137,26 +156,20 @@ class Session:
         plan_with(cluster)
 
     def _prepare(
-        self,
-        cell: str | InternalRequest,
-        world_size: int,
-        timeout: float,
-        config: FSDPConfig,
-        per_rank_batches: bool,
-        internal: bool,
-        keep_on_ranks: bool = False,
-    ) -> PreparedCell:
-        """The cell parsed, its inputs read and pickled (``spec.prepare``): every refusal happens here."""
-        devices = self.cluster.devices(world_size, config.device)
-        config = validate(config, world_size, devices)
-        check.before_cell(cell, self.shell.user_ns, config, world_size, devices)  # said, never refused
+        self, cell: str | InternalRequest, config: FSDPConfig, options: RunOptions
+    ) -> tuple[PreparedCell, WorldPlan]:
+        """The cell parsed, its inputs read and pickled (``spec.prepare``), and its world planned, the cluster
+        asked once: every refusal happens here."""
+        world_size = options.world_size
+        plan = self.cluster.plan_world(world_size, options.timeout, config.device)
+        config = validate(config, world_size, plan.devices)
+        check.before_cell(cell, self.shell.user_ns, config, world_size, plan.devices)  # said, never refused
         world = self.cluster.world
-        reusing = self.cluster.reuses_world(world_size, timeout, config.device)
-        held = self.held if reusing and world is not None and world.generation == self.held.generation else None
-        number = next(self._cells)
+        held = self.held if plan.reuses and world is not None and world.generation == self.held.generation else None
         prepared = prepare(
-            self.shell, number, cell, config, devices, held, self.loaders, world_size, per_rank_batches, keep_on_ranks
-        )
+            self.shell, next(self._cells), cell, config, plan.devices, held, self.loaders, world_size,
+            options.per_rank_batches, options.keep_on_ranks,
+        )  # fmt: skip
         running = world.generation if world is not None and not world.broken else None
         named = {name: self.shell.user_ns.get(name) for name in [*self.held.models(), *prepared.models]}
         reshaped = {
@@ -164,51 +177,22 @@ class Session:
         }
         residence.refuse_losing_weights(named, set(prepared.models), reshaped, running, held is not None, world_size)
         if isinstance(cell, str):
-            self.last_cell = LastCell(cell, world_size, config, devices, per_rank_batches, prepared.reads)
-        return prepared
+            self.last_cell = LastCell(cell, world_size, config, plan.devices, options.per_rank_batches, prepared.reads)
+        return prepared, plan
 
-    def _world_for(
-        self, prepared: PreparedCell, world_size: int, timeout: float, checkpointing: CheckpointSettings | None
-    ) -> World:
+    def _world_for(self, plan: WorldPlan, config: FSDPConfig, checkpointing: CheckpointSettings | None) -> RunningWorld:
         """The world the cell runs in: the running one, or a new one (which holds nothing of the notebook's)."""
-        config = prepared.config
-        replaced = not self.cluster.reuses_world(world_size, timeout, config.device)
-        if self.pending_save is not None and replaced:
-            self.pending_save.wait()  # replacing the world would end its write
-        if replaced and "device" in config.why:  # auto chose the CPU where there is a GPU: said once a world
-            print(f"nbfsdp: {config.why['device']}", file=sys.stderr)
-        if replaced and "precision" in config.why:  # fp16 where the GPUs have no bf16: said once a world
-            print(f"nbfsdp: precision fp16: {config.why['precision']}", file=sys.stderr)
-        world = self.cluster.ensure_world(world_size, timeout, config.device)
+        if not plan.reuses:
+            self.wait_for_save()  # replacing the world would end its write
+            if "device" in config.why:  # auto chose the CPU where there is a GPU: said once a world
+                print(f"nbfsdp: {config.why['device']}", file=sys.stderr)
+            if "precision" in config.why:  # fp16 where the GPUs have no bf16: said once a world
+                print(f"nbfsdp: precision fp16: {config.why['precision']}", file=sys.stderr)
+        world = self.cluster.ensure_world(plan)
         unsteerable = self.cluster.unsteerable()
         if unsteerable and checkpointing is not None and checkpointing.save_interval is not None:
             raise UsageError(f"--save-interval: {unsteerable}")  # the ranks agree on each save through files there
-        if world.generation != self.held.generation:
-            self.held.forget(world.generation)
-            if prepared.kept:  # it was to be the running one (a rank died since): send everything after all
-                prepared.kept = set()
-                prepared.values, prepared.sent = inputs.pack_inputs(
-                    prepared.others, prepared.models, set(), world.world_size
-                )
         return world
-
-    def _send_models(self, prepared: PreparedCell, world: World) -> list[int]:
-        """Deliver the shards of the models the ranks do not hold as they are; the bytes each rank got."""
-        models = prepared.models
-        sending = [name for name in models if not self.held.holds(name, prepared.fingerprints[name])]
-        if sending:
-            self.held.models_sent(prepared.kept)
-        prepared.tokens = self.held.tokens_for(models, sending)
-        prepared.materialize = [name for name in sending if inputs.on_meta(models[name])]
-        for name in prepared.materialize:
-            record = residence.of(models[name])
-            if record is not None and record.source is not None:
-                prepared.sources[name] = record.source
-        delivering = {name: models[name] for name in sending if name not in prepared.materialize}
-        _, shard_degree = prepared.config.mesh_shape(world.world_size)
-        received = deliver(self.cluster, world, delivering, prepared.tokens, shard_degree, prepared.config.cpu_offload)
-        prepared.sending = {name: prepared.skeletons[name] for name in sending}
-        return [n + len(prepared.values) + sum(map(len, prepared.sending.values())) for n in received]
 
     def wait(self) -> None:
         """Block until the background run ends, then finish it as a blocking cell would have."""
@@ -313,8 +297,7 @@ class Session:
         own, attached = self._own_cluster, self.attached_cluster
         if own is None or attached is None:
             return False
-        if self.pending_save is not None:
-            self.pending_save.wait()
+        self.wait_for_save()
         attached.detach()
         self.cluster, self._own_cluster = own, None
         self.held.forget()
@@ -324,11 +307,10 @@ class Session:
         """End the cluster; a background run still going ends with it. A background save is waited for
         first; its error, if any, is raised once the cluster has stopped."""
         failed: BaseException | None = None
-        if self.pending_save is not None:
-            try:
-                self.pending_save.wait()
-            except Exception as error:  # the cluster still stops
-                failed = error
+        try:
+            self.wait_for_save()
+        except Exception as error:  # the cluster still stops
+            failed = error
         if self.active is not None and self.active.thread is not None:
             self.active.ranks.interrupt()
             self.active.thread.join()

@@ -1,7 +1,8 @@
-"""What a cell is before it runs: its inputs read and pickled, then what every rank is told to run.
+"""What a cell is before it runs: how it is to run, its inputs read and pickled, then what every rank is told.
 
-``PreparedCell`` holds everything known before an engine is touched; ``cell_spec`` turns it, once the
-world is known, into the ``CellSpec`` the ranks receive.
+``RunOptions`` is what ``%%fsdp``'s flags (or nbfsdp's own request) ask; ``PreparedCell`` holds everything
+known before an engine is touched; ``Delivery`` what the ranks were sent of the models; ``cell_spec`` turns
+them, once the world is known, into the ``CellSpec`` the ranks receive. Each is made once and never changed.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn as nn
 from IPython.core.interactiveshell import InteractiveShell
 
-from nbfsdp.kernel.cluster.world import World
+from nbfsdp.kernel.cluster.world import RunningWorld
 from nbfsdp.kernel.run import inputs, residence
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.held import EngineHoldings, Fingerprint, fingerprint
@@ -29,7 +31,28 @@ from nbfsdp.shared.protocol import CellSpec, GatherModel, InternalRequest, Inter
 from nbfsdp.shared.units import ties_kept
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How a cell runs, as ``%%fsdp``'s flags say (or nbfsdp's own request): fixed for the cell."""
+
+    world_size: int
+    timeout: float
+    """Seconds a collective may wait before it fails."""
+    gather: bool = True
+    """The trained weights come back into the notebook's models (``--no-gather``: not)."""
+    background: bool = False
+    """``--async``: the cell returns at once; ``%fsdp wait`` brings its results."""
+    per_rank_batches: bool = False
+    """``--per-rank-batches``: each rank draws whole batches of the notebook's loaders."""
+    checkpointing: CheckpointSettings | None = None
+    """With a save interval, the ranks save inside the cell (loads happen before it)."""
+    keep_on_ranks: bool = False
+    """The cell's models live on the ranks from now on (``residence``): never gathered."""
+    hang_report: float = 0.0
+    """Seconds a rank may wait in one collective before the cell says where the ranks are; 0, never."""
+
+
+@dataclass(frozen=True, eq=False)
 class PreparedCell:
     """A cell parsed and its inputs read and pickled: everything known before an engine is touched."""
 
@@ -51,21 +74,51 @@ class PreparedCell:
     per_rank_batches: bool
     request: InternalRequest | None = None
     """nbfsdp's own cell (``code`` is then empty)."""
-    tokens: dict[str, int] = field(default_factory=dict)
-    """Each model's token on the ranks (a new one for each model sent)."""
-    materialize: list[str] = field(default_factory=list)
-    """Models built on the meta device, sent as skeletons only: the ranks initialize their shards."""
-    sending: dict[str, bytes] = field(default_factory=dict)
-    """The skeletons of the models sent anew (their shards are delivered before the cell)."""
     on_ranks: list[str] = field(default_factory=list)
     """The models whose weights live on the ranks (``residence``), or will after this cell (``--keep-on-ranks``):
     never gathered."""
-    sources: dict[str, str] = field(default_factory=dict)
-    """Of ``materialize``, the models the ranks read from a checkpoint directory (``CellSpec.sources``)."""
 
     @property
     def filename(self) -> str:
         return f"<fsdp-cell-{self.number}>"
+
+    @property
+    def internal(self) -> bool:
+        """nbfsdp's own cell: no dashboard, no run record (``last_run()`` stays the user's last cell)."""
+        return self.request is not None
+
+    def sent_to(self, world: RunningWorld) -> PreparedCell:
+        """The cell as a world that holds nothing of the notebook's receives it: everything sent, none kept."""
+        if not self.kept:
+            return self
+        values, sent = inputs.pack_inputs(self.others, self.models, set(), world.world_size)
+        return replace(self, kept=set(), values=values, sent=sent)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the ranks were sent of the cell's models before it runs (``Session._send_models``)."""
+
+    tokens: dict[str, int]
+    """Each model's token on the ranks (a new one for each model sent)."""
+    materialize: list[str]
+    """Models built on the meta device, sent as skeletons only: the ranks initialize their shards."""
+    sources: dict[str, str]
+    """Of ``materialize``, the models the ranks read from a checkpoint directory (``CellSpec.sources``)."""
+    sending: dict[str, bytes]
+    """The skeletons of the models sent anew (their shards were delivered already)."""
+    sent_bytes: list[int]
+    """The bytes each rank received for the cell: its shards, the inputs, the skeletons."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a checkpoint loaded since the last user cell left the steps and the loaders: that cell resumes there."""
+
+    step: int = 0
+    """The cell's ``resume_step``: the checkpoint's step, else 0."""
+    loaders: Mapping[str, LoaderState] = field(default_factory=dict)
+    """Loaders the checkpoint saved part-way through an epoch: the cell's ranks resume them there."""
 
 
 def prepare(
@@ -95,12 +148,11 @@ def prepare(
     kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
     values, sent = inputs.pack_inputs(others, models, kept, world_size)
     plans = loaders.plan(sent, world_size, per_rank_batches)
-    prepared = PreparedCell(
+    on_ranks = [name for name, model in models.items() if keep_on_ranks or residence.of(model) is not None]
+    return PreparedCell(
         code, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
-        plans, per_rank_batches, request,
+        plans, per_rank_batches, request, on_ranks,
     )  # fmt: skip
-    prepared.on_ranks = [name for name, model in models.items() if keep_on_ranks or residence.of(model) is not None]
-    return prepared
 
 
 #: The models whose kept ties were said, by id and the lines said: once each, not at every cell.
@@ -144,16 +196,16 @@ def _gathered(prepared: PreparedCell) -> list[str]:
 
 def cell_spec(
     prepared: PreparedCell,
-    world: World,
+    delivery: Delivery,
+    world: RunningWorld,
     gather: bool,
     control: RunControl,
     saves: IntervalSaves | None,
     loaders: NotebookLoaders,
-    resume_step: int,
-    loader_resume: dict[str, LoaderState],
+    resume: ResumePoint,
 ) -> CellSpec:
-    """What every rank is told to run. ``resume_step`` and ``loader_resume``: where a checkpoint loaded
-    since the last cell left the steps and the loaders."""
+    """What every rank is told to run. ``resume``: where a checkpoint loaded since the last cell left the steps
+    and the loaders."""
     plans, sent = prepared.plans, prepared.sent
     # with saves on, every loader also carries the epochs it began before, for the saves' count
     epochs = {name: LoaderState(epochs=loaders.epochs(sent[name]), generators=[]) for name in plans}
@@ -163,12 +215,12 @@ def cell_spec(
         filename=prepared.filename,
         generation=world.generation,
         models=list(prepared.models),
-        model_tokens=prepared.tokens,
+        model_tokens=delivery.tokens,
         assigned=prepared.assigned,
         gather=_gathered(prepared) if gather else [],
         fsdp=prepared.config,
-        materialize=prepared.materialize,
-        sources=prepared.sources,
+        materialize=delivery.materialize,
+        sources=delivery.sources,
         on_ranks=prepared.on_ranks,
         trained_back=prepared.on_ranks if gather and prepared.request is None else [],
         seed=torch.initial_seed() % 2**63,
@@ -178,12 +230,12 @@ def cell_spec(
             name: LoaderSplit(per_rank=prepared.per_rank_batches, seed_state=loaders.shuffle_state(sent[name]))
             for name in plans
         },
-        resume_step=resume_step,
+        resume_step=resume.step,
         ranks_per_gpu=world.devices.ranks_per_gpu,
         saves=saves,
         kept=sorted(prepared.kept),
         loader_resume={
             **(epochs if saves is not None else {}),
-            **{name: state for name, state in loader_resume.items() if name in plans},
+            **{name: state for name, state in resume.loaders.items() if name in plans},
         },
     )
