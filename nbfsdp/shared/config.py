@@ -179,15 +179,11 @@ class FSDPConfig:
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value.upper() not in choices:
+    """``value`` as one of ``choices``, spelled as they are (matched in any case)."""
+    spelled = {choice.lower(): choice for choice in choices}
+    if not isinstance(value, str) or value.lower() not in spelled:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
-    return value.upper()
-
-
-def _lower_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
-    return value.lower()
+    return spelled[value.lower()]
 
 
 def _mixed_precision(value: Any) -> str | dict:
@@ -204,12 +200,6 @@ def _mixed_precision(value: Any) -> str | dict:
     return _choice("mixed_precision", value, MIXED_PRECISIONS)
 
 
-def _device(value: Any) -> str:
-    if not isinstance(value, str) or value.lower() not in DEVICE_CHOICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {value!r}")
-    return value.lower()
-
-
 def _positive_int(key: str, value: Any) -> int:
     try:
         number = int(float(value))
@@ -221,15 +211,15 @@ def _positive_int(key: str, value: Any) -> int:
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "device": lambda v: _device(v),
+    "device": lambda v: _choice("device", v, DEVICE_CHOICES),
     "sharding_strategy": lambda v: _choice("sharding_strategy", v, SHARDING_STRATEGIES),
     "mixed_precision": _mixed_precision,
-    "precision": lambda v: _choice("precision", str(v).lower(), tuple(p.upper() for p in PRECISIONS)).lower(),
+    "precision": lambda v: _choice("precision", str(v), PRECISIONS),
     "backward_prefetch": lambda v: _choice("backward_prefetch", "NONE" if v is None else v, BACKWARD_PREFETCHES),
     "forward_prefetch": bool,
     "activation_checkpointing": bool,
     "checkpoint_every": lambda v: _positive_int("checkpoint_every", v),
-    "checkpoint_scope": lambda v: _lower_choice("checkpoint_scope", v, CHECKPOINT_SCOPES),
+    "checkpoint_scope": lambda v: _choice("checkpoint_scope", v, CHECKPOINT_SCOPES),
     "activation_cpu_offload": bool,
     "cpu_offload": bool,
     "min_params": lambda v: _positive_int("min_params", v),
