@@ -36,6 +36,9 @@ missed: the table says that).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import sys
 import time
 import traceback
@@ -113,15 +116,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _orphans(before: set[int]) -> list[psutil.Process]:
-    """Processes of this interpreter, not among the pids ``before``, that outlived their parents (a controller's
+#: Set in this process's environment at the start of a run, with a value of its own: every process the run
+#: starts inherits it (kernels, engines, torchrun), so an orphan is told from other programs' processes, such as
+#: a test suite's other worker (pytest-xdist) whose engines outlive their kernels for a moment.
+RUN_MARK = "NBFSDP_BENCH_RUN"
+
+
+def _orphans(before: set[int], mark: str) -> list[psutil.Process]:
+    """Processes this run started, not among the pids ``before``, that outlived their parents (a controller's
     schedulers, a nanny): no longer below this process, so ``children`` misses them. A few seconds' grace
     for those still ending."""
     found = []
     for process in psutil.process_iter(["cmdline", "ppid"]):
         info = process.info
-        if process.pid not in before and info["ppid"] == 1 and (info["cmdline"] or [""])[0] == sys.executable:
-            found.append(process)
+        if process.pid in before or info["ppid"] != 1 or (info["cmdline"] or [""])[0] != sys.executable:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(RUN_MARK) == mark:
+                found.append(process)
     return psutil.wait_procs(found, timeout=5)[1]
 
 
@@ -133,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     timings: dict[str, float] = {}
     started, pids_before = time.perf_counter(), set(psutil.pids())
+    mark = os.environ[RUN_MARK] = secrets.token_hex(8)
     try:
         for name in chosen:
             if name not in SHARE_WARM_KERNEL:
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.close_warm_kernel()
     children = [
         f"{p.pid} {' '.join(p.cmdline())[:120]}"
-        for p in [*psutil.Process().children(recursive=True), *_orphans(pids_before)]
+        for p in [*psutil.Process().children(recursive=True), *_orphans(pids_before, mark)]
     ]
     extra = {
         "quick": args.quick,

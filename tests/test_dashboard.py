@@ -259,19 +259,23 @@ def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell
 def test_an_async_cell_returns_at_once_and_its_dashboard_stays_live(kernel):
     started = time.monotonic()
     reply, _ = kernel.execute(TEN_SECONDS.replace("%%fsdp --world-size 2", "%%fsdp --world-size 2 --async"))
-    # it did not wait for the ranks: the reply comes well within the 10 s the cell trains (under 1 s when idle)
-    assert reply["content"]["status"] == "ok" and time.monotonic() - started < 5
-    redraws_after_return = []
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the kernel is idle; the figure keeps changing
-        try:
-            msg = kernel.client.get_iopub_msg(timeout=0.2)
-        except Exception:
-            continue
-        if msg["msg_type"] == "comm_msg" and ["value"] in msg["content"]["data"].get("buffer_paths", []):
-            redraws_after_return.append(msg)
-    assert len(redraws_after_return) >= 3
-    reply, messages = kernel.execute("%fsdp wait\nprint(len(nbfsdp.last_run().metrics))")
+    try:
+        # it did not wait for the ranks: the reply comes well within the 10 s the cell trains (under 1 s when idle)
+        assert reply["content"]["status"] == "ok" and time.monotonic() - started < 5
+        redraws_after_return = []
+        # the kernel is idle; the figure keeps changing: a drawing each second on an idle machine, each 3 s at
+        # most while other work takes every core (the dashboard's back-off, as when a test suite runs beside it)
+        deadline = time.monotonic() + 40
+        while len(redraws_after_return) < 3 and time.monotonic() < deadline:
+            try:
+                msg = kernel.client.get_iopub_msg(timeout=0.2)
+            except Exception:
+                continue
+            if msg["msg_type"] == "comm_msg" and ["value"] in msg["content"]["data"].get("buffer_paths", []):
+                redraws_after_return.append(msg)
+        assert len(redraws_after_return) >= 3
+    finally:  # the module's next tests share the kernel: this cell must be over for them, pass or fail
+        reply, messages = kernel.execute("%fsdp wait\nprint(len(nbfsdp.last_run().metrics))")
     assert reply["content"]["status"] == "ok" and kernel.stdout(messages).splitlines()[-1] == "100"  # 50 steps x 2
 
 

@@ -314,7 +314,8 @@ def test_fsdp_load_of_a_weights_file_that_fits_no_model_changes_nothing(shell, n
     path = tmp_path / "weights.pt"
     torch.save(full, path)
     run_ok(shell, "torch.manual_seed(5)\nsmall = Net(width=12)\nother = Net(width=12)")
-    shell.user_ns.pop("model", None)
+    for name in ("model", "same", "twin"):  # the shared shell may hold them from an earlier test, in another order
+        shell.user_ns.pop(name, None)
     before = {k: v.clone() for k, v in shell.user_ns["small"].state_dict().items()}
     result = shell.run_cell(f"%fsdp load {path} --model small")
     assert isinstance(result.error_in_exec, UsageError)
