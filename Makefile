@@ -18,27 +18,24 @@ FLOOR_BIN   := $(FLOOR_VENV)/bin
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
-# pip compiles every module it installs to bytecode (torch alone: 14 s of 23 s on 2 cores); Python compiles the
-# modules a run imports when it first imports them, so --no-compile only skips the work for those it never does
-PIP_INSTALL := -m pip install --quiet --no-compile
 # The suite's test files run on this many pytest-xdist workers, each file whole on one (its module fixtures, and
 # nbval's kernel of a notebook, stay in one process): the ranks' processes leave a core idle a third of the time
-# when one file runs at a time (31 min on 2 cores, 22 with two workers)
+# when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers)
 TEST_WORKERS ?= 2
 
 .PHONY: lab test test-floor test-gpu check typecheck browser sshd lint clean bench docs
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_BIN)/python $(PIP_INSTALL) --upgrade pip
-	$(FLOOR_BIN)/python $(PIP_INSTALL) $(FLOOR_PINS) -e ".[test]"
+	$(FLOOR_BIN)/python -m pip install --quiet --upgrade pip
+	$(FLOOR_BIN)/python -m pip install --quiet $(FLOOR_PINS) -e ".[test]"
 	touch $(FLOOR_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python $(PIP_INSTALL) --upgrade pip
-	$(BIN)/python $(PIP_INSTALL) "$(TORCH)"
-	$(BIN)/python $(PIP_INSTALL) -e ".[test,lab,bench,examples,docs,peft,qlora]"
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs,peft,qlora]"
 	touch $(STAMP)
 
 ## Create .venv, install nbfsdp with its extras, open JupyterLab on notebooks/

@@ -37,7 +37,6 @@ def test_the_binder_environment_runs_the_quick_start(tmp_path):
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
     env.pop("PYTHONPATH", None)
     env["PIP_RETRIES"] = "0"  # this machine reaches package registries only: PyTorch's own index fails fast
-    env["PIP_COMPILE"] = "0"  # pip's --compile off (torch's bytecode: 14 s here); the kernel compiles what it imports
     _run(["python", "-m", "pip", "install", "--quiet", "-r", "binder/requirements.txt"], source, env)
     _run(["bash", "binder/postBuild"], source, env)
     notebook = source / "notebooks" / "00-quickstart.ipynb"

@@ -84,7 +84,9 @@ def test_figures_redraw_live_during_a_ten_second_cell(kernel):
     # live from the start: the first figure lands in the cell's first half (under 2 s of 10 when idle; relative,
     # so a busy machine that stretches the cell still passes)
     assert updates[0] < end / 2, (updates[0], end)
-    assert updates[-2] > end - 3  # still redrawing near the end, not only at the start
+    # still redrawing near the end, not only at the start: within two of the longest pauses between drawings
+    # (the dashboard's back-off while no core is idle, as when the suite's other worker keeps them busy)
+    assert updates[-2] > end - 2 * dashboard_module.MAX_REDRAW_SECONDS, (updates, end)
     # the widget is displayed before anything else, above the cell's own output
     first_display = next(m for _, m in messages if m["msg_type"] in ("display_data", "stream"))
     assert first_display["msg_type"] == "display_data"
