@@ -122,14 +122,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 RUN_MARK = "NBFSDP_BENCH_RUN"
 
 
-def _orphans(before: set[int], mark: str) -> list[psutil.Process]:
-    """Processes this run started, not among the pids ``before``, that outlived their parents (a controller's
+def _orphans(mark: str) -> list[psutil.Process]:
+    """Processes this run started (they carry its ``mark``) that outlived their parents (a controller's
     schedulers, a nanny): no longer below this process, so ``children`` misses them. A few seconds' grace
     for those still ending."""
     found = []
     for process in psutil.process_iter(["cmdline", "ppid"]):
         info = process.info
-        if process.pid in before or info["ppid"] != 1 or (info["cmdline"] or [""])[0] != sys.executable:
+        if info["ppid"] != 1 or (info["cmdline"] or [""])[0] != sys.executable:
             continue
         with contextlib.suppress(psutil.Error):
             if process.environ().get(RUN_MARK) == mark:
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(quick=args.quick)
     results: dict[str, dict] = {}
     timings: dict[str, float] = {}
-    started, pids_before = time.perf_counter(), set(psutil.pids())
-    mark = os.environ[RUN_MARK] = secrets.token_hex(8)
+    started, mark = time.perf_counter(), secrets.token_hex(8)
+    os.environ[RUN_MARK] = mark
     try:
         for name in chosen:
             if name not in SHARE_WARM_KERNEL:
@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctx.close_warm_kernel()
     children = [
-        f"{p.pid} {' '.join(p.cmdline())[:120]}"
-        for p in [*psutil.Process().children(recursive=True), *_orphans(pids_before, mark)]
+        f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in [*psutil.Process().children(recursive=True), *_orphans(mark)]
     ]
     extra = {
         "quick": args.quick,

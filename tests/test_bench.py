@@ -327,3 +327,23 @@ def test_the_gpt2_loop_runs_the_same_math_four_ways():
     parity = next(m for what, m in rows.items() if what.startswith("rank-0 losses"))
     assert parity.ok, parity.value
     assert all(m.value > 0 for m in rows.values() if m.unit == "x")
+
+
+def test_left_behind_counts_only_the_orphans_its_run_started():
+    """An orphan of the benchmarks' own run is left behind; one of another program (the suite's other xdist
+    worker, say) running the same Python is not, though its parent is gone too."""
+    from benchmarks.__main__ import RUN_MARK, _orphans
+
+    def orphan(env: dict[str, str]) -> int:  # a sleeper whose parent has exited: re-parented to init
+        code = (
+            "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'],"
+            " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+        )
+        return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout)
+
+    ours, theirs = orphan({**os.environ, RUN_MARK: "this-run"}), orphan({**os.environ, RUN_MARK: "another"})
+    try:
+        assert [p.pid for p in _orphans("this-run")] == [ours]
+    finally:
+        for pid in (ours, theirs):
+            os.kill(pid, 9)
