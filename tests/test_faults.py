@@ -105,6 +105,99 @@ else:
         kernel.shutdown()
 
 
+HANG = """%%fsdp --world-size 2 --async
+import torch.distributed as dist
+t = torch.ones(3)
+dist.all_reduce(t)
+if rank == 0:
+    dist.all_reduce(t)  # rank 1 never joins
+"""
+
+
+def test_an_interrupted_wait_on_a_hang_says_where_rank_0_was_and_the_next_cell_runs():
+    """Course 14's hang, as a user meets it: ``%fsdp where``, then ``%fsdp wait`` interrupted. CPython 3.11's
+    interrupted ``Thread.join`` marked the background run's thread ended while it still ran: nbfsdp finished a run
+    with no outcome (an ``AssertionError`` of its own), and the next cell met the engine killed meanwhile."""
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext nbfsdp\nimport torch, nbfsdp")
+        reply, _ = kernel.execute("%%fsdp --world-size 2\npass")
+        assert reply["content"]["status"] == "ok", reply["content"]
+        reply, _ = kernel.execute(HANG)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        deadline = time.monotonic() + 30  # a hang guard: the ranks reach the hang within a second
+        said = ""
+        while "rank 0: waiting in all_reduce" not in said and time.monotonic() < deadline:
+            _, messages = kernel.execute("%fsdp where")
+            said = kernel.stdout(messages)
+        assert "rank 0: waiting in all_reduce" in said, said
+        started = time.monotonic()
+        reply, messages = kernel.execute("%fsdp wait", interrupt_after=3.0)
+        assert reply["content"]["status"] == "ok", reply["content"]  # ended cleanly: no error, no traceback
+        out = kernel.stdout(messages)
+        assert "nbfsdp: interrupted; rank 0 was in all_reduce #" in out and "<fsdp-cell-" in out, out
+        assert "results are not brought back" in out
+        assert time.monotonic() - started < 3.0 + 30.0  # a hang guard: the collective would wait --timeout
+        for _ in range(2):  # the next cell runs (on fresh engines, the stuck one having been killed), and the next
+            reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
+            assert reply["content"]["status"] == "ok", reply["content"]
+            assert all(f"[rank {r}] back {r}" in kernel.stdout(messages) for r in range(2))
+    finally:
+        kernel.shutdown()
+
+
+def _shared_memory_files(pid: int) -> set[str]:
+    """The files in ``/dev/shm`` that a process and its descendants have mapped (multiprocessing's named
+    semaphores are mapped by every process that uses one)."""
+    files = set()
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            maps = Path(f"/proc/{process.pid}/maps").read_text()
+        except OSError:
+            continue
+        files |= {line.split(None, 5)[-1].split(" (deleted)")[0] for line in maps.splitlines() if "/dev/shm/" in line}
+    return files
+
+
+@pytest.mark.parametrize("how", ["stop-unload-shutdown", "sigkill"])
+def test_a_kernels_life_leaves_nothing_in_dev_shm_or_its_temporary_directory(tmp_path, how):
+    """A kernel that trained with a dashboard and ended (``%fsdp stop``, ``%unload_ext``, a shutdown; or killed
+    with SIGKILL, its engines then ended by the reaper) leaves no file of its own behind (jupyter_client starts a
+    kernel as the leader of a process group of its own). A drawing worker under
+    ``ProcessPoolExecutor`` left its five named semaphores in ``/dev/shm`` after every kernel."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    kernel = Kernel(env={**os.environ, "TMPDIR": str(temporary)})
+    try:
+        kernel.execute("%load_ext nbfsdp\nimport torch, nbfsdp, os")
+        cell = "%%fsdp --world-size 2\nfor step in range(20):\n    nbfsdp.log(step=step, loss=1.0 / (step + 1))"
+        reply, _ = kernel.execute(cell)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        _, messages = kernel.execute("from nbfsdp.ui import renderer\nprint(os.getpid(), renderer.worker_pid())")
+        kernel_pid, drawing_pid = map(int, kernel.stdout(messages).split())
+        processes = [kernel_pid, *(p.pid for p in psutil.Process(kernel_pid).children(recursive=True))]
+        assert drawing_pid in processes and len(processes) >= 5  # the drawing worker, the cluster's processes
+        mapped = _shared_memory_files(kernel_pid)
+        assert any(temporary.iterdir())  # the cluster's private directory is under the kernel's TMPDIR
+        if how == "sigkill":  # with its process group, as Jupyter kills a kernel: multiprocessing's tracker too
+            os.killpg(kernel_pid, signal.SIGKILL)
+        else:
+            for line in ("%fsdp stop", "%unload_ext nbfsdp"):
+                reply, _ = kernel.execute(line)
+                assert reply["content"]["status"] == "ok", reply["content"]
+            kernel.client.stop_channels()
+            kernel.manager.shutdown_kernel(now=False)
+        assert left_behind(processes, 30) == []  # the reaper ends the cluster of a killed kernel
+        assert removed(str(next(iter(temporary.iterdir()), temporary / "none")), 10)
+        assert list(temporary.iterdir()) == []
+        assert [path for path in mapped if os.path.exists(path)] == []
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.cleanup_resources()
+        if kernel.manager.has_kernel:
+            kernel.manager.shutdown_kernel(now=True)
+
+
 def _engine_vitals(cluster) -> list[tuple[int, int, int]]:
     processes = [psutil.Process(pid) for pid in cluster.world.pids]
     return [(p.memory_info().rss, p.num_threads(), p.num_fds()) for p in processes]

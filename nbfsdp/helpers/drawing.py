@@ -1,6 +1,11 @@
 """The drawing worker: a process of the lowest CPU priority, in a session of its own, that draws the dashboards.
 
-The kernel submits drawings to it through ``nbfsdp.ui.renderer``.
+The kernel starts it and submits drawings to it through ``nbfsdp.ui.renderer``:
+
+    python -m nbfsdp.helpers.drawing KERNEL_PID
+
+Requests ``(number, function, args)`` come pickled on its stdin, replies ``(number, ok, value)`` go pickled to
+its stdout; it ends when its stdin closes (the kernel ended) or its kernel is gone.
 
 The ranks share the machine's cores with the notebook, and a drawing costs
 about 100 ms of CPU. Drawn in the kernel, that time was taken from the ranks
@@ -21,17 +26,39 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
 
+def serve(kernel: int) -> None:
+    """The worker's loop: each request run and answered in turn, until the kernel's end of the pipe closes."""
+    start_worker(kernel)
+    requests = sys.stdin.buffer
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print goes to stderr, not into the replies
+    while True:
+        try:
+            number, function, args = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            reply = pickle.dumps((number, True, function(*args)))
+        except Exception as error:  # the kernel's future raises it (LostFigure, a drawing's own error)
+            try:
+                reply = pickle.dumps((number, False, error))
+            except Exception:  # an error that does not pickle, said in words
+                reply = pickle.dumps((number, False, RuntimeError(f"{type(error).__name__}: {error}")))
+        replies.write(reply)
+        replies.flush()
+
+
 def start_worker(kernel: int) -> None:
-    """In the worker: a session of its own (so lowering it leaves the kernel's alone), nice 19, and an
-    end when the kernel ends (a pool's worker would otherwise wait for work forever, orphaned)."""
-    if hasattr(os, "setsid"):
-        os.setsid()  # out of the kernel's process group: a Ctrl-C in the notebook is not for this process
+    """In the worker (started in a session of its own, so lowering it leaves the kernel's alone): nice 19, and
+    an end when the kernel ends even if its pipe stays open somewhere."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
@@ -89,3 +116,9 @@ def draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]
     drawing.predict_peaks(predicted or [])  # a peak traced while the cell ran comes with a later drawing
     png = drawing.add(records).png()
     return png, time.process_time() - started
+
+
+if __name__ == "__main__":
+    from nbfsdp.helpers.drawing import serve as serve_in_module  # the functions requests name live there
+
+    serve_in_module(int(sys.argv[1]))

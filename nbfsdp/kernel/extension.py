@@ -14,6 +14,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from nbfsdp.kernel.cluster.threads import KernelThread
+
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -108,7 +110,7 @@ class _Loading:
         there, and ``%fsdp status`` shows it."""
         self.imported = threading.Event()
         """The thread's imports (torch, FSDP2, ipyparallel, the magics) are done, or failed."""
-        self.thread = threading.Thread(target=self._load, name="nbfsdp-load", daemon=True)
+        self.thread = KernelThread(target=self._load, name="nbfsdp-load")
 
     def _load(self) -> None:
         global _magics
@@ -159,9 +161,7 @@ class _Loading:
 
     def join(self) -> None:
         """Wait for the thread; Ctrl-C still interrupts the wait."""
-        from nbfsdp.kernel.cluster.world import join_interruptibly
-
-        join_interruptibly(self.thread)
+        self.thread.join()
 
     def wait(self) -> FSDPMagics:
         """The loaded magics, once the thread is done (loading them here if it failed)."""

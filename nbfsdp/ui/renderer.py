@@ -1,38 +1,107 @@
 """The kernel's handle on the drawing worker (``nbfsdp.helpers.drawing``): start it, submit drawings to it.
 
 Why drawings are made in a process of their own, at the lowest priority: see ``nbfsdp.helpers.drawing``.
+
+The worker is a child process with two pipes, not a ``ProcessPoolExecutor``: a pool's queues are
+``multiprocessing``'s named POSIX semaphores (five ``sem.mp-*`` files in ``/dev/shm`` under ``spawn``), which only
+the pool's shutdown or multiprocessing's resource tracker removes, and Jupyter ends a kernel with its process
+group, the tracker included: every kernel left five behind, until reboot. Pipes leave nothing, and the worker
+ends when the kernel's end of its pipe closes, however the kernel ended.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import itertools
 import os
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 from nbfsdp.helpers import drawing
 
-_worker: ProcessPoolExecutor | None = None
+
+class WorkerDied(RuntimeError):
+    """The drawing worker ended before it answered (the next drawing starts a new one)."""
 
 
-def _pool() -> ProcessPoolExecutor:
-    global _worker
-    if _worker is None:
-        # spawn: a fork of a kernel would copy its threads' locks mid-use
-        context = multiprocessing.get_context("spawn")
-        _worker = ProcessPoolExecutor(1, mp_context=context, initializer=drawing.start_worker, initargs=(os.getpid(),))
-    return _worker
+class _Worker:
+    """One drawing process: requests ``(number, function, args)`` pickled to its stdin by a writer thread (a
+    submission never waits for the worker to read), replies ``(number, ok, value)`` read from its stdout by a
+    reader thread that settles each request's future."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nbfsdp.helpers.drawing", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # out of the kernel's process group: a Ctrl-C in the notebook is not for it
+        )
+        self._numbers = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.alive = True
+        threading.Thread(target=self._write_requests, name="nbfsdp-drawing-requests", daemon=True).start()
+        threading.Thread(target=self._read_replies, name="nbfsdp-drawing-replies", daemon=True).start()
+
+    def submit(self, function: Any, args: tuple) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if not self.alive:
+                future.set_exception(WorkerDied("the drawing worker has ended"))
+                return future
+            number = next(self._numbers)
+            self._pending[number] = future
+        self._requests.put(pickle.dumps((number, function, args)))
+        return future
+
+    def _write_requests(self) -> None:
+        stdin = self.process.stdin
+        assert stdin is not None
+        try:
+            while request := self._requests.get():  # empty: the worker has ended
+                stdin.write(request)
+                stdin.flush()
+        except OSError:  # the worker has died (BrokenPipeError): the reader fails what is pending
+            self.process.kill()
+
+    def _read_replies(self) -> None:
+        stdout = self.process.stdout
+        assert stdout is not None
+        while True:
+            try:
+                number, ok, value = pickle.load(stdout)
+            except Exception:  # EOF: the worker ended
+                break
+            with self._lock:
+                future = self._pending.pop(number, None)
+            if future is not None:
+                future.set_result(value) if ok else future.set_exception(value)
+        with self._lock:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(WorkerDied("the drawing worker ended before it answered"))
+        self._requests.put(b"")
+        self.process.wait()
+
+
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
 
 
 def _submit(function: Any, *args: Any) -> Future:
     """Run ``function(*args)`` in the worker; a worker that died is replaced first."""
     global _worker
-    try:
-        return _pool().submit(function, *args)
-    except BrokenProcessPool:
-        _worker = None
-        return _pool().submit(function, *args)
+    with _worker_lock:
+        if _worker is None or not _worker.alive:
+            _worker = _Worker()
+        worker = _worker
+    return worker.submit(function, args)
 
 
 def start() -> None:

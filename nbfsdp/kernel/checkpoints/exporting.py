@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from IPython.core.error import UsageError
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
+from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
@@ -275,7 +275,7 @@ class NotebookRead:
         self._objects = {**models, **{name: opt for name, (opt, _) in optimizers.items()}, **schedulers}
         self._states: dict[str, Any] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, name="nbfsdp-read", daemon=True)
+        self._thread = KernelThread(target=self._read, name="nbfsdp-read")
         self._thread.start()
 
     def _read(self) -> None:

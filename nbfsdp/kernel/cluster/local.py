@@ -56,6 +56,7 @@ import psutil
 
 from nbfsdp.kernel.cluster import ipyparallel_private, reaping
 from nbfsdp.kernel.cluster.rank_calls import set_up_every_rank
+from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.kernel.cluster.world import (
     ENGINE_START_TIMEOUT,
     RunningWorld,
@@ -63,7 +64,6 @@ from nbfsdp.kernel.cluster.world import (
     cpu_threads_per_rank,
     devices_here,
     engine_layout,
-    join_interruptibly,
     nccl_host_environment,
     run_id,
     visible_gpus,
@@ -92,7 +92,7 @@ def _end_watcher(watcher: psutil.Popen) -> None:
 
 @dataclass
 class _BackgroundStart:
-    thread: threading.Thread
+    thread: KernelThread
     world_size: int
     since: float  # time.monotonic()
 
@@ -164,9 +164,7 @@ class FSDPCluster:
         """
         self._wait_for_background()
         self.background_error = None
-        thread = threading.Thread(
-            target=self._start_quietly, args=(world_size, timeout), name="nbfsdp-prewarm", daemon=True
-        )
+        thread = KernelThread(target=self._start_quietly, args=(world_size, timeout), name="nbfsdp-prewarm")
         self._background = _BackgroundStart(thread, world_size, time.monotonic() if since is None else since)
         thread.start()
 
@@ -292,7 +290,7 @@ class FSDPCluster:
         background = self._background
         if background is None or background.thread is threading.current_thread():
             return
-        join_interruptibly(background.thread)
+        background.thread.join()
         self._background = None
 
     def start_fork_server(self) -> None:

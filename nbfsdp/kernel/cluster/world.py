@@ -7,7 +7,6 @@ Importing this module loads neither torch nor ipyparallel.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
 _notebook_cluster: Cluster | None = None
 #: How long a world's engines may take to set up their process group.
 ENGINE_START_TIMEOUT = 120.0
-#: How often a wait for a thread lets a KeyboardInterrupt through.
-_JOIN_SLICE_SECONDS = 0.1
 
 
 @dataclass
@@ -136,12 +133,6 @@ def run_id(private_dir: str, generation: int) -> str:
 def cpu_threads_per_rank(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // world_size)
-
-
-def join_interruptibly(thread: threading.Thread) -> None:
-    """Wait for ``thread`` in short slices, so that a KeyboardInterrupt still reaches the waiting thread."""
-    while thread.is_alive():
-        thread.join(_JOIN_SLICE_SECONDS)
 
 
 class Cluster(Protocol):

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.kernel.planning import peak
 from nbfsdp.kernel.planning.workload import StepInputs, Workload, first_batch, on_meta
 from nbfsdp.shared import transfer
@@ -106,7 +107,7 @@ class PeakPrediction:
                 self._copied.set()
             return peak.rank_peaks(meta, config, world_size, devices, workload)
 
-        self._thread = threading.Thread(target=self._run, args=(trace, done), name="nbfsdp-predicted-peak", daemon=True)
+        self._thread = KernelThread(target=self._run, args=(trace, done), name="nbfsdp-predicted-peak")
         self._thread.start()
 
     def copied(self) -> None:

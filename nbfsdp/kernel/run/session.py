@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +18,8 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.local import FSDPCluster
-from nbfsdp.kernel.cluster.world import Cluster, RunningWorld, WorldPlan, join_interruptibly, plan_with
+from nbfsdp.kernel.cluster.threads import KernelThread
+from nbfsdp.kernel.cluster.world import Cluster, RunningWorld, WorldPlan, plan_with
 from nbfsdp.kernel.planning import check
 from nbfsdp.kernel.run import cell_run, residence
 from nbfsdp.kernel.run.cell_run import CellRun
@@ -30,13 +30,16 @@ from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, interval_saves, prepare
-from nbfsdp.kernel.run.where import Where, where_of
+from nbfsdp.kernel.run.where import ANSWER_SECONDS, Where, where_of
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
 from nbfsdp.shared.protocol import InternalRequest
 from nbfsdp.ui.widget_events import pending_events
 
 if TYPE_CHECKING:
     from nbfsdp.kernel.cluster.attached import AttachedCluster
+
+#: How long an interrupted ``%fsdp wait`` asks the ranks where they are before it ends them (they answer in ms).
+INTERRUPT_WHERE_SECONDS = 1.0
 
 
 class BackgroundSave(Protocol):
@@ -96,7 +99,7 @@ class Session:
             run.hang_reporter = HangReporter(self.where, options.hang_report, run.dashboard).start()
         self.active = run
         if options.background:
-            run.thread = threading.Thread(target=run.watch_in_background, name="nbfsdp-async", daemon=True)
+            run.thread = KernelThread(target=run.watch_in_background, name="nbfsdp-async")
             run.thread.start()
             print(f"nbfsdp: running in the background on {options.world_size} ranks; `%fsdp wait` for the results")
             return
@@ -201,15 +204,15 @@ class Session:
             print("nbfsdp: no background run")
             return
         try:
-            join_interruptibly(run.thread)
-        except KeyboardInterrupt:
-            run.ranks.interrupt()
             run.thread.join()
+        except KeyboardInterrupt:
+            self._end_interrupted(run)
+            return
         self._finish(run)
 
-    def where(self) -> Where:
+    def where(self, seconds: float = ANSWER_SECONDS) -> Where:
         """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.run.where``)."""
-        return where_of(self.cluster)
+        return where_of(self.cluster, seconds)
 
     def interrupt(self) -> None:
         """End the background run now, as Ctrl-C ends a blocking cell: SIGINT to every rank, then a kill for a
@@ -218,12 +221,22 @@ class Session:
         if run is None or run.thread is None:
             print("nbfsdp: no background run")
             return
+        self._end_interrupted(run)
+
+    def _end_interrupted(self, run: CellRun) -> None:
+        """End the background run on every rank (SIGINT, then a kill for a rank blocked in a collective), and say
+        where the ranks were: the next cell starts on fresh engines if one had to go."""
+        try:
+            where = self.where(INTERRUPT_WHERE_SECONDS).interrupted_at()
+        except Exception:  # the world went meanwhile: the ends below say the rest
+            where = ""
         run.ranks.interrupt()
         run.thread.join()
         try:
             self._finish(run)
         except KeyboardInterrupt:
-            print("nbfsdp: the background run was interrupted on every rank; its results are not brought back")
+            said = f"; {where}" if where else ""
+            print(f"nbfsdp: interrupted{said}. The run ended on every rank; its results are not brought back")
 
     def cancel(self) -> None:
         """End the running cell cleanly at the start of an agreed forward, the same one on every rank."""

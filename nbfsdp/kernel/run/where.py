@@ -95,6 +95,15 @@ class Where:
                 lines += ["    " + line.rstrip().replace("\n", "\n    ") for line in position.frames()]
         return "\n".join(lines + [""] + self.findings)
 
+    def interrupted_at(self) -> str:
+        """Where an interrupt found the ranks, in a line: those waiting in a collective, and where it was issued."""
+        waiting = [
+            f"rank {p.rank} was in {inside['op']} #{inside['seq']} (issued at {_short(inside['at'])})"
+            for p in self.positions
+            if p.answered and (inside := p.inside)
+        ]
+        return ", ".join(waiting) or "no rank was waiting in a collective"
+
 
 def ask_where(directory: str, ranks: int, hosts: list[str] | None = None, seconds: float = ANSWER_SECONDS) -> Where:
     """Ask every rank of a world of ``ranks`` watching ``directory`` where it is, and read the answers."""
@@ -184,11 +193,12 @@ def _short(at: str) -> str:
     return str(Path(at.split(":")[0]).name) + at[len(at.split(":")[0]) :] if at else "?"
 
 
-def where_of(cluster: Cluster) -> Where:
-    """Where each rank of ``cluster``'s running world is: its stack and collectives."""
+def where_of(cluster: Cluster, seconds: float = ANSWER_SECONDS) -> Where:
+    """Where each rank of ``cluster``'s running world is: its stack and collectives (the ranks that have not
+    answered within ``seconds`` said so)."""
     world = cluster.world
     if world is None:
         raise UsageError("%fsdp where: no world is running (a cell starts one)")
     if why := cluster.unsteerable():
         raise UsageError(f"%fsdp where: {why}")
-    return ask_where(cluster.private_dir, world.world_size, cluster.rank_hosts())
+    return ask_where(cluster.private_dir, world.world_size, cluster.rank_hosts(), seconds)
