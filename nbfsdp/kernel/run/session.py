@@ -231,6 +231,7 @@ class Session:
         except Exception:  # the world went meanwhile: the ends below say the rest
             where = ""
         run.ranks.interrupt()
+        assert run.thread is not None  # a background run's
         run.thread.join()
         try:
             self._finish(run)
