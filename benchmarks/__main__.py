@@ -18,6 +18,7 @@ Benchmarks (each module's docstring says what it measures and how):
                     peak; the kernel's memory and a warm cell's overhead on models living on the ranks
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
    ``where_ledger`` ``%fsdp where``'s ledger of collectives on vs off, on the GPT-2 loop's step (torchrun, ws 2)
+   ``explain_suggest`` ``%fsdp explain --suggest`` on Llama-3-70B's shapes (64 x H100) vs the plan alone
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
    ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
                     ``%%fsdp --world-size 1`` and ``--world-size 2 --device cuda`` on one GPU; skipped without one
@@ -50,6 +51,7 @@ from benchmarks import (
     checkpoint,
     cold_start,
     dataloader,
+    explain_suggest,
     gpu,
     gpu_loop,
     hosts,
@@ -80,6 +82,7 @@ BENCHMARKS = {
         pretrained,
         log_overhead,
         where_ledger,
+        explain_suggest,
         gpu,
         gpu_loop,
         checkpoint,
@@ -99,6 +102,7 @@ RUN_ORDER = (
     "lora_cell",
     "pretrained",
     "where_ledger",
+    "explain_suggest",
     "checkpoint",
     "hosts",
     "gpu",

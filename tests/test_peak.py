@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbfsdp
-from nbfsdp.kernel.planning import fitting, live_bytes, peak, predicted
+from nbfsdp.kernel.planning import fitting, live_bytes, peak, predicted, recording
 from nbfsdp.kernel.planning.attention import device_sdpa
 from nbfsdp.shared.config import ConfigError, FSDPConfig, validate
 from nbfsdp.shared.devices import choose
@@ -415,20 +415,19 @@ del opt, loss
 def test_the_optimizer_step_is_traced_foreach_on_a_gpu():
     """AdamW's foreach step (PyTorch's default on CUDA) makes temporaries the size of the shards; the per-
     parameter loop on the CPU makes one parameter's at a time."""
-
-    def optimizer_temporaries(device: str) -> int:
-        model = nn.Sequential(*(nn.Linear(512, 512, device="meta") for _ in range(8)))
-        devices = choose(device, 2, 0, planning=True)
-        config = validate(FSDPConfig(device=device, mixed_precision="FULL"), 2, devices)
-        step = peak._Step(model, config, 2, devices)
-        with step.live:
-            step._optimizer_step()
-        assert step.best.at.endswith("optimizer step")
-        return step.best.temporaries
-
+    shapes = [(256, 512), (256,)] * 8
     shards = 8 * (256 * 512 + 256) * 4
-    on_gpu, on_cpu = optimizer_temporaries("cuda"), optimizer_temporaries("cpu")
+    on_gpu, on_cpu = (sum(recording.optimizer_peak(shapes, foreach)) for foreach in (True, False))
     assert on_gpu >= shards and on_cpu < shards / 4, (on_gpu, on_cpu)
+
+
+def test_a_stack_of_alike_layers_steps_the_optimizer_on_three_and_gets_all_of_them():
+    """The trace cache steps AdamW on one, two and three layers' shards and extrapolates: the same bytes as
+    stepping all of them, foreach or not."""
+    others, layer = [(1000, 64), (64,)], [(64, 64), (64,), (256, 64), (64, 256)]
+    for foreach in (True, False):
+        whole = recording.optimizer_peak([*others, *layer * 12], foreach)
+        assert peak.TraceCache().optimizer(others, [layer] * 12, foreach) == whole
 
 
 LOADER_CELL = """%%fsdp --world-size 2 --wrap-cls Block

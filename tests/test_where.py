@@ -61,7 +61,9 @@ def test_a_rank_waiting_in_a_collective_the_other_never_issued_is_named(shell, c
     )
     capsys.readouterr()
     run_ok(shell, "%fsdp interrupt")  # ends the hang: SIGINT, then a kill for the rank blocked in gloo
-    assert "interrupted on every rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"nbfsdp: interrupted; rank 0 was in all_reduce #{done + 1} (issued at <fsdp-cell-" in out, out
+    assert "The run ended on every rank" in out
     run_ok(shell, "%%fsdp --world-size 2\nprint('back', rank)")
     out = capsys.readouterr().out
     assert all(f"[rank {r}] back {r}" in out for r in range(2)), out

@@ -21,6 +21,7 @@ from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.planning import check, fitting
 from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.planning.progress import ProgressLine
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.run.spec import RunOptions
 from nbfsdp.kernel.status import status
@@ -158,7 +159,18 @@ def _explain(magics: FSDPMagics, rest: str) -> None:
         raise UsageError(
             "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE: what the settings must fit"
         )
-    planned = plan(model, settings, world_size, hosts, devices, workload=workload, memory=memory, suggest=args.suggest)
+    progress = ProgressLine("nbfsdp: --suggest") if args.suggest else None
+    planned = plan(
+        model,
+        settings,
+        world_size,
+        hosts,
+        devices,
+        workload=workload,
+        memory=memory,
+        suggest=args.suggest,
+        progress=progress,
+    )
     print(planned.code if args.code else planned, end="" if args.code else "\n")
 
 

@@ -116,6 +116,19 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
     return split_by_dtype(model, _units_and_ties(model, config)[0])[0]
 
 
+def wrap_key(config: FSDPConfig) -> tuple:
+    """What ``wrap_units`` and ``activation_modules`` read of ``config``: the same model under two configs of one
+    key has the same units and checkpoints (the planner's trace cache keys its recordings by it)."""
+    return (
+        config.wrap_cls,
+        config.min_params,
+        config.activation_checkpointing,
+        config.activation_cpu_offload,
+        config.checkpoint_every,
+        config.checkpoint_scope,
+    )
+
+
 def dtype_splits(model: nn.Module, config: FSDPConfig) -> list[str]:
     """The units split because their trainable parameters are stored in several dtypes: one line each, naming
     the modules made units of their own and why (``split_by_dtype``)."""
@@ -268,9 +281,13 @@ def _split_tie(model: nn.Module, units: list[nn.Module]) -> tuple[list[str], lis
 
     def owner(path: str) -> str:
         """The innermost unit holding the module at ``path``: '' is the root."""
-        return max((u for u in unit_names if u in ("", path) or path.startswith(f"{u}.")), key=len)
+        while path not in unit_names:
+            path = path.rpartition(".")[0]
+        return path
 
     for fqns in names_of.values():
+        if len(fqns) < 2:  # not tied
+            continue
         paths = [fqn.rpartition(".")[0] for fqn in fqns]
         if len({owner(path) for path in paths}) < 2:
             continue

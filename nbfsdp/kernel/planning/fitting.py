@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -311,20 +312,30 @@ def step_cost(plan: Plan, asked: Plan, micro_batches: int) -> float:
 MAX_SUGGESTIONS = 8
 
 
-def suggest(asked: Plan, replan: Any, seconds: float | None = None) -> tuple[list[Plan], int]:
+def suggest(
+    asked: Plan, replan: Any, seconds: float | None = None, on_progress: Callable[[int, int], None] | None = None
+) -> tuple[list[Plan], int]:
     """Plans that fit, of the changes ``candidates`` lists and their ``pairs``, cheapest first (more ranks
     last), and how many changes were left untried; ``replan(change)`` makes the plan of one change (None where
     the change cannot apply). With ``seconds``, no change is tried after that long (an out-of-memory report
-    is due within seconds; a large model's trace takes half a second)."""
+    is due within seconds). ``on_progress(tried, known)`` after each change: how many were tried, of how many
+    are known to be tried (the pairs are known once every single change has been)."""
     deadline = time.monotonic() + seconds if seconds is not None else None
     found: list[Plan] = []
     single = candidates(asked.config, asked.world_size)
-    untried = 0
+    untried = tried = 0
     for change in single:
         untried += not _try(asked, replan, change, found, deadline)
+        tried += 1
+        if on_progress is not None:
+            on_progress(tried, len(single))
     fitting_alone = {p.change for p in found}
-    for pair in pairs(single, fitting_alone):
+    both = pairs(single, fitting_alone)
+    for pair in both:
         untried += not _try(asked, replan, pair, found, deadline)
+        tried += 1
+        if on_progress is not None:
+            on_progress(tried, len(single) + len(both))
     return sorted(found, key=lambda p: (p.gpu_factor, p.cost_seconds))[:MAX_SUGGESTIONS], untried
 
 

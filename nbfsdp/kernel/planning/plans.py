@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ from nbfsdp.kernel.cluster.world import planned_devices
 from nbfsdp.kernel.planning import fitting, placement, predicted
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.fsdp_code import render
-from nbfsdp.kernel.planning.peak import rank_peaks
+from nbfsdp.kernel.planning.peak import TraceCache, rank_peaks
 from nbfsdp.kernel.planning.placement import replicate_groups, shard_groups
+from nbfsdp.kernel.planning.progress import ProgressLine
 from nbfsdp.kernel.planning.workload import Workload, autocast_dtype
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared.collectives import ring_bytes, size_text
@@ -128,6 +130,9 @@ class Plan:
     """Suggestions were asked for (an empty list then means none fits)."""
     untried: int = 0
     """Changes the search left untried when its time ran out (``plan``'s ``search_seconds``)."""
+    traced: int = 0
+    """With a batch: the step's recordings this plan and its search made (each a forward and backward on the
+    meta device, of the whole model or of its stack cut short; settings the trace does not see replay one)."""
 
     def __str__(self) -> str:
         name = lambda n: n or "(root)"  # noqa: E731
@@ -270,10 +275,10 @@ class Plan:
         printer.text(str(self))
 
 
-def _shard_numel(param: torch.Tensor, shards: int, shard: int) -> tuple[int, int]:
-    """(elements stored, elements owned) of ``param`` on shard ``shard``: stored shards are padded."""
-    rows = param.shape[0] if param.dim() else 1
-    row_numel = param.numel() // rows if rows else 0
+def _shard_numel(shape: tuple[int, ...], shards: int, shard: int) -> tuple[int, int]:
+    """(elements stored, elements owned) of a parameter of ``shape`` on shard ``shard``: stored shards are padded."""
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape) // rows if rows else 0
     per_shard = -(-rows // shards)
     return per_shard * row_numel, max(0, min(per_shard, rows - shard * per_shard)) * row_numel
 
@@ -296,16 +301,19 @@ def plan(
     memory: DeviceMemory | None = None,
     suggest: bool = False,
     search_seconds: float | None = None,
+    progress: ProgressLine | None = None,
 ) -> Plan:
     """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
     collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
     planned for GPUs it does not have. With a ``workload``, each rank's peak in a training step, traced
     (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit
-    (tried for at most ``search_seconds`` where given). A cell that trains ``model`` on no loader of its own
-    predicts its peak with this ``workload``."""
+    (tried for at most ``search_seconds`` where given; ``progress`` says how far it is). A cell that trains
+    ``model`` on no loader of its own predicts its peak with this ``workload``."""
     if workload is not None:
         predicted.remember(model, workload)
-    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest, search_seconds)
+    return _traced(
+        model, config, world_size, hosts, devices, workload, memory, suggest, search_seconds, progress=progress
+    )
 
 
 def _traced(
@@ -318,11 +326,14 @@ def _traced(
     memory: DeviceMemory | None,
     suggest: bool,
     search_seconds: float | None = None,
+    cache: TraceCache | None = None,
+    progress: ProgressLine | None = None,
 ) -> Plan:
     planned = _plan(model, config, world_size, hosts, devices)
     if workload is None:
         return planned
-    peaks, inputs = rank_peaks(model, config, world_size, _devices_of(planned, devices, config), workload)
+    cache = cache or TraceCache()  # the suggestions' plans reuse its recordings
+    peaks, inputs = rank_peaks(model, config, world_size, _devices_of(planned, devices, config), workload, cache)
     planned.peak = [p.as_dict() for p in peaks]
     planned.peak_at = peaks[0].at
     planned.batch = inputs.described
@@ -340,8 +351,14 @@ def _traced(
     if suggest and memory is not None:
         planned.searched = True
         planned.suggestions, planned.untried = fitting.suggest(
-            planned, functools.partial(_replan, model, config, world_size, hosts, workload, memory), search_seconds
+            planned,
+            functools.partial(_replan, model, config, world_size, hosts, workload, memory, cache),
+            search_seconds,
+            on_progress=progress.searched if progress is not None else None,
         )
+        if progress is not None:
+            progress.done()
+    planned.traced = cache.traced
     return planned
 
 
@@ -356,6 +373,7 @@ def _replan(
     hosts: list[str] | None,
     workload: Workload,
     memory: DeviceMemory,
+    cache: TraceCache,
     change: fitting.Change,
 ) -> Plan | None:
     """The plan of ``change`` applied to ``config`` (None where the settings cannot be)."""
@@ -367,7 +385,9 @@ def _replan(
     try:
         changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
         work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
-        return _traced(model, changed, size, hosts if size == world_size else None, devices, work, memory, False)
+        return _traced(
+            model, changed, size, hosts if size == world_size else None, devices, work, memory, False, cache=cache
+        )
     except ConfigError:
         return None
 
@@ -410,7 +430,7 @@ def _units(model: nn.Module, config: FSDPConfig, shards: int) -> _Units:
                 cls=type(unit).__name__,
                 params=sum(p.numel() for p in own),
                 full_bytes=sum(p.numel() * p.element_size() for p in own),
-                sharded_bytes=sum(_shard_numel(p, shards, 0)[0] * p.element_size() for p in own),
+                sharded_bytes=sum(_shard_numel(tuple(p.shape), shards, 0)[0] * p.element_size() for p in own),
                 frozen=sum(p.numel() for p in own if not p.requires_grad),
                 gathered_bytes=sum(p.numel() * _size(param_dtype or p.dtype) for p in own),  # as it computes
                 recomputed=sum(p.numel() for p in own if id(p) in recomputed),
@@ -424,21 +444,25 @@ def _memory(units: _Units, world_size: int, shards: int, strategy: str) -> list[
     """Per rank: its shards' bytes, its sharded gradients', AdamW's state's, and a lower bound of FSDP2's
     communication buffers at their peak."""
     comm_buffers = _comm_buffers_lower_bound(units.plans, strategy, shards)
-    memory = []
-    for rank in range(world_size):
-        numels = {id(p): _shard_numel(p, shards, rank % shards) for p in units.unique}
-        stored = sum(numels[id(p)][0] * p.element_size() for p in units.unique)
-        grads = sum(numels[id(p)][0] * p.element_size() for p in units.trained)  # a frozen parameter has none
-        owned = sum(numels[id(p)][1] for p in units.trained)  # AdamW: exp_avg, exp_avg_sq in fp32, an fp32 step
-        memory.append(
+    # parameters of one shape counted together: a stack of layers is a handful of shapes, and ranks ask per shard
+    shapes = Counter((tuple(p.shape), p.element_size(), p.requires_grad) for p in units.unique)
+    by_shard = []
+    for shard in range(min(shards, world_size)):
+        stored = grads = owned = 0
+        for (shape, size, trained), count in shapes.items():
+            kept, own = _shard_numel(shape, shards, shard)
+            stored += count * kept * size
+            if trained:  # a frozen parameter has no gradient and no optimizer state
+                grads, owned = grads + count * kept * size, owned + count * own
+        by_shard.append(
             {
                 "params": stored,
                 "grads": grads,
-                "optim": 2 * 4 * owned + 4 * len(units.trained),
+                "optim": 2 * 4 * owned + 4 * len(units.trained),  # AdamW: exp_avg, exp_avg_sq in fp32, an fp32 step
                 "comm_buffers": comm_buffers,
             }
         )
-    return memory
+    return [dict(by_shard[rank % shards]) for rank in range(world_size)]
 
 
 def _communication(model: nn.Module, units: _Units, config: FSDPConfig, mesh: tuple[int, int]) -> dict[str, int]:
@@ -458,7 +482,9 @@ def _communication(model: nn.Module, units: _Units, config: FSDPConfig, mesh: tu
     return {
         "all_gather": 0 if shards == 1 else gathered,
         "reduce_scatter": 0 if shards == 1 else reduced_bytes,
-        "all_reduce": 0 if replicas == 1 else sum(_shard_numel(p, shards, 0)[0] * reduced(p) for p in units.trained),
+        "all_reduce": 0
+        if replicas == 1
+        else sum(_shard_numel(tuple(p.shape), shards, 0)[0] * reduced(p) for p in units.trained),
     }
 
 
@@ -609,4 +635,15 @@ def explain(
     if memory is not None and memory.capability is not None and devices.type == "cuda" and devices.planned:
         devices = dataclasses.replace(devices, capability=memory.capability)  # a T4's plan computes in fp16
     validated = validate(config, world_size, devices, quiet=True)
-    return plan(model, validated, world_size, hosts, devices, workload=workload, memory=memory, suggest=suggest)
+    progress = ProgressLine("nbfsdp: --suggest") if suggest and memory is not None and workload is not None else None
+    return plan(
+        model,
+        validated,
+        world_size,
+        hosts,
+        devices,
+        workload=workload,
+        memory=memory,
+        suggest=suggest,
+        progress=progress,
+    )
