@@ -50,9 +50,10 @@ def shared(kind: type[widgets.Widget], **traits: Any) -> widgets.Widget:
     return made
 
 
-def _dropdown(description: str, options: tuple[str, ...]) -> widgets.Dropdown:
+def _dropdown(description: str, options: tuple[str, ...], value: str) -> widgets.Dropdown:
     return widgets.Dropdown(
         options=options,
+        value=value,
         description=description,
         layout=shared(widgets.Layout, **{**_LAYOUT, "width": dropdown_width(description, options)}),
         style=shared(DescriptionStyle, **_STYLE),
@@ -65,8 +66,9 @@ def dropdown_width(description: str, options: tuple[str, ...]) -> str:
     return f"{DESCRIPTION_EM * len(description) + CHOICE_EM * longest + DROPDOWN_PADDING_EM:.1f}em"
 
 
-def _checkbox(description: str) -> widgets.Checkbox:
+def _checkbox(description: str, value: bool) -> widgets.Checkbox:
     return widgets.Checkbox(
+        value=value,
         description=description,
         indent=False,
         layout=shared(widgets.Layout, **_LAYOUT),
@@ -92,15 +94,25 @@ class SettingsControls:
     def __init__(self, values: dict[str, Any], on_change: Callable[[dict[str, Any]], object]) -> None:
         precision = values["mixed_precision"]
         custom = isinstance(precision, dict)
+        # each made with its value (one message to the frontend each, not two), observed after: only a person's
+        # changes are reported
+        shown = {
+            **values,
+            "mixed_precision": CUSTOM_PRECISION if custom else precision,
+            "memory_limit": size_words(values.get("memory_limit")),
+        }
         self.widgets: dict[str, widgets.ValueWidget] = {
-            "sharding_strategy": _dropdown("sharding", SHARDING_STRATEGIES),
-            "mixed_precision": _dropdown("mixed precision", (*MIXED_PRECISIONS, *([CUSTOM_PRECISION] * custom))),
-            "backward_prefetch": _dropdown("backward prefetch", BACKWARD_PREFETCHES),
-            "forward_prefetch": _checkbox("forward prefetch"),
-            "activation_checkpointing": _checkbox("activation checkpointing"),
-            "cpu_offload": _checkbox("CPU offload"),
-            "device": _dropdown("device", DEVICE_CHOICES),
+            "sharding_strategy": _dropdown("sharding", SHARDING_STRATEGIES, shown["sharding_strategy"]),
+            "mixed_precision": _dropdown(
+                "mixed precision", (*MIXED_PRECISIONS, *([CUSTOM_PRECISION] * custom)), shown["mixed_precision"]
+            ),
+            "backward_prefetch": _dropdown("backward prefetch", BACKWARD_PREFETCHES, shown["backward_prefetch"]),
+            "forward_prefetch": _checkbox("forward prefetch", shown["forward_prefetch"]),
+            "activation_checkpointing": _checkbox("activation checkpointing", shown["activation_checkpointing"]),
+            "cpu_offload": _checkbox("CPU offload", shown["cpu_offload"]),
+            "device": _dropdown("device", DEVICE_CHOICES, shown["device"]),
             "memory_limit": widgets.Text(
+                value=shown["memory_limit"],
                 description="memory limit a rank",
                 placeholder="none (e.g. 512MiB)",
                 continuous_update=False,
@@ -108,6 +120,7 @@ class SettingsControls:
                 style=shared(TextStyle, **_STYLE),
             ),
             "world_size": widgets.BoundedIntText(
+                value=shown["world_size"],
                 min=1,
                 max=MAX_WORLD_SIZE,
                 description="world size",
@@ -115,13 +128,7 @@ class SettingsControls:
                 style=shared(DescriptionStyle, **_STYLE),
             ),
         }
-        shown = {
-            **values,
-            "mixed_precision": CUSTOM_PRECISION if custom else precision,
-            "memory_limit": size_words(values.get("memory_limit")),
-        }
         for key, control in self.widgets.items():
-            control.value = shown[key]  # before observing: only a person's changes are reported
             control.observe(lambda change, key=key: self._changed(key, change["new"]), names="value")
         self._on_change = on_change
         self.box = widgets.HBox(list(self.widgets.values()), layout=shared(widgets.Layout, flex_flow="row wrap"))

@@ -171,22 +171,24 @@ def submit(
     started: float,
     session: SessionCallbacks,
 ) -> CellRun:
-    """The cell sent to every rank, with its dashboard and its predicted peak beside it."""
+    """The cell sent to every rank, with its dashboard and its predicted peak beside it. The ranks start first:
+    a warm cell's dashboard (17 widgets, each a message to the frontend: 8 ms) is built while they run, and
+    is displayed before their output, which ``watch`` streams only after."""
     models, config, background = prepared.models, prepared.config, options.background
-    dashboard = None
-    if not prepared.internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
-        dashboard = live_dashboard(cluster, world, prepared, background, session)
-    prediction = None
-    if not prepared.internal:
-        read = [prepared.sent[name] for name in prepared.plans]
-        prediction = predict_peak(
-            models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
-        )
-    ranks = RankRun(
-        cluster,
-        spec,
-        prepared.values,
-        delivery.sending,
+    ranks = RankRun(cluster, spec, prepared.values, delivery.sending)
+    dashboard = prediction = None
+    try:
+        if not prepared.internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
+            dashboard = live_dashboard(cluster, world, prepared, background, session)
+        if not prepared.internal:
+            read = [prepared.sent[name] for name in prepared.plans]
+            prediction = predict_peak(
+                models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
+            )
+    except BaseException:  # a Ctrl-C while the dashboard is built: the ranks started already
+        ranks.stop()
+        raise
+    ranks.show_on(
         view=dashboard,
         sink=dashboard if background else None,
         on_records=functools.partial(stream_into, record, dashboard),

@@ -171,20 +171,11 @@ class _RecordStream:
 class RankRun:
     """One cell submitted to every rank; ``watch`` follows it to its end, here or in a background thread.
 
-    ``skeletons`` are the models sent anew (their shards were delivered already). ``on_records``
-    gets each batch of records the ranks stream while they run.
+    ``skeletons`` are the models sent anew (their shards were delivered already). The ranks start at once;
+    ``show_on`` then says where their output and records go (the dashboard is built while they run).
     """
 
-    def __init__(
-        self,
-        cluster: Cluster,
-        spec: CellSpec,
-        values: bytes,
-        skeletons: dict[str, bytes],
-        view: LiveView | None = None,
-        sink: OutputSink | None = None,
-        on_records: Callable[[list[dict[str, Any]]], None] | None = None,
-    ) -> None:
+    def __init__(self, cluster: Cluster, spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> None:
         self.cluster = cluster
         world = cluster.world
         assert world is not None, "no world running"  # the session ensured the cell's world before the run
@@ -193,10 +184,28 @@ class RankRun:
         engine_ids = dict(enumerate(self.world.engine_ids))
         arguments = dict.fromkeys(engine_ids, (spec, values, skeletons))
         self.results = list(submit(cluster.client, engine_ids, engine.run_cell, arguments).values())
+        self.view: LiveView | None = None
+        self._streamer = _OutputStreamer(self.results, CellStreams())
+        self._records = _RecordStream(self.results, None, None)
+        self._interrupt = threading.Event()
+
+    def show_on(
+        self,
+        view: LiveView | None = None,
+        sink: OutputSink | None = None,
+        on_records: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        """Before ``watch``: ``view`` redrawn as records arrive and told of dead ranks, the ranks' output into
+        ``sink`` (default: the cell's own streams), each batch of records they stream to ``on_records``."""
         self.view = view
         self._streamer = _OutputStreamer(self.results, sink or CellStreams())
         self._records = _RecordStream(self.results, on_records, view)
-        self._interrupt = threading.Event()
+
+    def stop(self) -> None:
+        """End every rank now (SIGINT, then a kill for one that does not stop), as an interrupt of ``watch``
+        does; the next cell starts a fresh world if one died."""
+        self.world.broken = True
+        _stop_ranks(self, {}, immediately=True)
 
     def interrupt(self) -> None:
         """From another thread: end the run as a KeyboardInterrupt in ``watch`` would."""
