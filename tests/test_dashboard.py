@@ -75,18 +75,23 @@ def _figure_updates(messages: list) -> list[float]:
 
 
 def test_figures_redraw_live_during_a_ten_second_cell(kernel):
+    idle_before = psutil.cpu_times().idle
     reply, messages = kernel.execute(TEN_SECONDS)
     assert reply["content"]["status"] == "ok"
     end = messages[-1][0]
+    idle_cores = (psutil.cpu_times().idle - idle_before) / end  # what the machine left idle, on average
     updates = _figure_updates(messages)
     assert end > 9
-    assert len(updates) >= 5, updates
-    # live from the start: the first figure lands in the cell's first half (under 2 s of 10 when idle; relative,
-    # so a busy machine that stretches the cell still passes)
-    assert updates[0] < end / 2, (updates[0], end)
-    # still redrawing near the end, not only at the start: within two of the longest pauses between drawings
-    # (the dashboard's back-off while no core is idle, as when the suite's other worker keeps them busy)
-    assert updates[-2] > end - 2 * dashboard_module.MAX_REDRAW_SECONDS, (updates, end)
+    assert updates and updates[-1] > end - 1, (updates, end)  # the final figure, however busy the machine
+    # live: the drawing worker draws with the CPU time nothing else wants (SCHED_IDLE), so what it draws depends
+    # on what the machine left idle (measured, not assumed: other programs, the suite's other worker). Where at
+    # least half a core was idle: live from the start (the first figure in the cell's first half, under 2 s
+    # of 10 when idle), at least 5, and still redrawing near the end (within two of the longest pauses between
+    # drawings, the back-off while no core is idle)
+    if idle_cores >= 0.5:
+        assert len(updates) >= 5, (updates, idle_cores)
+        assert updates[0] < end / 2, (updates[0], end)
+        assert updates[-2] > end - 2 * dashboard_module.MAX_REDRAW_SECONDS, (updates, end)
     # the widget is displayed before anything else, above the cell's own output
     first_display = next(m for _, m in messages if m["msg_type"] in ("display_data", "stream"))
     assert first_display["msg_type"] == "display_data"
@@ -394,9 +399,17 @@ def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):
             spinner.wait()
     expected = max(1.0, dashboard._drawing_cpu / dashboard_module.BUSY_DRAWING_CPU_SHARE)
     assert busy_pause == pytest.approx(min(dashboard_module.MAX_REDRAW_SECONDS, expected))
-    # a core idle again: set, not measured, as whether one is idle now depends on what else the machine runs
+    # a core idle again: set, not measured, as whether one is idle now depends on what else the machine runs;
+    # the pause follows the idle share (a slow machine's drawing may cost enough CPU that both are capped)
     dashboard._idle_cores = 1.0
-    assert dashboard._pause() < busy_pause
+    idle_pause = min(
+        dashboard_module.MAX_REDRAW_SECONDS, max(1.0, dashboard._drawing_cpu / dashboard_module.DRAWING_CPU_SHARE)
+    )
+    assert dashboard._pause() == pytest.approx(idle_pause) and idle_pause <= busy_pause
+    dashboard._drawing_cpu = 0.02  # a drawing of 20 ms of CPU: 1 s apart while a core is idle, 2 s while none is
+    assert dashboard._pause() == pytest.approx(1.0)
+    dashboard._idle_cores = 0.0
+    assert dashboard._pause() == pytest.approx(2.0)
 
 
 def test_ranks_that_share_a_gpu_are_said_to_share_it_above_their_rows(shell):

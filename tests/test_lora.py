@@ -98,6 +98,10 @@ def _assert_adapters_only_train(model: nn.Module, plan) -> None:
         assert optim == 2 * _adapter_share(model, rank) + 4 * trainable  # exp_avg, exp_avg_sq, a step each
 
 
+#: ``torch.testing.assert_close``'s defaults for bfloat16.
+_BF16_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-5}
+
+
 def test_lora_on_a_bf16_base_trains_as_one_process_and_only_the_adapters_come_back(shell, tmp_path):
     batches = _batches(shell)
     run_ok(
@@ -120,8 +124,13 @@ def test_lora_on_a_bf16_base_trains_as_one_process_and_only_the_adapters_come_ba
 
     run_ok(shell, TRAIN.format(model="model", steps=STEPS))
     torch.testing.assert_close(_losses(), _one_process(reference, batches), rtol=1e-5, atol=0)
-    for name, param in model.named_parameters():  # the adapters trained as one process's, the base untouched
-        torch.testing.assert_close(param, dict(reference.named_parameters())[name], msg=name)
+    # the adapters trained as one process's, within the tolerance of the dtype they are computed through: their
+    # gradients come back through the bf16 base, whose matmuls round by the CPU's kernels (one machine's
+    # oneDNN summed in another order than another's: lora_A differed at fp32's tolerance)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param, dict(reference.named_parameters())[name], msg=name, **_BF16_TOLERANCE if "lora_" in name else {}
+        )
     for name, tensor in frozen.items():
         assert torch.equal(dict(model.named_parameters())[name], tensor), name
 

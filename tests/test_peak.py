@@ -9,14 +9,13 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 from IPython.core.error import UsageError
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbfsdp
 from nbfsdp.kernel.planning import fitting, live_bytes, peak, predicted, recording
 from nbfsdp.kernel.planning.attention import device_sdpa
-from nbfsdp.shared.config import ConfigError, FSDPConfig, validate
+from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import choose
 from tests.conftest import gpu, run_failing, run_ok
 

@@ -143,3 +143,26 @@ def test_explain_suggest_says_how_far_its_search_is(capsys):
     nbfsdp.explain(model, world_size=4, batch=batch, device_memory="783MiB", suggest=True, wrap_cls="LlamaDecoderLayer")
     said = capsys.readouterr().err
     assert "nbfsdp: --suggest: 1 of " in said and "settings traced in" in said.splitlines()[-1], said
+
+
+def test_a_search_with_a_budget_of_recordings_tries_what_they_replay_and_the_same_on_any_machine():
+    """The out-of-memory report's search: at most N recordings of the step, so the fixes it offers do not depend
+    on how fast the machine traces (a budget in seconds found PURE on one machine and not on another)."""
+    from nbfsdp.kernel.planning import fitting
+    from nbfsdp.kernel.planning.plans import plan
+
+    model = _llama(26)
+    ids = torch.empty(16, 32, dtype=torch.long, device="meta")
+    devices = choose("cpu", 4, 0, planning=True)
+    config = validate(FSDPConfig(device="cpu", wrap_cls="LlamaDecoderLayer"), 4, devices)
+    workload = Workload(batch={"input_ids": ids, "labels": ids})
+    memory = fitting.device_memory(None, "783MiB")
+
+    def searched() -> tuple[list[str], int]:
+        planned = plan(model, config, 4, devices=devices, workload=workload, memory=memory, suggest=True,
+                       cache=peak.TraceCache(most=2))  # fmt: skip
+        return [s.change for s in planned.suggestions], planned.untried
+
+    changes, untried = searched()
+    assert changes == ["activation checkpointing"] and untried > 0  # the asked step's recording, then checkpointing
+    assert searched() == (changes, untried)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -312,39 +311,40 @@ def step_cost(plan: Plan, asked: Plan, micro_batches: int) -> float:
 MAX_SUGGESTIONS = 8
 
 
-def suggest(
-    asked: Plan, replan: Any, seconds: float | None = None, on_progress: Callable[[int, int], None] | None = None
-) -> tuple[list[Plan], int]:
+class Untried(Exception):
+    """``replan`` could not try a change within the search's budget (``suggest`` counts it untried)."""
+
+
+def suggest(asked: Plan, replan: Any, on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Plan], int]:
     """Plans that fit, of the changes ``candidates`` lists and their ``pairs``, cheapest first (more ranks
     last), and how many changes were left untried; ``replan(change)`` makes the plan of one change (None where
-    the change cannot apply). With ``seconds``, no change is tried after that long (an out-of-memory report
-    is due within seconds). ``on_progress(tried, known)`` after each change: how many were tried, of how many
-    are known to be tried (the pairs are known once every single change has been)."""
-    deadline = time.monotonic() + seconds if seconds is not None else None
+    the change cannot apply; ``Untried`` where its budget is spent: an out-of-memory report's search makes at most
+    a few recordings). ``on_progress(tried, known)`` after each change: how many were tried, of how many are known
+    to be tried (the pairs are known once every single change has been)."""
     found: list[Plan] = []
     single = candidates(asked.config, asked.world_size)
     untried = tried = 0
     for change in single:
-        untried += not _try(asked, replan, change, found, deadline)
+        untried += not _try(asked, replan, change, found)
         tried += 1
         if on_progress is not None:
             on_progress(tried, len(single))
     fitting_alone = {p.change for p in found}
     both = pairs(single, fitting_alone)
     for pair in both:
-        untried += not _try(asked, replan, pair, found, deadline)
+        untried += not _try(asked, replan, pair, found)
         tried += 1
         if on_progress is not None:
             on_progress(tried, len(single) + len(both))
     return sorted(found, key=lambda p: (p.gpu_factor, p.cost_seconds))[:MAX_SUGGESTIONS], untried
 
 
-def _try(asked: Plan, replan: Any, change: Change, found: list[Plan], deadline: float | None) -> bool:
-    """Plan ``change``, kept in ``found`` where it fits; False where the deadline left it untried."""
-    if deadline is not None and time.monotonic() > deadline:
-        return False
+def _try(asked: Plan, replan: Any, change: Change, found: list[Plan]) -> bool:
+    """Plan ``change``, kept in ``found`` where it fits; False where the budget left it untried."""
     try:
         planned = replan(change)
+    except Untried:
+        return False
     except Exception:  # a model the trace cannot run so (a cache a recompute appends to): that change untold
         return True
     if planned is None or not planned.fits:

@@ -37,7 +37,11 @@ from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.torch_private import tree_flatten
 from nbfsdp.shared.units import activation_modules, wrap_key, wrap_units
 
-__all__ = ["CATEGORIES", "Peak", "TraceCache", "crossing", "rank_peaks"]
+__all__ = ["CATEGORIES", "Peak", "RecordingsSpent", "TraceCache", "crossing", "rank_peaks"]
+
+
+class RecordingsSpent(Exception):
+    """A ``TraceCache``'s budget of recordings is spent: a plan that needs another is not made."""
 
 
 class TraceCache:
@@ -46,10 +50,11 @@ class TraceCache:
     rank's inputs), and AdamW's step by its shards. A new plan of the model makes a new cache (its weights'
     shapes may have changed since)."""
 
-    def __init__(self, *, cut_stacks: bool = True) -> None:
+    def __init__(self, *, cut_stacks: bool = True, most: int | None = None) -> None:
         """``cut_stacks``: a deep stack of identical layers may be recorded cut and stretched (False: every layer
-        is traced)."""
-        self.cut_stacks = cut_stacks
+        is traced). ``most``: at most this many recordings, then ``RecordingsSpent`` (a budget that does not
+        depend on the machine's speed, as a search in seconds would)."""
+        self.cut_stacks, self.most = cut_stacks, most
         self._recordings: dict[tuple, tuple[Recording, Any]] = {}
         self._units: dict[tuple, tuple[list[nn.Module], list[nn.Module], stretch.Stack | None]] = {}
         self._optimizer: dict[tuple, Split] = {}
@@ -84,6 +89,8 @@ class TraceCache:
             _shapes(inputs),
         )
         if key not in self._recordings:
+            if self.most is not None and len(self._recordings) >= self.most:
+                raise RecordingsSpent(f"{self.most} recordings made")
             self._recordings[key] = self._record(model, config, devices, workload, inputs, stack), ref
         return self._recordings[key]
 

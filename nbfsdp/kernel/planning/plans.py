@@ -32,7 +32,7 @@ from nbfsdp.kernel.cluster.world import planned_devices
 from nbfsdp.kernel.planning import fitting, placement, predicted
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.fsdp_code import render
-from nbfsdp.kernel.planning.peak import TraceCache, rank_peaks
+from nbfsdp.kernel.planning.peak import RecordingsSpent, TraceCache, rank_peaks
 from nbfsdp.kernel.planning.placement import replicate_groups, shard_groups
 from nbfsdp.kernel.planning.progress import ProgressLine
 from nbfsdp.kernel.planning.workload import Workload, autocast_dtype
@@ -300,20 +300,19 @@ def plan(
     workload: Workload | None = None,
     memory: DeviceMemory | None = None,
     suggest: bool = False,
-    search_seconds: float | None = None,
+    cache: TraceCache | None = None,
     progress: ProgressLine | None = None,
 ) -> Plan:
     """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
     collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
     planned for GPUs it does not have. With a ``workload``, each rank's peak in a training step, traced
     (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit
-    (tried for at most ``search_seconds`` where given; ``progress`` says how far it is). A cell that trains
-    ``model`` on no loader of its own predicts its peak with this ``workload``."""
+    (``progress`` says how far the search is). ``cache``: recordings to reuse, and a budget of them (a change
+    that needs one more is left untried). A cell that trains ``model`` on no loader of its own predicts its peak
+    with this ``workload``."""
     if workload is not None:
         predicted.remember(model, workload)
-    return _traced(
-        model, config, world_size, hosts, devices, workload, memory, suggest, search_seconds, progress=progress
-    )
+    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest, cache, progress)
 
 
 def _traced(
@@ -325,7 +324,6 @@ def _traced(
     workload: Workload | None,
     memory: DeviceMemory | None,
     suggest: bool,
-    search_seconds: float | None = None,
     cache: TraceCache | None = None,
     progress: ProgressLine | None = None,
 ) -> Plan:
@@ -353,7 +351,6 @@ def _traced(
         planned.suggestions, planned.untried = fitting.suggest(
             planned,
             functools.partial(_replan, model, config, world_size, hosts, workload, memory, cache),
-            search_seconds,
             on_progress=progress.searched if progress is not None else None,
         )
         if progress is not None:
@@ -385,11 +382,11 @@ def _replan(
     try:
         changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
         work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
-        return _traced(
-            model, changed, size, hosts if size == world_size else None, devices, work, memory, False, cache=cache
-        )
+        return _traced(model, changed, size, hosts if size == world_size else None, devices, work, memory, False, cache)
     except ConfigError:
         return None
+    except RecordingsSpent as spent:
+        raise fitting.Untried(str(spent)) from spent
 
 
 @dataclass(frozen=True, slots=True)

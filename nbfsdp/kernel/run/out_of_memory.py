@@ -28,9 +28,12 @@ from nbfsdp.shared.torch_private import tree_map
 
 #: An offered fix's traced peak stays under this share of a CPU rank's ``--memory-limit``.
 MARGIN = 0.9
-#: The search for fixes stops trying changes after this long: the report is due within 5 s of the failure, and
-#: one change of a 124M GPT-2 traces in about half a second (``%fsdp explain --suggest`` tries them all).
-SEARCH_SECONDS = 2.5
+#: The search for fixes makes at most this many recordings of the step (the asked settings', then the changes
+#: that need one: checkpointing every block, every 2nd, attention alone, PURE); changes a recording replays
+#: (sharding, offload) are tried too, the rest left untried. A budget of work, not of seconds, so that the report
+#: offers the same fixes on any machine: one recording of a 124M GPT-2 takes about half a second, so the report
+#: comes within the 5 s it is due in (``%fsdp explain --suggest`` tries every change).
+SEARCH_RECORDINGS = 5
 #: How a change of settings is pasted: each fsdp_config key's flag (None: not a flag, said in words).
 _FLAGS = {
     "activation_checkpointing": lambda value: "--activation-checkpointing",
@@ -90,7 +93,8 @@ def _planned(
 ) -> dict[str, Any]:
     """The planner's side: its bytes where the step passes ``limit``, the step's peak, the fixes that fit."""
     first_step = memory["at_failure"]["optim"] == 0  # no optimizer state yet: the failure is in the first step
-    crossed = peak.crossing(model, config, world_size, devices, workload, limit, first_step)
+    cache = peak.TraceCache(most=SEARCH_RECORDINGS)  # the crossing's recording is the asked plan's too
+    crossed = peak.crossing(model, config, world_size, devices, workload, limit, first_step, cache)
     share = MARGIN if devices.type == "cpu" else None
     planned = plan(
         model,
@@ -100,7 +104,7 @@ def _planned(
         workload=workload,
         memory=DeviceMemory(f"{size_text(limit)} a rank", limit, step_share=share),
         suggest=True,
-        search_seconds=SEARCH_SECONDS,
+        cache=cache,
     )
     return {
         "untried": planned.untried,
@@ -164,8 +168,8 @@ def _text(report: dict[str, Any], devices: Devices) -> str:
             lines.append(f"  {fix['flags']:<60} peak {size_text(fix['peak'])}   {fix['change']}")
     if report.get("untried"):
         lines.append(
-            f"({report['untried']} more changes were not tried in the {SEARCH_SECONDS:g} s the report allows: "
-            "%fsdp explain --batch ... --suggest tries them all)"
+            f"({report['untried']} more changes were not tried: the report traces the step at most "
+            f"{SEARCH_RECORDINGS} ways; %fsdp explain --batch ... --suggest tries them all)"
         )
     if "planner_error" in report:
         lines.append(f"The planner could not trace this step: {report['planner_error']}")
