@@ -8,7 +8,8 @@ each candidate was traced whole, every layer, optimizer step included). The note
 suggestions found and how many recordings the search traced (a deep stack is traced cut to 3, 4 and 5 layers
 and stretched; settings the trace does not see replay a recording).
 
-``--quick``: Llama-3-8B's shapes (32 layers) on 8 x H100 at 8 x 4,096 tokens, the same search.
+``--quick``: Llama-3-8B's shapes (32 layers) on 8 x H100 at 32 x 4,096 tokens (notebook 09's step that does not
+fit), the same search.
 
 Run alone: ``python -m benchmarks --only explain_suggest``.
 """
@@ -47,7 +48,7 @@ def _llama(size: str) -> torch.nn.Module:
 def run(ctx: Context) -> dict:
     import nbfsdp
 
-    size, world_size, sequences = ("8B", 8, 8) if ctx.quick else ("70B", 64, 128)
+    size, world_size, sequences = ("8B", 8, 32) if ctx.quick else ("70B", 64, 128)
     model = _llama(size)
     ids = torch.empty(sequences, 4096, dtype=torch.long, device="meta")
     asked = {

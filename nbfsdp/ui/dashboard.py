@@ -50,6 +50,12 @@ BUSY_DRAWING_CPU_SHARE = 0.01
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
 FINAL_DRAWING_SECONDS = 10.0
+#: A live drawing the worker has not answered after this long is drawn in the kernel instead. The worker draws
+#: with the CPU time nothing else wants (SCHED_IDLE): on a machine whose every core other programs keep busy it
+#: gets none at all (seen: one live figure in 40 s of a test suite run beside two busy loops), and a dashboard
+#: that stops changing looks like a hung cell. Drawn here, a figure costs the kernel about 0.1 s of CPU each time:
+#: at most a sixtieth of a core.
+STARVED_SECONDS = 2 * MAX_REDRAW_SECONDS
 
 
 def _html(value: str = "") -> widgets.HTML:
@@ -208,6 +214,9 @@ class LiveDashboard:
         now = time.monotonic()
         self._watch_idle_cores(now)
         drawing = self._drawing is not None and not self._drawing.done()
+        if drawing and not final and now - self._last_draw >= STARVED_SECONDS:
+            self._draw_here(now)
+            return
         first_points = self.records and not self.redraws
         if not final and (drawing or not (first_points or now - self._last_draw >= self._pause())):
             return
@@ -227,10 +236,22 @@ class LiveDashboard:
             self._drawing = renderer.render(self._key, self.world_size, self.predicted, self.records[first:], first)
             self._drawing.add_done_callback(self._drawn)
 
+    def _draw_here(self, now: float) -> None:
+        """The worker has had no CPU for the live drawing it was given (``STARVED_SECONDS``): draw every record
+        here; its drawing, when it comes, is dropped, and its next one starts the figure afresh."""
+        png = figures.png(self.records, self.world_size, self.predicted)
+        with self._show_lock:
+            self._drawing, self._drawn_records, self._last_draw = None, 0, now
+            if not self._finished:
+                self._show(png)
+        self._status.value = self._status_table()
+
     def _drawn(self, drawing: Future[tuple[bytes, float]]) -> None:
         """A live drawing is done (on the worker's result thread); a failed one leaves the last up, and the
         next one starts the figure afresh."""
         with self._show_lock:
+            if drawing is not self._drawing:  # drawn here meanwhile (``_draw_here``): out of date
+                return
             if drawing.exception() is not None:
                 self._drawn_records = 0
             elif not self._finished:
