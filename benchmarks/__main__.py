@@ -19,6 +19,10 @@ Benchmarks (each module's docstring says what it measures and how):
 6. ``log_overhead`` ``nbfsdp.log`` each step and the live plot vs no logging, at ~10 steps a second
    ``where_ledger`` ``%fsdp where``'s ledger of collectives on vs off, on the GPT-2 loop's step (torchrun, ws 2)
    ``explain_suggest`` ``%fsdp explain --suggest`` on Llama-3-70B's shapes (64 x H100) vs the plan alone
+   ``timeline``     a 200-step loop capturing steps (``--timeline``'s default) vs ``--timeline 0``, and a
+                    captured step vs its cell's median step
+   ``overlap``      communication hidden behind compute on CPU ranks, prefetch off / backward / forward+backward,
+                    the course's 4-block model, ws 2 and 4
 7. ``gpu``          the step-time loop on one GPU (NCCL) vs torchrun, with MFU; skipped without a GPU
    ``gpu_loop``     the GPT-2 loop people bring, at the GPU default precision: plain, torchrun FSDP2 ws1,
                     ``%%fsdp --world-size 1`` and ``--world-size 2 --device cuda`` on one GPU; skipped without one
@@ -59,10 +63,12 @@ from benchmarks import (
     lora_cell,
     machine,
     model_transfer,
+    overlap,
     pretrained,
     read_only_cell,
     report,
     step_time,
+    timeline_cost,
     warm_cell,
     where_ledger,
 )
@@ -83,6 +89,8 @@ BENCHMARKS = {
         log_overhead,
         where_ledger,
         explain_suggest,
+        timeline_cost,
+        overlap,
         gpu,
         gpu_loop,
         checkpoint,
@@ -92,6 +100,8 @@ BENCHMARKS = {
 #: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
 #: world each round anyway), then those with kernels of their own.
 RUN_ORDER = (
+    "timeline",
+    "overlap",
     "log_overhead",
     "step_time",
     "dataloader",
@@ -108,7 +118,7 @@ RUN_ORDER = (
     "gpu",
     "gpu_loop",
 )
-SHARE_WARM_KERNEL = {"log_overhead", "step_time", "dataloader", "warm_cell"}
+SHARE_WARM_KERNEL = {"timeline", "overlap", "log_overhead", "step_time", "dataloader", "warm_cell"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 

@@ -51,13 +51,14 @@ del dataset, loader, global_batches
 """
 
 
-def run(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, log_each_step: bool = True) -> dict:
-    """One ``%%fsdp`` run of the loop on a warm world; rank 0's step times and losses and how it ran."""
+def run(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, log_each_step: bool = True, flags: str = "") -> dict:
+    """One ``%%fsdp`` run of the loop on a warm world; rank 0's step times and losses and how it ran. ``flags``:
+    more of ``%%fsdp``'s (``--timeline 0``)."""
     kernel.execute(loops.setup_source(sizes))
     if sizes.from_loader:
         kernel.execute(loops.dataset_source(sizes, world_size) + loops.NOTEBOOK_LOADER_SOURCE)
     kernel.execute(f"LOG_EACH_STEP = {log_each_step}\n{loops.NEW_MODEL_SOURCE}")
-    reply = kernel.execute(loops.fsdp_cell(world_size, sizes))
+    reply = kernel.execute(loops.fsdp_cell(world_size, sizes).replace("%%fsdp ", f"%%fsdp {flags}", 1))
     result = kernel.execute(_READ_BACK).json()
     if sizes.from_loader:
         result.update(kernel.execute(_READ_BACK_LOADER).json())

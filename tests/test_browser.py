@@ -31,7 +31,8 @@ import pytest
 from PIL import Image, PngImagePlugin
 from playwright.sync_api import Locator, Page, expect, sync_playwright
 
-from tests.test_dashboard import DOCS_IMAGE, IMAGE_PARTS_KEY, image_parts
+from nbfsdp.ui.timeline_panel import PANEL_CLASS
+from tests.test_dashboard import DOCS_IMAGE, IMAGE_PARTS_KEY, TIMELINE_PART, image_parts
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = "00-quickstart.ipynb"
@@ -277,6 +278,7 @@ def run_quickstart(page: Page, lab: Lab) -> None:
     problems = failures(lab.notebook)
     assert not problems, problems
     assert toggle_problem is None, toggle_problem
+    check_timeline(cell)
     for width in WIDTHS:
         page.set_viewport_size({"width": width, "height": 1000})
         dashboard = cell.locator(".jp-OutputArea-output .widget-vbox").first
@@ -288,11 +290,25 @@ def run_quickstart(page: Page, lab: Lab) -> None:
         assert not clashes, f"at {width} px wide (see test-artifacts/browser/dashboard-{width}.png): {clashes}"
 
 
+def check_timeline(cell: Locator) -> None:
+    """The dashboard's timeline panel, as the finished cell left it: its picture drawn, and its table with the
+    captured step before the toggle beside the one after, each collective's size and bus bandwidth."""
+    picture = cell.locator(f"img.{PANEL_CLASS}")
+    expect(picture).to_be_visible()
+    assert picture.evaluate("img => img.complete && img.naturalWidth > 0"), "the timeline panel drew nothing"
+    table = cell.locator(f".widget-html.{PANEL_CLASS}").inner_text()
+    assert re.search(r"before: step \d+, .* exposed [\d.]+ ms \(.*activation_checkpointing=False", table), table
+    assert re.search(r"now: step \d+, .* exposed [\d.]+ ms \(.*activation_checkpointing=True", table), table
+    assert "bus GB/s" in table and table.count("all_gather") >= 2 and "reduce_scatter" in table, table
+
+
 def publish(dashboard: Locator) -> None:
     """Take the docs' picture of the dashboard (docs/images/dashboard.png) again when the controls and buttons it
     records are no longer the page's (test_dashboard fails until then); else leave it, so that a run of the
     suite changes no tracked file."""
     parts = dashboard.locator(CONTROLS).evaluate_all("parts => parts.map(p => p.innerText.trim().split('\\n')[0])")
+    if dashboard.locator(f"img.{PANEL_CLASS}").count():
+        parts.append(TIMELINE_PART)
     if image_parts() == parts:
         return
     taken = ARTIFACTS / "docs-dashboard.png"

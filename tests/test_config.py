@@ -60,6 +60,7 @@ def _train_and_compare(shell, model, flags: str, world_size: int = 2) -> None:
         ("SHARD_GRAD_OP", 2, False, 16),
         ("NO_SHARD", 2, True, 32),  # replicated: every rank holds all rows
         ("HYBRID_SHARD --replicas 2", 4, True, 16),  # 2 replicas x 2 shards
+        ("FULL_SHARD --reshard-after-forward 2", 4, True, 8),  # kept in pairs between forward and backward
     ],
 )
 def test_each_sharding_strategy_trains_like_one_process(shell, tiny_model, strategy, world_size, resharded, rows):
@@ -216,6 +217,25 @@ def test_bad_config_values_are_rejected_before_anything_runs(shell, config, mess
     shell.user_ns["bad_config"] = config
     runs_before = len(nbfsdp.runs())
     error, elapsed = run_failing(shell, "%%fsdp --world-size 2 --config bad_config\npass\n")
+    assert isinstance(error, UsageError) and message in str(error), str(error)
+    assert elapsed < 1 and len(nbfsdp.runs()) == runs_before
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--world-size 4 --reshard-after-forward 3", "must divide the 4 ranks a unit is sharded over, other than 1 "
+         "and 4: one of 2; got 3"),
+        ("--world-size 4 --reshard-after-forward 4", "one of 2; got 4"),
+        ("--world-size 2 --reshard-after-forward 2", "none at 2 (4 ranks or more); got 2"),
+        ("--world-size 4 --sharding-strategy SHARD_GRAD_OP --reshard-after-forward 2",
+         "needs FULL_SHARD or HYBRID_SHARD (with SHARD_GRAD_OP a unit stays gathered after forward)"),
+        ("--world-size 4 --reshard-after-forward 0", "one of 2; got 0"),
+    ],
+)  # fmt: skip
+def test_a_reshard_group_that_cannot_be_made_is_refused_naming_those_that_can(shell, tiny_model, flags, message):
+    runs_before = len(nbfsdp.runs())
+    error, elapsed = run_failing(shell, f"%%fsdp {flags}\npass\n")
     assert isinstance(error, UsageError) and message in str(error), str(error)
     assert elapsed < 1 and len(nbfsdp.runs()) == runs_before
 

@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 #: the controls and buttons it shows, under this PNG text key.
 DOCS_IMAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "images" / "dashboard.png"
 IMAGE_PARTS_KEY = "nbfsdp:parts"
+#: The picture's last part: the timeline panel (issue 56), which a dashboard shows once a step was captured.
+TIMELINE_PART = "timeline panel"
 
 
 def image_parts(path: pathlib.Path = DOCS_IMAGE) -> list[str] | None:
@@ -235,9 +237,9 @@ def test_each_ranks_predicted_peak_is_drawn_beside_its_measured_peak(shell):
     # the worker's live figure, made before the trace was done, draws the prediction once it comes
     key = "predicted-peak-test"
     drawing.draw(key, 2, planned.memory, records[:2], 0, False)
-    assert drawing._figures[key]._predicted_peaks == []
+    assert drawing._figures[key].memory.predicted_peaks == []
     drawing.draw(key, 2, dashboard.predicted, records[2:], 2, False)
-    assert drawing._figures[key]._predicted_peaks == peaks
+    assert drawing._figures[key].memory.predicted_peaks == peaks
     drawing._figures.pop(key)
 
 
@@ -513,7 +515,7 @@ def test_the_docs_picture_of_the_dashboard_shows_its_controls_and_buttons_as_the
     tests/test_browser.py, which takes the picture again whenever what it shows differs, has run."""
     dashboard = _dashboard()
     parts = [control.description for control in dashboard.controls.widgets.values()]
-    parts += [dashboard._stop.description, dashboard._where.description]
+    parts += [dashboard._stop.description, dashboard._where.description, TIMELINE_PART]
     assert image_parts() == parts, "run tests/test_browser.py: it takes docs/images/dashboard.png again"
 
 
@@ -527,3 +529,42 @@ def test_every_choice_of_a_dropdown_has_room_in_it(shell):
             assert width.endswith("em"), (control.description, width)
             needed = 0.55 * len(control.description) + 0.72 * max(map(len, control.options)) + 2
             assert float(width.removesuffix("em")) >= needed, (control.description, width)
+
+
+def test_the_timeline_panel_shows_the_captured_step_and_after_a_change_the_step_before_beside_it(kernel):
+    """Issue 56 (point 3): once every rank's second step is captured, the dashboard shows it lane by lane (an image
+    made only then: a shorter cell costs no widget) with a table of rank 0's collectives; a toggle clicked while the
+    cell runs is captured at the step it applies from, and that step stands beside the one before."""
+    clicker = _Clicker(kernel, "forward prefetch", {"method": "update", "state": {"value": True}})
+    cell = TEN_SECONDS.replace(
+        "%%fsdp --world-size 2 --wrap-cls Linear", "%%fsdp --world-size 2 --wrap-cls Linear --timeline 1000"
+    )
+    reply, messages = kernel.execute(cell, on_message=clicker)
+    assert reply["content"]["status"] == "ok" and clicker.sent_at is not None
+    opened = [m for _, m in messages if m["msg_type"] == "comm_open"]
+    images = [m for m in opened if m["content"]["data"]["state"].get("_model_name") == "ImageModel"]
+    assert len(images) == 2, len(images)  # the figures', then the timeline's
+    timeline_image = images[-1]["content"]["comm_id"]
+    # the drawings come from the worker's thread, after the click: answering it, as ipykernel sees it
+    drawn = [
+        m for m in kernel.comm_messages
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == timeline_image
+        and ["value"] in m["content"]["data"].get("buffer_paths", [])
+    ]  # fmt: skip
+    assert drawn, "the timeline panel was never drawn"
+    tables = [
+        m["content"]["data"]["state"]["value"] for m in kernel.comm_messages
+        if m["msg_type"] == "comm_msg" and "bus GB/s" in str(m["content"]["data"].get("state", {}).get("value", ""))
+    ]  # fmt: skip
+    assert tables, "no collectives table"
+    assert (
+        "<b>before</b>: step" in tables[-1]
+        and "<b>now</b>: step" in tables[-1]
+        and "forward_prefetch=True" in tables[-1]
+    )
+    assert "all_gather" in tables[-1] and "reduce_scatter" in tables[-1]
+    _, messages = kernel.execute(
+        "print(sorted({(c['step'], c['settings']['forward_prefetch']) for c in nbfsdp.last_run().timeline}))"
+    )
+    captured = eval(kernel.stdout(messages))
+    assert captured[0] == (1, False) and captured[-1][1] is True and len(captured) == 2, captured

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(120)
 
 MIB = 2**20
 PREDICTED = [{"params": MIB, "grads": MIB, "optim": 2 * MIB, "comm_buffers": MIB // 2}] * 2
-MEMORY = {"mem_params": MIB, "mem_grads": MIB, "mem_optim": 2 * MIB, "mem_activations": MIB // 2}
+# a CPU rank's figures: its peak holds the shards, the optimizer's state and the larger of the activations and the
+# gradients (``nbfsdp.engines.metrics``)
+MEMORY = {"mem_params": MIB, "mem_grads": MIB, "mem_optim": 2 * MIB, "mem_activations": MIB // 2, "mem_peak": 4 * MIB}
 
 
 def _records(steps: range, changed: str = "", seconds: float = 0.05) -> list[dict]:
@@ -176,7 +178,7 @@ def test_measured_and_predicted_memory_stand_side_by_side_and_are_labelled(world
         explained = [bar for bar in bars if bar.get_hatch()]
         assert max(bar.get_x() + bar.get_width() for bar in measured) <= rank <= min(bar.get_x() for bar in explained)
         if rank < 2:  # the ranks the records name
-            assert max(bar.get_y() + bar.get_height() for bar in measured) == pytest.approx(4.5)  # MEMORY, MiB
+            assert max(bar.get_y() + bar.get_height() for bar in measured) == pytest.approx(4.0)  # MEMORY's peak, MiB
         assert max(bar.get_y() + bar.get_height() for bar in explained) == pytest.approx(4.5)  # 4 + comm buffers
         peaks = {
             line.get_linestyle(): line.get_xdata()
@@ -190,3 +192,35 @@ def test_measured_and_predicted_memory_stand_side_by_side_and_are_labelled(world
     else:
         assert labels == [] and "measured" in memory_axes.get_xlabel() and "explain" in memory_axes.get_xlabel()
     assert "comm buffers (explain)" in memory_axes.get_legend_handles_labels()[1]
+
+
+def test_each_measured_bar_is_its_ranks_peak_by_category_and_explains_is_its_traced_peak():
+    """Issue 56: a bar stacked from categories each at its own peak (gradients and activations both) stood above
+    the peak line it explained. Now a rank's bar is the moment of its peak so far, summing to that line: the
+    activations or the gradients, whichever the peak held, and on a GPU what the allocator held beyond the tensors
+    counted (``other``). explain's bar, once traced with the batch the ranks used, is its peak's categories,
+    activations included, summing to its own peak line."""
+    cpu = [
+        {"rank": 0, "step": 0, "step_time": 0.1, "mem_params": MIB, "mem_optim": 0, "mem_grads": MIB,
+         "mem_activations": 3 * MIB, "mem_peak": 4 * MIB},
+        {"rank": 0, "step": 1, "step_time": 0.1, "mem_params": MIB, "mem_optim": 2 * MIB, "mem_grads": 2 * MIB,
+         "mem_activations": MIB, "mem_peak": 5 * MIB},  # the peak: the gradients, not the activations, with it
+        {"rank": 0, "step": 2, "step_time": 0.1, "mem_params": MIB, "mem_optim": 2 * MIB, "mem_grads": MIB,
+         "mem_activations": MIB // 2, "mem_peak": 4 * MIB},  # lower: the bar stays at step 1's moment
+        {"rank": 1, "step": 0, "step_time": 0.1, "mem_params": MIB, "mem_optim": MIB, "mem_grads": MIB,
+         "mem_activations": 2 * MIB, "mem_peak": 7 * MIB},  # a GPU's allocator peak: 3 MiB beyond what is counted
+    ]  # fmt: skip
+    parts = {"params": MIB, "grads": 0, "optim": 2 * MIB, "activations": 3 * MIB, "temporaries": MIB // 4,
+             "comm_buffers": MIB // 4}  # fmt: skip
+    predicted = [{**PREDICTED[0], "peak": 6.5 * MIB, "peak_parts": parts}] * 2
+    figure = DashboardFigure(2, predicted).add(cpu)
+    heights = {
+        rank: [bars[rank].get_height() for bars in figure.memory.bars] for rank in (0, 1)
+    }  # params, grads, optim, activations, other (MiB)
+    assert heights[0] == pytest.approx([1, 2, 2, 0, 0]) and heights[1] == pytest.approx([1, 0, 1, 2, 3])
+    for rank in (0, 1):
+        top = max(bars[rank].get_y() + bars[rank].get_height() for bars in figure.memory.bars)
+        assert top == pytest.approx(figure.memory.peak_lines[rank].get_ydata()[0]) == pytest.approx((5, 7)[rank])
+    explained = [bar for bar in figure.memory.predicted_bars if bar.get_x() < 0.5]
+    assert [bar.get_height() for bar in explained] == pytest.approx([1, 0, 2, 3, 0.5])  # traced: activations in
+    assert max(bar.get_y() + bar.get_height() for bar in explained) == pytest.approx(6.5)

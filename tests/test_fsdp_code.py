@@ -45,6 +45,8 @@ CASES = {
     "--forward-prefetch --backward-prefetch NONE --activation-checkpointing",
     "replicated": "--wrap-cls Block --sharding-strategy NO_SHARD",
 }
+#: Cases at world size 4: what needs more than 2 ranks.
+CASES_AT_4 = {"reshard-to-2": "--wrap-cls Block --reshard-after-forward 2"}
 
 
 def printed_code_against_the_cell(shell, capsys, settings: str, world_size: int) -> str:
@@ -69,6 +71,12 @@ def test_printed_code_trains_like_the_cell(shell, tiny_model, capsys, case):
     printed_code_against_the_cell(shell, capsys, CASES[case], world_size=2)
     expected = torch.bfloat16 if "PURE" in CASES[case] else None  # FULL: as stored, fp32 for this fp32 model
     assert shell.user_ns["param_dtype"] == expected
+
+
+@pytest.mark.parametrize("case", CASES_AT_4)
+def test_printed_code_trains_like_the_cell_at_world_size_4(shell, tiny_model, capsys, case):
+    printed = printed_code_against_the_cell(shell, capsys, CASES_AT_4[case], world_size=4)
+    assert "fully_shard(block, mesh=mesh, reshard_after_forward=2" in printed
 
 
 def test_the_code_says_each_setting(shell, tiny_model):

@@ -18,6 +18,9 @@ class Kernel:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         """``env``: the kernel's whole environment (default: this process's)."""
         self.manager, self.client = start_new_kernel(kernel_name="python3", **({} if env is None else {"env": env}))
+        self.comm_messages: list[dict] = []
+        """Every comm message seen on iopub, whatever request it answers: a widget's update sent from a thread
+        after a click carries the click's message as its parent, not the cell's."""
 
     def execute(
         self, code: str, timeout: float = 120, interrupt_after: float | None = None, on_message=None
@@ -36,6 +39,8 @@ class Kernel:
             except Exception:
                 assert time.monotonic() - started < timeout, f"cell did not finish in {timeout}s"
                 continue
+            if msg["msg_type"].startswith("comm_"):
+                self.comm_messages.append(msg)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             messages.append((time.monotonic() - started, msg))

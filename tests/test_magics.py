@@ -68,7 +68,8 @@ def test_bad_flags_are_a_usage_error_before_anything_runs(shell, flags, message)
 def test_bad_line_action_names_the_valid_ones(shell):
     valid = (
         r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel', 'check', "
-        r"'where', 'interrupt', 'save', 'load', 'checkpoints', 'export', 'export-script', 'attach', 'detach'\)"
+        r"'where', 'interrupt', 'timeline', 'trace', 'save', 'load', 'checkpoints', 'export', 'export-script', "
+        r"'attach', 'detach'\)"
     )
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")

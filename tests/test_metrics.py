@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.floor, pytest.mark.timeout(180)]
 #: Categories nbfsdp does not follow on CPU (no allocator statistics there).
 UNTRACKED_ON_CPU = ("Temp", "All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad", "Buffer", "Inputs")
 
-MEASURE = """%%fsdp --world-size 2 --mixed-precision FULL
+MEASURE = """%%fsdp --world-size 2 --mixed-precision FULL --timeline 0
 import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -65,6 +65,28 @@ def test_memory_figures_match_fsdp_mem_tracker(shell, tiny_model):
         for name, value in expected.items():
             assert value > 0, (rank, name)
             assert _within(record[name], value), f"rank {rank} {name}: measured {record[name]}, tracker {value}"
+
+
+def test_a_captured_steps_peak_counts_every_tensor_as_fsdp_mem_tracker_does(shell, tiny_model):
+    """A step the timeline captures (the cell's second, by default) has its CPU peak measured whole: the tensors
+    it allocated, as the profiler saw them, on top of the shards and the optimizer's state. That is FSDPMemTracker's
+    whole total, gathered parameters and temporaries included, which the meter's categories leave out: the tracker
+    here on the step after the captured one, the same step again (under the tracker's own dispatch mode the
+    profiler sees fewer allocations)."""
+    run_ok(shell, "torch.manual_seed(0)\nwide = Net(width=128, depth=3)\n")
+    captured_then_tracked = (
+        MEASURE.replace(" --timeline 0", "")
+        .replace(
+            "nbfsdp.log(step=0)\n",
+            "nbfsdp.log(step=0)\nloss_fn(wide(x), y).backward(); opt.step(); opt.zero_grad()\nnbfsdp.log(step=1)\n",
+        )
+        .replace("nbfsdp.log(step=1)\noracles", "nbfsdp.log(step=2)\noracles")
+    )
+    run_ok(shell, captured_then_tracked)
+    for rank, oracle in enumerate(shell.user_ns["oracles"]):
+        record = next(m for m in nbfsdp.last_run().metrics if m["rank"] == rank and m["step"] == 1)
+        assert record["mem_peak"] == record["mem_captured_peak"] > record["mem_params"] + record["mem_optim"]
+        assert _within(record["mem_peak"], oracle["peak"]["Total"], 0.01), (record["mem_peak"], oracle["peak"])
 
 
 @gpu

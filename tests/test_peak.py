@@ -149,8 +149,9 @@ def test_selective_checkpointing_runs_on_the_ranks_as_the_planner_traces_it(shel
     [
         (2, "--sharding-strategy NO_SHARD", {"sharding_strategy": "NO_SHARD"}),
         (4, "--sharding-strategy HYBRID_SHARD --replicas 2", {"sharding_strategy": "HYBRID_SHARD", "replicas": 2}),
+        (4, "--reshard-after-forward 2", {"reshard_after_forward": 2}),  # each unit kept by pairs into backward
     ],
-    ids=["no-shard", "hybrid-shard"],
+    ids=["no-shard", "hybrid-shard", "reshard-to-2"],
 )
 def test_no_shard_and_hybrid_shard_are_traced_on_their_shard_groups(shell, models, world_size, flags, settings):
     """Each rank holds the shards of its shard group (the whole model under NO_SHARD), and gathers and

@@ -52,6 +52,16 @@ del out
 checkpointing = [torch_private.checkpoint.state(block).enable_hook]
 torch_private.set_checkpointing(block, False)
 checkpointing.append(torch_private.checkpoint.state(block).enable_hook)
+
+groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+torch_private.set_unshard_async_op(model, False)
+async_off = [g.unshard_async_op for g in groups if g is not None]
+torch_private.set_unshard_async_op(model, True)  # CPU ranks run so: a prefetched gather overlaps in gloo's thread
+async_on = [g.unshard_async_op for g in groups if g is not None]
+out = model(x)  # unsharded asynchronously, waited on in each unit's pre-forward: the same result
+async_same = torch.equal(out, model(x))
+loss_fn(out, y).backward()
+del out
 """
 
 
@@ -62,6 +72,25 @@ def test_fsdp2_internals_on_real_units(shell, tiny_model):
     assert ns["dtypes"] == [torch.float32, torch.bfloat16]  # the policy switched between two forwards
     assert ns["gathered_after_forward"] == [True, False]
     assert ns["checkpointing"] == [True, False]
+    assert ns["async_off"] and not any(ns["async_off"]) and all(ns["async_on"]) and ns["async_same"]
+
+
+def test_the_profilers_events_and_the_cpu_bytes_it_saw_allocated_at_once():
+    """A profiled span's name, times and thread, read from the Kineto results, and the most CPU bytes allocated
+    at once while profiling: 1 MiB and 2 MiB alive together, then both freed, then 1 MiB."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    before = torch.empty(2**20, dtype=torch.uint8)  # allocated before the profiler: neither counted nor its free
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler, record_function("nbfsdp::x"):
+        a, b = torch.empty(2**20, dtype=torch.uint8), torch.empty(2 * 2**20, dtype=torch.uint8)
+        del a, b, before
+        c = torch.empty(2**20, dtype=torch.uint8)
+    events, start_ns = torch_private.profiler_events(profiler)
+    span = next(e for e in events if e[0] == "nbfsdp::x")
+    assert start_ns <= span[1] < span[2] and not span[4]  # on the host
+    assert all(e[0] != "[memory]" for e in events)
+    assert torch_private.profiled_allocation_peak(profiler) == 3 * 2**20
+    del c
 
 
 def test_saved_tensors_hooks_push_top_pop():

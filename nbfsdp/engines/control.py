@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
+from torch.profiler import record_function
 
 from nbfsdp.shared.protocol import ControlRequest, claim_file
 
@@ -195,20 +196,27 @@ class StepBoundaries:
         control: RankControl,
         on_change: Callable[[list[str]], None],
         saves: SaveAgreement | None = None,
+        on_step: Callable[[int, bool], None] | None = None,
     ) -> None:
+        """``on_step(forward, changed)``: a step begins at forward number ``forward``, with the settings changed
+        at it or not (the timeline's captures start and end here)."""
         self._control = control
         self._on_change = on_change
         self._saves = saves
+        self._on_step = on_step
         self._forwards = 0
         self._handles = [model.register_forward_pre_hook(self._at_forward, prepend=True) for model in models]
 
     def _at_forward(self, module: nn.Module, args: Any) -> None:
-        if self._saves is not None:
-            self._saves.at_forward()
-        changed = self._control.at_boundary(self._forwards)
+        with record_function("nbfsdp::step_boundary"):
+            if self._saves is not None:
+                self._saves.at_forward()
+            changed = self._control.at_boundary(self._forwards)
         self._forwards += 1
         if changed:
             self._on_change(changed)
+        if self._on_step is not None:
+            self._on_step(self._forwards - 1, bool(changed))
 
     def remove(self) -> None:
         """Take the hooks off: the models outlive the cell."""

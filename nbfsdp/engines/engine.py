@@ -33,6 +33,7 @@ from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBo
 from nbfsdp.engines.memory_limit import RankMemory
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, real_buffers, shard_model
+from nbfsdp.engines.timeline import StepTimeline, clock_offset_ns
 from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
@@ -111,7 +112,13 @@ def setup(joining: WorldSetup) -> EngineInfo:
         device_id=device if backend == "nccl" else None,
     )
     worlds.current = World(
-        rank=rank, world_size=world_size, device=device, generation=generation, script_store=script_store
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        generation=generation,
+        script_store=script_store,
+        # one machine's ranks share its clock; over several hosts a captured step's times go on rank 0's
+        clock_offset_ns=clock_offset_ns(device) if joining.rendezvous is not None else 0,
     )
     where.watch(joining.where_dir, rank)
     pasted.install(rank, device)  # a pasted script's init/destroy_process_group, taken as this world's
@@ -370,7 +377,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
     world = worlds.current
     if world is None or world.generation != spec.generation:
         return CellOutcome.failed("world not set up")
-    recorder = rank_memory = None
+    recorder = rank_memory = timeline = None
     try:
         _load_models(world, spec, skeletons)
         cell_models = [world.models[name][1] for name in spec.models]
@@ -398,18 +405,37 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
         cancelled = False
         route_bars(world.rank)  # rank 0's progress bars show in the notebook, the others' nowhere
         saver = checkpointing.IntervalSaver(spec.saves, world) if spec.saves else None
+        timeline = StepTimeline(
+            every_seconds=spec.timeline,
+            rank=world.rank,
+            device=world.device,
+            models=cell_models,
+            publish=publish_data,
+            clock_offset_ns=world.clock_offset_ns,
+        )
         with metrics.MemoryMeter(world.device, params) as meter:
             recorder = metrics.active_recorder = metrics.Recorder(
                 world.rank, meter, publish_data, None if cell_models else control, saver.at_log if saver else None
             )
+            recorder.on_step = timeline.logged
+            timeline.on_allocated = lambda step, allocated: recorder.captured_peak(step, meter.held() + allocated)
             boundaries = StepBoundaries(
-                [s.module for s in cell_models], control, recorder.changed, saver.agreement if saver else None
+                [s.module for s in cell_models],
+                control,
+                recorder.changed,
+                saver.agreement if saver else None,
+                on_step=timeline.at_forward,
             )
             failed = True
             rank_memory = RankMemory(
-                world.rank, world.device, [s.module for s in cell_models], spec.fsdp.memory_limit, meter,
+                world.rank,
+                world.device,
+                [s.module for s in cell_models],
+                spec.fsdp.memory_limit,
+                meter,
                 spec.ranks_per_gpu,
-            )  # fmt: skip
+                on_first_call=(lambda call: publish_data({"first_call": call})) if world.rank == 0 else None,
+            )
             try:
                 with (
                     pasted.cell_calls(spec.filename),
@@ -427,6 +453,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             finally:
                 metrics.active_recorder = None
                 boundaries.remove()
+                timeline.end()
                 if saver is not None:
                     saver.end(failed)
         for sharded in cell_models:  # see _reshard_all
@@ -436,6 +463,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             cancelled=cancelled,
             metrics=recorder.records,
             settings={name: world.models[name][1].config for name in spec.models},
+            timeline=timeline.captures,
         )
         _names_back(world, spec, read, outcome)
         # the models that may come back, and those living on the ranks (whose changes the kernel records); none
@@ -477,4 +505,5 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
             or any(m in message for m in _PEER_FAILURE_MARKERS),
             metrics=recorder.records if recorder else [],
             memory=rank_memory.report() if rank_memory else None,
+            timeline=timeline.captures if timeline else None,
         )

@@ -17,6 +17,7 @@ woken by the torn-down world, send their bytes where they stopped.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -44,9 +45,14 @@ class RankMemory:
         limit: int | None,
         meter: MemoryMeter,
         ranks_per_gpu: int = 1,
+        *,
+        on_first_call: Callable[[Any], None] | None = None,
     ) -> None:
+        """``on_first_call``: the shapes of the model's first call, as soon as it is made (the kernel traces the
+        step's predicted peak with them: ``nbfsdp.kernel.planning.predicted``)."""
         self.rank, self.device, self.limit, self.meter = rank, device, limit, meter
         self.ranks_per_gpu = ranks_per_gpu
+        self._on_first_call = on_first_call
         self.cap = limit
         """The bytes this rank may hold: the limit, or on a GPU the allocator's cap."""
         self.models = models
@@ -99,8 +105,11 @@ class RankMemory:
     def _note_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The shapes of the model's last call: the batch the planner traces when this rank runs out."""
         # shapes and dtypes, not meta tensors: a tensor made here would be counted (the tracker is on)
+        first = self.batch is None
         self.batch = tree_map(lambda t: TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None,
                               (args, kwargs))  # fmt: skip
+        if first and self._on_first_call is not None:
+            self._on_first_call(self.batch)
 
     def _over_limit(self, asked: int, total: int, doing: str = "") -> None:
         assert self.limit is not None

@@ -19,7 +19,10 @@ Memory is measured, not predicted, by category:
 - ``mem_peak``: on GPU the allocator's peak since the last record
   (``cuda_max_allocated``); on CPU, which has no allocator statistics,
   ``mem_params + mem_optim + max(mem_activations, mem_grads)``: the tracked
-  tensors at their peak, without backward temporaries or communication buffers.
+  tensors at their peak, without backward temporaries or communication buffers;
+  on a step the timeline captured (``nbfsdp.engines.timeline``), at least
+  ``mem_captured_peak``: every CPU tensor the step allocated, counted by the
+  profiler, on top of the shards and the optimizer's state.
 
 Each figure counts storages once, as ``FSDPMemTracker`` does, so padding of
 uneven shards is included. ``FSDPMemTracker`` instruments every operator and
@@ -36,6 +39,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.profiler import record_function
 
 from nbfsdp.engines.control import RankControl
 from nbfsdp.shared.torch_private import (
@@ -197,6 +201,11 @@ class MemoryMeter:
     def _optim_state_bytes(self) -> int:
         return sum(self._state_bytes(optimizer) for optimizer in self._optimizers.values())
 
+    def held(self) -> int:
+        """What a step starts with and keeps: the shards and the optimizer's state (a captured step's allocations
+        come on top: ``Recorder.captured_peak``)."""
+        return self._params_bytes + self._optim_state_bytes()
+
     def _state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of ``optimizer``'s state, counted again only when its layout changes (a parameter's first
         step, ``load_state_dict``'s new state): optimizers update their state in place, and
@@ -283,6 +292,8 @@ class Recorder:
         self.fields: dict[str, Any] = {}
         """What every record carries besides the logged names and memory, read at the log call (a tensor as its
         value then): ``grad_scale`` where nbfsdp scales fp16 losses (``nbfsdp.engines.scaling``)."""
+        self.on_step: Callable[[int], None] | None = None
+        """Hears each record's step (a captured step of the timeline is named by it)."""
         self._unsent: list[dict[str, Any]] = []
         self._batches = 0
         self._sent_at = 0.0
@@ -295,6 +306,10 @@ class Recorder:
 
     def record(self, scalars: dict[str, Any]) -> None:
         """One step's record; in a cell without a model, then what the notebook asked for (a cancel)."""
+        with record_function("nbfsdp::log"):  # its own lane of a captured step's timeline
+            self._record(scalars)
+
+    def _record(self, scalars: dict[str, Any]) -> None:
         now = time.perf_counter()
         step = scalars.pop("step", len(self.records))
         entry: dict[str, Any] = {"rank": self.rank, "step": int(step), "step_time": now - self._last}
@@ -305,6 +320,8 @@ class Recorder:
             entry["changed"], self._changed = ", ".join(self._changed), []
         self.records.append(entry)
         self._unsent.append(entry)
+        if self.on_step is not None:
+            self.on_step(entry["step"])
         try:
             if self._on_log is not None:  # before a cancel: a save due at this step is still taken
                 self._on_log(entry["step"])
@@ -314,6 +331,16 @@ class Recorder:
             if now - self._sent_at >= PUBLISH_SECONDS or "changed" in entry:
                 self.send()
             self._last = time.perf_counter()
+
+    def captured_peak(self, step: int, peak: int) -> None:
+        """A captured step's peak on the CPU, all its tensors counted (the step's allocations the profiler saw on
+        top of what it began with: ``nbfsdp.engines.timeline``): that step's record says it, and its ``mem_peak``
+        is at least it (the meter's categories leave out temporaries and gathered parameters). A record already
+        sent keeps its figure in the notebook until the cell ends and the complete records come."""
+        entry = next((e for e in reversed(self.records) if e["step"] == step), None)
+        if entry is not None:
+            entry["mem_captured_peak"] = peak
+            entry["mem_peak"] = max(entry["mem_peak"], peak)
 
     def send(self) -> None:
         """Publish the records not sent yet."""

@@ -23,6 +23,7 @@ from nbfsdp.shared.torch_private import (
     set_checkpointing,
     set_mixed_precision,
     set_reshard_after_forward,
+    set_unshard_async_op,
 )
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, wrap_units
 
@@ -77,7 +78,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
         if config.activation_cpu_offload:
             _offload_saved_activations(module, pin_memory=device.type == "cuda")
         checkpoint(module)
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.sharding_strategy != "SHARD_GRAD_OP"}
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.unit_reshard_after_forward}
     options["mp_policy"] = _mp_policy(config)
     if config.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -89,6 +90,8 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
         options["reshard_after_forward"] = None
     fully_shard(model, **options)
     ordered = cast(list[FSDPModule], forward_order(model, units))  # fully_shard made each an FSDPModule
+    if device.type == "cpu":  # gloo: a prefetched gather overlaps only if issued async (set_unshard_async_op)
+        set_unshard_async_op(model, True)
     sharded = ShardedModel(model, ordered, checkpointable, config)
     _set_prefetch(sharded, config)
     _set_checkpointing(sharded, config)
@@ -133,6 +136,7 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
 
     Sharding strategy moves between FULL_SHARD and SHARD_GRAD_OP only (same mesh), with FSDP2's
     ``set_reshard_after_forward`` (via torch_private); the root keeps FSDP2's own choice, as ``fully_shard`` sets it.
+    Not with ``reshard_after_forward`` N: FSDP2 sets a bool at run time, and its group of N is made once.
     """
     old = sharded.config
     new = dataclasses.replace(old, **{k: v for k, v in settings.items() if k in LIVE_SETTINGS})
@@ -144,8 +148,14 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
             f"sharding_strategy cannot change from {old.sharding_strategy} to {new.sharding_strategy} "
             "while a cell runs (another mesh); it applies from the next cell"
         )
-    for unit in sharded.units[1:]:
-        set_reshard_after_forward(unit, new.sharding_strategy != "SHARD_GRAD_OP")
+    if "sharding_strategy" in changed and old.reshard_after_forward is not None:
+        raise ValueError(
+            f"sharding_strategy cannot change while a cell runs with reshard_after_forward "
+            f"{old.reshard_after_forward} (FSDP2 makes its groups once); it applies from the next cell"
+        )
+    if "sharding_strategy" in changed:
+        for unit in sharded.units[1:]:
+            set_reshard_after_forward(unit, new.sharding_strategy != "SHARD_GRAD_OP")
     _set_prefetch(sharded, new)
     _set_checkpointing(sharded, new)
     if new.dtypes() != old.dtypes():

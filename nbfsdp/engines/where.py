@@ -53,6 +53,9 @@ class Ledger:
             lambda: collections.deque(maxlen=RECENT)
         )
         self.inside: dict[str, Any] | None = None
+        self.pending: list[tuple[dict[str, Any], dist.Work]] = []
+        """Collectives issued with ``async_op=True`` (FSDP2's all-gathers on CPU ranks) and their ``Work``, until
+        it completes: a rank blocked in its wait is inside the oldest one not completed."""
         self._lock = threading.Lock()
 
     def reset(self) -> None:
@@ -62,6 +65,7 @@ class Ledger:
             self.counts.clear()
             self.recent.clear()
             self.inside = None
+            self.pending.clear()
 
     def entered(self, name: str, function: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         """A collective call begins (``collective_calls``' watcher): counted, and the one this rank is in."""
@@ -85,16 +89,30 @@ class Ledger:
         if self.inside is entry:
             self.inside = None
 
+    def issued(self, entry: dict[str, Any], work: dist.Work) -> None:
+        """``entry`` was issued with ``async_op=True``: it is pending until ``work`` completes."""
+        with self._lock:
+            self.pending = [(e, w) for e, w in self.pending if not w.is_completed()]
+            self.pending.append(({**entry, "async": True}, work))
+
+    def waited_on(self) -> dict[str, Any] | None:
+        """The collective this rank is in: the one its thread is inside, else the oldest async one not done."""
+        if self.inside is not None:
+            return self.inside
+        with self._lock:
+            return next((e for e, w in self.pending if not w.is_completed()), None)
+
     def as_dict(self, inside_at: str = "") -> dict[str, Any]:
         """The ledger as the notebook reads it; ``inside_at``: the line that issued the collective the rank is
         inside (``issuing_line``; the others' lines are not kept)."""
+        inside = self.waited_on()
         with self._lock:
             return {
                 "groups": [
                     {"ranks": list(ranks), "count": count, "recent": [_words(e, "") for e in self.recent[ranks]]}
                     for ranks, count in self.counts.items()
                 ],
-                "inside": _words(self.inside, inside_at) if self.inside else None,
+                "inside": _words(inside, inside_at) if inside else None,
             }
 
 
@@ -130,11 +148,12 @@ _LIBRARIES = (
 )
 
 
-def issuing_line(frame: FrameType | None) -> str:
+def issuing_line(frame: FrameType | None, waiting: bool = False) -> str:
     """The line that issued the collective a thread is in, from its innermost ``frame``: the first frame above
     ``collective_calls``' wrapper outside torch and nbfsdp's engine code (for FSDP2's own collectives, the cell's line
-    that ran the model); "" where the thread is in no wrapped collective (it has just left it)."""
-    past_wrapper = False
+    that ran the model); "" where the thread is in no wrapped collective (it has just left it). ``waiting``: the
+    thread waits on an async collective (no wrapper on its stack): the first such frame on it."""
+    past_wrapper = waiting
     while frame is not None:
         code = frame.f_code
         if past_wrapper and not any(library in code.co_filename for library in _LIBRARIES):
@@ -192,7 +211,7 @@ def answer_of(thread: int) -> dict[str, Any]:
         "at": time.time(),
         "stack": stack,
         "in_cell": any('File "<fsdp-cell-' in line for line in stack),
-        "ledger": ledger.as_dict(issuing_line(frame)),
+        "ledger": ledger.as_dict(issuing_line(frame, waiting=ledger.inside is None and bool(ledger.pending))),
     }
 
 

@@ -35,6 +35,10 @@ class World:
     """Rank 0 of nbfsdp's own cluster: the store at ``MASTER_ADDR:MASTER_PORT``, kept as long as the world."""
     loss_scaler: LossScaler | None = None
     """The dynamic loss scale of the world's fp16 cells (``nbfsdp.engines.scaling``), kept from cell to cell."""
+    clock_offset_ns: int = 0
+    """This rank's clock less rank 0's, measured at the world's set-up where its ranks are on several hosts (0
+    on one host, whose ranks share a clock): a captured step's times are on rank 0's clock
+    (``nbfsdp.engines.timeline``)."""
 
 
 current: World | None = None

@@ -42,6 +42,20 @@ HANG_REPORT_HELP = (
 )
 
 
+TIMELINE_HELP = (
+    "Each rank captures its second step, the first after each change of the settings, then one step every "
+    "SECONDS: every unit's all-gathers, compute and reduce-scatters, in last_run().timeline and the dashboard's "
+    "timeline panel (%%fsdp timeline, %%fsdp trace PATH.json). 0: none. Default 10."
+)
+
+
+def timeline_seconds(given: float) -> float:
+    """``--timeline``'s seconds between captured steps, checked: 0 (none) or positive."""
+    if not (given >= 0 and given < float("inf")):
+        raise UsageError(f"--timeline must be 0 (no captures) or a positive number of seconds, got {given:g}")
+    return given
+
+
 def hang_report_seconds(given: float | None, timeout: float) -> float:
     """``--hang-report``'s seconds: as given (0: off), else 30 or half of ``--timeout``, whichever is shorter, so
     that the report comes before the collective's own timeout ends the cell."""
@@ -238,6 +252,19 @@ def load_arguments(line: str) -> None:
 @argument("folder", help="A folder holding checkpoints.")
 def checkpoints_arguments(line: str) -> None:
     """%fsdp checkpoints FOLDER"""
+
+
+@magic_arguments()
+@argument("--step", type=int, default=None, help="The captured step to draw (default: the last one captured).")
+@argument("--rank", type=int, default=None, help="Draw this rank alone (default: every rank, aligned).")
+def timeline_arguments(line: str) -> None:
+    """%fsdp timeline [--step N] [--rank R]"""
+
+
+@magic_arguments()
+@argument("path", help="The Chrome trace file to write, e.g. trace.json (Perfetto and chrome://tracing open it).")
+def trace_arguments(line: str) -> None:
+    """%fsdp trace PATH.json"""
 
 
 @magic_arguments()

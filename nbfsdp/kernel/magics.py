@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from nbfsdp.kernel import comparison, flags
+from nbfsdp.kernel import comparison, flags, timeline
 from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.planning import check, fitting
@@ -28,6 +28,7 @@ from nbfsdp.kernel.status import status
 from nbfsdp.kernel.usage_errors import as_usage_errors
 from nbfsdp.shared import config
 from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS, world_size_error
+from nbfsdp.shared.timeline import DEFAULT_EVERY_SECONDS
 from nbfsdp.ui.panel import SettingsPanel
 
 
@@ -126,6 +127,16 @@ def _export_script(magics: FSDPMagics, rest: str) -> None:
     reads = session.last_cell.reads if session.last_cell is not None else []
     shuffle = session.loaders.shuffle_states(magics.shell.user_ns, reads)
     print(export_script(session.last_cell, magics.shell.user_ns, rest, shuffle))
+
+
+def _timeline(magics: FSDPMagics, rest: str) -> None:
+    args = parse_argstring(flags.timeline_arguments, rest)
+    timeline.show(args.step, args.rank)
+
+
+def _trace(magics: FSDPMagics, rest: str) -> None:
+    args = parse_argstring(flags.trace_arguments, rest)
+    print(timeline.write_trace(args.path))
 
 
 def _attach(magics: FSDPMagics, rest: str) -> None:
@@ -240,6 +251,12 @@ ACTIONS = {
         "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting", _where
     ),
     "interrupt": Action("interrupt: end an --async run now, as Ctrl-C ends a blocking one", _interrupt),
+    "timeline": Action(
+        "timeline [--step N] [--rank R]: a step the last cell captured (--timeline), each rank's all_gather, "
+        "compute and reduce_scatter phases, and its collectives' sizes and bus bandwidth",
+        _timeline,
+    ),
+    "trace": Action("trace PATH.json: the last cell's captured steps as one Chrome trace (Perfetto)", _trace),
     "save": Action(
         "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
         "[--max-shard-size SIZE] [--model NAME]: one model as save_pretrained writes it, for from_pretrained",
@@ -289,6 +306,7 @@ class FSDPMagics(Magics):
     )
     @argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help=flags.TIMEOUT_HELP)
     @argument("--hang-report", type=float, default=None, help=flags.HANG_REPORT_HELP)
+    @argument("--timeline", type=float, default=DEFAULT_EVERY_SECONDS, help=flags.TIMELINE_HELP)
     @argument(
         "--no-gather",
         action="store_true",
@@ -354,6 +372,7 @@ class FSDPMagics(Magics):
             checkpointing=saving,
             keep_on_ranks=args.keep_on_ranks,
             hang_report=flags.hang_report_seconds(args.hang_report, args.timeout),
+            timeline=flags.timeline_seconds(args.timeline),
         )
         self.session.run_cell(cell, settings, options)
 

@@ -30,7 +30,9 @@ COLLECTIVES = (
 
 class Watcher(Protocol):
     """What the wrapper tells about each call: ``entered`` before it (what it returns comes back to ``left``),
-    ``left`` after it returns or raises."""
+    ``left`` after it returns or raises. A watcher with an ``issued(token, work)`` method also hears of a call
+    made with ``async_op=True``: the ``Work`` it returned, which the caller waits on later (FSDP2's prefetched
+    all-gathers on gloo)."""
 
     def entered(self, name: str, function: Any, args: tuple, kwargs: dict) -> Any: ...
 
@@ -83,7 +85,12 @@ def _wrap(name: str, function: Any) -> Any:
         try:
             for watcher in watching:
                 tokens.append(watcher.entered(name, function, args, kwargs))
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+            if isinstance(result, dist.Work):  # async_op=True: it runs on, and is waited on later
+                for watcher, token in zip(watching, tokens, strict=True):
+                    if (issued := getattr(watcher, "issued", None)) is not None:
+                        issued(token, result)
+            return result
         finally:
             _calling.inside = False
             for watcher, token in zip(watching, tokens, strict=False):  # those told it began

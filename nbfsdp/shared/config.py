@@ -92,6 +92,11 @@ class FSDPConfig:
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD
     (sharded inside replica groups, replicated across them)."""
+    reshard_after_forward: int | None = None
+    """FULL_SHARD and HYBRID_SHARD: after its forward each unit keeps its parameters sharded over groups of this
+    many ranks, not all of them (FSDP2's reshard_after_forward=N: a divisor of the ranks a unit is sharded over,
+    other than 1 and all), so backward gathers them inside the group (on one host: a GPU count) and a rank
+    holds 1/N of a unit between its forward and its backward. Default: as the strategy says."""
     mixed_precision: MixedPrecision | dict | None = None
     """FULL: one process's math, fp32 for an fp32 model, a tensor stored in bf16 computing as stored, fp32
     gradient reduction (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient
@@ -165,6 +170,12 @@ class FSDPConfig:
                 return 1, world_size
 
     @property
+    def unit_reshard_after_forward(self) -> bool | int:
+        """What ``fully_shard`` is given for every unit but the root: reshard to a group of N ranks, to all of
+        them, or keep the unit gathered (SHARD_GRAD_OP)."""
+        return self.reshard_after_forward or self.sharding_strategy != "SHARD_GRAD_OP"
+
+    @property
     def effective_backward_prefetch(self) -> str | None:
         return "BACKWARD_PRE" if self.backward_prefetch == "BACKWARD_POST" else self.backward_prefetch
 
@@ -225,6 +236,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "min_params": lambda v: _positive_int("min_params", v),
     "wrap_cls": lambda v: tuple(c.strip() for c in (v.split(",") if isinstance(v, str) else v) if c.strip()),
     "replicas": lambda v: None if v is None else _positive_int("replicas", v),
+    "reshard_after_forward": lambda v: None if v is None else _positive_int("reshard_after_forward", v),
     "data_parallel_replicate_degree": lambda v: None if v is None else _positive_int("replicas", v),
     "sync_module_states": bool,
     "memory_limit": lambda v: (
@@ -330,9 +342,28 @@ def validate(config: FSDPConfig, world_size: int, devices: Devices, *, quiet: bo
         replicas = config.replicas
         if not replicas or world_size % replicas or not 1 <= replicas <= world_size:
             raise ConfigError(f"HYBRID_SHARD needs --replicas R dividing the world size {world_size}; got {replicas}")
+    if config.reshard_after_forward is not None:
+        _check_reshard_after_forward(config, world_size)
     if config.backward_prefetch == "BACKWARD_POST" and not quiet:
         print(f"nbfsdp: {_POST_ASKED}: running FSDP2's own (BACKWARD_PRE)", file=sys.stderr)
     return config
+
+
+def _check_reshard_after_forward(config: FSDPConfig, world_size: int) -> None:
+    group, shards = config.reshard_after_forward, config.mesh_shape(world_size)[1]
+    if config.sharding_strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
+        raise ConfigError(
+            f"reshard_after_forward N needs FULL_SHARD or HYBRID_SHARD (with {config.sharding_strategy} "
+            f"{'a unit stays gathered' if config.sharding_strategy == 'SHARD_GRAD_OP' else 'nothing is sharded'}"
+            f" after forward); got {group}"
+        )
+    divisors = [n for n in range(2, shards) if shards % n == 0]
+    if group not in divisors:
+        some = f"one of {', '.join(map(str, divisors))}" if divisors else f"none at {shards} (4 ranks or more)"
+        raise ConfigError(
+            f"reshard_after_forward must divide the {shards} ranks a unit is sharded over, other than 1 and "
+            f"{shards}: {some}; got {group}"
+        )
 
 
 #: Composer's checkpoint keys, accepted as %%fsdp flags (``--save-folder``) and in a ``--config`` dict.

@@ -28,8 +28,15 @@ from matplotlib.figure import Figure
 from matplotlib.text import Annotation
 from PIL import Image
 
-#: Memory categories drawn per rank, in stacking order.
-MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations")
+#: Memory categories drawn per rank, in stacking order (``other``: what the peak held beyond the tensors the meter
+#: counts by category, its temporaries and gathered parameters: a GPU's allocator peak, or on the CPU a captured
+#: step's, all its allocations counted).
+MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations", "mem_other")
+#: explain's traced peak drawn the same way: its categories, in the measured bars' colours (its temporaries and
+#: communication buffers in ``other``'s).
+TRACED_CATEGORIES = (("params",), ("grads",), ("optim",), ("activations",), ("temporaries", "comm_buffers"))
+_MEMORY_LABELS = {"mem_params": "params", "mem_grads": "grads", "mem_optim": "optim", "mem_activations": "activations",
+                  "mem_other": "temporaries, comm buffers"}  # fmt: skip
 #: The peak's lines, measured (solid) and explain's (dashed): a colour no category's bar has.
 PEAK_COLOR = "C4"
 #: With explain's prediction, each rank's measured bar stands left of its rank and explain's right of it, this
@@ -71,7 +78,7 @@ LEGEND_COLUMN = 0.5
 class DashboardFigure:
     """The loss, memory and step-time figures of one run; ``add`` its records as they come."""
 
-    def __init__(self, world_size: int, predicted: list[dict[str, int]] | None, live: bool = False) -> None:
+    def __init__(self, world_size: int, predicted: list[dict[str, Any]] | None, live: bool = False) -> None:
         """``predicted``: ``explain``'s memory per rank, drawn beside the measured bars. ``live``: drawn
         again and again as records come (blitted, limits with room to grow); else drawn whole, limits fit."""
         self.figure = Figure(figsize=(12, 3.6), dpi=72)
@@ -93,107 +100,27 @@ class DashboardFigure:
         self._series: list[dict[str, list[float]]] = [
             {"steps": [], "ms": [], "loss_steps": [], "loss": []} for _ in ranks
         ]
-        self._bars = [
-            self._memory_axes.bar(
-                ranks, [0.0] * world_size, ALONE_BAR_WIDTH, color=f"C{index}", label=category.removeprefix("mem_")
-            ).patches
-            for index, category in enumerate(MEMORY_CATEGORIES)
-        ]
-        self._peaks = [0.0] * world_size  # each rank's measured peak so far (MiB)
-        self._peak_lines = [
-            self._memory_axes.plot(
-                _span(rank, ALONE_BAR_WIDTH), [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
-                label="peak so far (measured)" if rank == 0 else None,
-            )[0]
-            for rank in ranks
-        ]  # fmt: skip
-        self._memory_axes.set_xlabel("rank")
-        self._memory_axes.set_xticks(ranks)
-        self._paired = False  # measured and explain's bars side by side, once there is a prediction
-        self._predicted_bars: list[Any] = []
-        self._predicted_lines: list[Any] = []
-        self._predicted(predicted or [])
-        self._predicted_peaks: list[int] = []
-        self.predict_peaks(predicted or [])
+        self.memory = MemoryPanel(self._memory_axes, world_size, predicted or [], live)
         # titles at a fixed height: placing them above the tick labels measured every axis at each drawing
         title_pad = 2 + MARKER_ROWS * MARKER_ROW_POINTS + 4
         self._loss_axes.set_title("loss", y=1.0, pad=title_pad)
-        self._memory_axes.set_title("memory per rank (MiB, last step)", y=1.0, pad=title_pad)
+        self._memory_axes.set_title("memory per rank (MiB, at its peak)", y=1.0, pad=title_pad)
         self._time_axes.set_title("step time (ms)", y=1.0, pad=title_pad)
         for axes in (self._loss_axes, self._time_axes):
             axes.set_xlabel("step")
-        self._memory_legend()
         self._legend_ranks: dict[str, tuple[int, ...]] = {}
         if live:
             for _, artist in self._moving_parts():
                 artist.set_animated(True)  # left out of the still picture; drawn over it each time
 
-    def _predicted(self, predicted: list[dict[str, int]]) -> None:
-        """explain's memory per rank as a bar of its own beside the measured one, hatched: params, grads and
-        optim in the measured categories' colours, then its communication buffers (a lower bound, not
-        measurable on CPU), outlined."""
-        axes, plans = self._memory_axes, [expected for expected in predicted if "params" in expected]
-        if plans:  # else only a traced peak (a model explain could not plan)
-            self._pair()
-        for rank, expected in enumerate(plans):
-            bottom, x = 0.0, rank + PAIRED_OFFSET
-            for index, category in enumerate(("params", "grads", "optim", "comm_buffers")):
-                value = expected[category] / 2**20
-                comm = category == "comm_buffers"
-                (bar,) = axes.bar(
-                    x, value, PAIRED_BAR_WIDTH, bottom, color="none" if comm else f"C{index}",
-                    alpha=1.0 if comm else 0.45, edgecolor="grey", hatch="//",
-                    label="comm buffers (explain)" if comm and rank == 0 else None,
-                ).patches  # fmt: skip
-                self._predicted_bars.append(bar)
-                bottom += value
-
-    def _pair(self) -> None:
-        """Measured bars to the left of each rank, leaving the right to explain's, each bar labelled."""
-        if self._paired:
-            return
-        self._paired = True
-        for rank, line in enumerate(self._peak_lines):
-            line.set_xdata(_span(rank - PAIRED_OFFSET, PAIRED_BAR_WIDTH))
-            for bars in self._bars:
-                bars[rank].set_x(rank - PAIRED_OFFSET - PAIRED_BAR_WIDTH / 2)
-                bars[rank].set_width(PAIRED_BAR_WIDTH)
-        axes, ranks = self._memory_axes, len(self._peak_lines)
-        if ranks > MOST_LABELLED_RANKS:
-            axes.set_xlabel("rank (left: measured, right: explain)")
-            return
-        axes.set_xlabel("")
-        axes.set_xticks([rank + side for rank in range(ranks) for side in (-PAIRED_OFFSET, PAIRED_OFFSET)], minor=True)
-        axes.set_xticklabels(["measured", "explain"] * ranks, minor=True, fontsize=7)
-        axes.set_xticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
-        axes.tick_params(axis="x", which="major", length=0, pad=12)
-
-    def _memory_legend(self) -> None:
-        self._memory_axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-
-    def predict_peaks(self, predicted: list[dict[str, int]]) -> None:
-        """Each rank's peak as explain traced it (``peak``, once its trace is done: a live figure takes it
-        when it comes), a dashed line beside the measured peak."""
-        peaks = [expected["peak"] for expected in predicted if "peak" in expected]
-        if not peaks or peaks == self._predicted_peaks:
-            return
-        self._predicted_peaks = peaks
-        self._pair()
-        for rank, peak in enumerate(peaks):
-            mib = peak / 2**20
-            line = self._memory_axes.plot(
-                _span(rank + PAIRED_OFFSET, PAIRED_BAR_WIDTH), [mib, mib], color=PEAK_COLOR, linestyle="--",
-                linewidth=1.5, label="peak (explain)" if rank == 0 else None,
-            )  # fmt: skip
-            self._predicted_lines.extend(line)
-            if self._live:
-                line[0].set_animated(True)
-        self._memory_legend()
-        self._still = None
+    def predict_peaks(self, predicted: list[dict[str, Any]]) -> None:
+        """explain's traced peak of each rank, once its trace is done (a live figure takes it when it comes)."""
+        if self.memory.predict_peaks(predicted):
+            self._still = None
 
     def add(self, records: list[dict[str, Any]]) -> DashboardFigure:
         """Take these records (in the order they were made) into the figures."""
-        latest: dict[int, dict[str, Any]] = {}
+        highest: dict[int, dict[str, Any]] = {}  # each rank's record of the highest peak among these
         for record in records:
             rank, series = record["rank"], self._series[record["rank"]]
             series["steps"].append(record["step"])
@@ -201,11 +128,12 @@ class DashboardFigure:
             if "loss" in record:
                 series["loss_steps"].append(record["step"])
                 series["loss"].append(record["loss"])
-            latest[rank] = record
+            if record.get("mem_peak", 0) >= highest.get(rank, {}).get("mem_peak", 0):
+                highest[rank] = record
             if "changed" in record and rank == 0:  # a setting changed mid-run, marked where it took effect
                 self._mark(record["step"], record["changed"])
-        for rank, record in latest.items():
-            self._stack_memory(rank, record)
+        for rank, record in highest.items():
+            self.memory.stack(rank, record)
         self.records += len(records)
         for rank, series in enumerate(self._series):
             self._loss[rank].set_data(series["loss_steps"], series["loss"])
@@ -247,17 +175,6 @@ class DashboardFigure:
     def _recent_step_ms(self) -> float:
         """The shortest of the last few steps of any rank (ms): the first steps are the slowest."""
         return max(min(ms for series in self._series for ms in series["ms"][-RECENT_STEPS:]), SHORTEST_STEP_MS)
-
-    def _stack_memory(self, rank: int, record: dict[str, Any]) -> None:
-        bottom = 0.0
-        for bars, category in zip(self._bars, MEMORY_CATEGORIES, strict=True):
-            value = record.get(category, 0) / 2**20
-            bars[rank].set_y(bottom)
-            bars[rank].set_height(value)
-            bottom += value
-        if "mem_peak" in record:
-            self._peaks[rank] = max(self._peaks[rank], record["mem_peak"] / 2**20)
-            self._peak_lines[rank].set_ydata([self._peaks[rank]] * 2)
 
     def _mark(self, step: int, changed: str) -> None:
         for axes, labels in self._marker_labels.items():
@@ -320,9 +237,7 @@ class DashboardFigure:
         zorder): bars, lines, the axes' frame (over bars that stand on it). Not the rank legends: they are copied
         back over the lines from the still picture (``_legend_boxes``)."""
         memory = self._memory_axes
-        parts: list[tuple[Axes, Artist]] = [(memory, bar) for bars in self._bars for bar in bars]
-        parts += [(memory, bar) for bar in self._predicted_bars]
-        parts += [(memory, line) for line in self._predicted_lines + self._peak_lines]
+        parts: list[tuple[Axes, Artist]] = [(memory, artist) for artist in self.memory.artists()]
         parts += [(self._loss_axes, line) for line in self._loss] + [(self._time_axes, line) for line in self._time]
         for axes in (self._loss_axes, memory, self._time_axes):
             parts += [(axes, spine) for spine in axes.spines.values()]
@@ -364,16 +279,159 @@ class DashboardFigure:
         return buffer.getvalue()
 
 
+class MemoryPanel:
+    """Each rank's memory at one moment, its peak so far: the measured categories at that moment as a bar whose
+    height is the peak (the line over it), and beside it explain's traced peak by category with its line.
+
+    A record's figures are each read at their own moment (the gradients before the optimizer's step, the
+    activations at their peak): the peak holds the activations or the gradients, not both (``at_peak``). explain's
+    bar is its trace of the step by category (activations included), where the kernel traced it with the batch
+    the ranks used; before that, its states alone (``Plan.memory``) and its communication buffers' lower bound.
+    """
+
+    def __init__(self, axes: Axes, world_size: int, predicted: list[dict[str, Any]], live: bool) -> None:
+        self.axes, self._live = axes, live
+        ranks = range(world_size)
+        self.bars = [
+            axes.bar(
+                ranks, [0.0] * world_size, ALONE_BAR_WIDTH, color=f"C{index}", label=category.removeprefix("mem_")
+            ).patches
+            for index, category in enumerate(MEMORY_CATEGORIES)
+        ]
+        self.peaks = [0.0] * world_size  # each rank's measured peak so far (MiB)
+        self.peak_lines = [
+            axes.plot(
+                _span(rank, ALONE_BAR_WIDTH), [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
+                label="peak so far (measured)" if rank == 0 else None,
+            )[0]
+            for rank in ranks
+        ]  # fmt: skip
+        axes.set_xlabel("rank")
+        axes.set_xticks(ranks)
+        self._paired = False  # measured and explain's bars side by side, once there is a prediction
+        self.predicted_bars: list[Any] = []
+        self.predicted_lines: list[Any] = []
+        self.predicted_peaks: list[int] = []
+        self._plan_bars(predicted)
+        self.predict_peaks(predicted)
+        self._legend()
+
+    def artists(self) -> list[Artist]:
+        return [*(bar for bars in self.bars for bar in bars), *self.predicted_bars, *self.predicted_lines,
+                *self.peak_lines]  # fmt: skip
+
+    def stack(self, rank: int, record: dict[str, Any]) -> None:
+        """A rank's record: its bar shows the moment of its peak so far (a new one from this record, if higher)."""
+        if "mem_peak" not in record or record["mem_peak"] / 2**20 < self.peaks[rank] and self.peaks[rank] > 0:
+            return
+        bottom = 0.0
+        for bars, value in zip(self.bars, at_peak(record).values(), strict=True):
+            bars[rank].set_y(bottom)
+            bars[rank].set_height(value / 2**20)
+            bottom += value / 2**20
+        self.peaks[rank] = record["mem_peak"] / 2**20
+        self.peak_lines[rank].set_ydata([self.peaks[rank]] * 2)
+
+    def _plan_bars(self, predicted: list[dict[str, Any]]) -> None:
+        """explain's states per rank, beside the measured bar, hatched: params, grads and optim in the measured
+        categories' colours, then its communication buffers (a lower bound, not measurable on CPU), outlined."""
+        plans = [expected for expected in predicted if "params" in expected and "peak_parts" not in expected]
+        for rank, expected in enumerate(plans):
+            self._pair()
+            parts = [("params",), ("grads",), ("optim",), ("comm_buffers",)]
+            self._bar(rank, [expected[key[0]] for key in parts], outlined_last=True)
+
+    def _bar(self, rank: int, values: list[float], outlined_last: bool = False) -> None:
+        bottom, x = 0.0, rank + PAIRED_OFFSET
+        for index, value in enumerate(values):
+            last = outlined_last and index == len(values) - 1
+            color = "none" if last else f"C{index}"
+            (bar,) = self.axes.bar(
+                x, value / 2**20, PAIRED_BAR_WIDTH, bottom, color=color, alpha=1.0 if last else 0.45,
+                edgecolor="grey", hatch="//", label="comm buffers (explain)" if last and rank == 0 else None,
+            ).patches  # fmt: skip
+            if self._live:
+                bar.set_animated(True)
+            self.predicted_bars.append(bar)
+            bottom += value / 2**20
+
+    def _pair(self) -> None:
+        """Measured bars to the left of each rank, leaving the right to explain's, each bar labelled."""
+        if self._paired:
+            return
+        self._paired = True
+        for rank, line in enumerate(self.peak_lines):
+            line.set_xdata(_span(rank - PAIRED_OFFSET, PAIRED_BAR_WIDTH))
+            for bars in self.bars:
+                bars[rank].set_x(rank - PAIRED_OFFSET - PAIRED_BAR_WIDTH / 2)
+                bars[rank].set_width(PAIRED_BAR_WIDTH)
+        ranks = len(self.peak_lines)
+        if ranks > MOST_LABELLED_RANKS:
+            self.axes.set_xlabel("rank (left: measured, right: explain)")
+            return
+        self.axes.set_xlabel("")
+        self.axes.set_xticks([r + side for r in range(ranks) for side in (-PAIRED_OFFSET, PAIRED_OFFSET)], minor=True)
+        self.axes.set_xticklabels(["measured", "explain"] * ranks, minor=True, fontsize=7)
+        self.axes.set_xticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
+        self.axes.tick_params(axis="x", which="major", length=0, pad=12)
+
+    def _legend(self) -> None:
+        self.axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+
+    def predict_peaks(self, predicted: list[dict[str, Any]]) -> bool:
+        """Each rank's peak as explain traced it (``peak``), a dashed line beside the measured one, and where the
+        trace gives its categories (``peak_parts``) its bar by them; whether anything changed."""
+        peaks = [expected["peak"] for expected in predicted if "peak" in expected]
+        if not peaks or peaks == self.predicted_peaks:
+            return False
+        self.predicted_peaks = peaks
+        self._pair()
+        parts: list[dict[str, int]] = [expected.get("peak_parts") or {} for expected in predicted if "peak" in expected]
+        if all(parts):  # the traced moment replaces the states-only bars
+            for bar in self.predicted_bars:
+                bar.remove()
+            self.predicted_bars = []
+            for rank, moment in enumerate(parts):
+                self._bar(rank, [sum(moment.get(key, 0) for key in keys) for keys in TRACED_CATEGORIES])
+        for rank, peak in enumerate(peaks):
+            mib = peak / 2**20
+            line = self.axes.plot(
+                _span(rank + PAIRED_OFFSET, PAIRED_BAR_WIDTH), [mib, mib], color=PEAK_COLOR, linestyle="--",
+                linewidth=1.5, label="peak (explain)" if rank == 0 else None,
+            )  # fmt: skip
+            self.predicted_lines.extend(line)
+            if self._live:
+                line[0].set_animated(True)
+        self._legend()
+        return True
+
+
+def at_peak(record: dict[str, Any]) -> dict[str, float]:
+    """A record's memory by category at its peak (``mem_peak``), summing to it: the shards, the optimizer's state,
+    and the activations (a peak at the end of forward) or the unsharded gradients (a peak before the optimizer
+    steps), whichever is larger, as the CPU's peak counts them (``nbfsdp.engines.metrics``); on a GPU the
+    allocator's peak beyond those is ``other``."""
+    activations, grads = record.get("mem_activations", 0), record.get("mem_grads", 0)
+    moment = {
+        "mem_params": record.get("mem_params", 0),
+        "mem_grads": grads if grads > activations else 0,
+        "mem_optim": record.get("mem_optim", 0),
+        "mem_activations": activations if activations >= grads else 0,
+    }
+    moment["mem_other"] = max(0, record.get("mem_peak", 0) - sum(moment.values()))
+    return moment
+
+
 def _span(x: float, width: float) -> list[float]:
     """A peak's line across the bar centred at ``x``, a little wider than it."""
     return [x - width / 2 - 0.05, x + width / 2 + 0.05]
 
 
-def figure(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> Figure:
+def figure(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, Any]] | None) -> Figure:
     """The loss, memory and step-time figures of ``records``, drawn at once."""
     return DashboardFigure(world_size, predicted).add(records).figure
 
 
-def png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, int]] | None) -> bytes:
+def png(records: list[dict[str, Any]], world_size: int, predicted: list[dict[str, Any]] | None) -> bytes:
     """The same as a PNG."""
     return DashboardFigure(world_size, predicted).add(records).png()

@@ -238,6 +238,9 @@ class CellSpec:
     request: InternalRequest | None = None
     """nbfsdp's own cell, run instead of ``code``: no run record, the notebook's names as the user's cell
     would have them."""
+    timeline: float = 0.0
+    """``--timeline``: each rank captures its second step, the first after each live change, then one every
+    this many seconds (``nbfsdp.engines.timeline``); 0, none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +293,8 @@ class CellOutcome:
     memory: dict[str, Any] | None = None
     """A failed rank: its bytes by category where it stopped, and, where it ran out of memory, what it was
     doing and the shapes of its model's last call (``nbfsdp.engines.memory_limit.RankMemory.report``)."""
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    """This rank's captured steps (``nbfsdp.shared.timeline``), also those of a failed cell up to its error."""
 
     @classmethod
     def failed(
@@ -301,6 +306,7 @@ class CellOutcome:
         engine_lost: bool = False,
         metrics: list[dict[str, Any]] | None = None,
         memory: dict[str, Any] | None = None,
+        timeline: list[dict[str, Any]] | None = None,
     ) -> CellOutcome:
         """A failed rank, as the rank reports it or as the kernel records a rank that gave no answer."""
         return cls(
@@ -311,6 +317,7 @@ class CellOutcome:
             engine_lost=engine_lost,
             metrics=metrics or [],
             memory=memory,
+            timeline=timeline or [],
         )
 
 

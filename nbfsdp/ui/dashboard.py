@@ -33,6 +33,7 @@ from nbfsdp.shared import figures
 from nbfsdp.shared.devices import Devices
 from nbfsdp.ui import renderer
 from nbfsdp.ui.controls import GAP, SettingsControls, shared
+from nbfsdp.ui.timeline_panel import TimelinePanel
 from nbfsdp.ui.widget_events import answer_while_cells_run
 
 #: Live drawings start at least this long apart...
@@ -73,7 +74,7 @@ class LiveDashboard:
         self,
         world_size: int,
         devices: Devices,
-        predicted: list[dict[str, int]] | None,
+        predicted: list[dict[str, Any]] | None,
         settings: dict[str, Any],
         on_change: Callable[[dict[str, Any]], str],
         on_stop: Callable[[], None],
@@ -138,6 +139,8 @@ class LiveDashboard:
             self._figure,
         ]
         self._box = widgets.VBox(rows + ([self.output] if self.output else []), layout=shared(widgets.Layout))
+        self.timeline = TimelinePanel(self._box, world_size)
+        """The captured steps (``--timeline``), drawn under the figures once the first arrives."""
         self._shown = self._bundle()
         self._handle = display(self._shown, raw=True, display_id=True)
         answer_while_cells_run([*self.controls.widgets.values(), self._stop, self._where])
@@ -155,11 +158,19 @@ class LiveDashboard:
             if "changed" in record and record["rank"] == 0:
                 self.note(f"step {record['step']}: {record['changed']} on every rank from this step")
 
-    def predict_peaks(self, peaks: list[int], described: str) -> None:
+    def add_capture(self, capture: dict[str, Any]) -> None:
+        """A step a rank captured: to the timeline panel."""
+        self.timeline.add(capture)
+
+    def predict_peaks(self, peaks: list[int], described: str, parts: list[dict[str, int]] | None = None) -> None:
         """explain's peak of each rank, traced while the cell runs (``nbfsdp.kernel.planning.predicted``): drawn
-        beside the measured peak from the next drawing on, and said under the controls."""
+        beside the measured peak from the next drawing on (``parts``: its bytes by category at that peak, its
+        bar), and said under the controls."""
         memory = self.predicted or [{} for _ in peaks]
-        self.predicted = [{**expected, "peak": peak} for expected, peak in zip(memory, peaks, strict=True)]
+        self.predicted = [
+            {**expected, "peak": peak, **({"peak_parts": parts[rank]} if parts else {})}
+            for rank, (expected, peak) in enumerate(zip(memory, peaks, strict=True))
+        ]
         self.note(f"explain predicts a peak of {max(peaks) / 2**20:,.0f} MiB a rank, traced with {described}")
 
     def rank_state(self, rank: int, state: str) -> None:
@@ -206,6 +217,7 @@ class LiveDashboard:
             self.records = list(records)
         self._states = [state if s == "running" else s for s in self._states]
         self._stop.disabled = self._where.disabled = True
+        self.timeline.wait(FINAL_DRAWING_SECONDS)
         self.refresh(final=True)
 
     def refresh(self, final: bool = False) -> None:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from nbfsdp.helpers import drawing
+from nbfsdp.shared import timeline_figure
 
 
 class WorkerDied(RuntimeError):
@@ -113,7 +114,7 @@ def start() -> None:
 def render(
     key: str,
     world_size: int,
-    predicted: list[dict[str, int]] | None,
+    predicted: list[dict[str, Any]] | None,
     records: list[dict[str, Any]],
     first: int,
     final: bool = False,
@@ -123,6 +124,11 @@ def render(
     to the figure the worker kept (``drawing.LostFigure`` if it has no such figure). ``final``: every record, drawn
     whole with limits that fit them; the worker then drops the dashboard's figure."""
     return _submit(drawing.draw, key, world_size, predicted, records, first, final)
+
+
+def render_timeline(steps: list[list[dict[str, Any]]]) -> Future[bytes]:
+    """A PNG of captured steps (``nbfsdp.shared.timeline_figure``), drawn by the worker."""
+    return _submit(timeline_figure.png, steps)
 
 
 def worker_pid() -> int:

@@ -117,8 +117,7 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
         f"reduce_dtype={_DTYPE_NAMES[reduce_dtype]})"
         + ("  # None: each parameter computes in the dtype the model stores it in" if param_dtype == "None" else "")
     )
-    unit_reshard = config.sharding_strategy != "SHARD_GRAD_OP"
-    options = f"mesh=mesh, reshard_after_forward={unit_reshard}, mp_policy=mp_policy"
+    options = f"mesh=mesh, reshard_after_forward={config.unit_reshard_after_forward}, mp_policy=mp_policy"
     root_options = "mesh=mesh, mp_policy=mp_policy"
     if config.cpu_offload:
         pin = device_type == "cuda"
@@ -149,6 +148,13 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
             "    for key, buffer in module._buffers.items():",
             "        if buffer is not None and buffer.is_floating_point():",
             f"            module._buffers[key] = buffer.to({_DTYPE_NAMES[buffer_dtype]})",
+        ]
+    if device_type == "cpu":
+        lines += [
+            "",
+            "# gloo has no stream to gather on: gathered asynchronously (in gloo's thread), a prefetched unit's",
+            "# all-gather overlaps the compute before it; FSDP2's private setter (torch 2.6 to 2.13)",
+            "model._set_unshard_async_op(True)",
         ]
     lines += [
         "",

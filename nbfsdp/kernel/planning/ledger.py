@@ -103,7 +103,11 @@ class Unit:
     reduce_scatter: int
     """The reduce-scatter's input: every rank's padded shard of the gradients, in ``reduce_dtype``."""
     reshard_after_forward: bool
+    post_forward: int = 0
+    """``reshard_after_forward`` N: the bytes kept from the gather after forward (its output's 1/N, copied), until
+    backward gathers from them."""
     gathered: bool = False
+    holds_post_forward: bool = False
     pending: int = 0
     """A prefetched gather's output buffer, until the unit's own pre-forward waits on it."""
 
@@ -142,6 +146,10 @@ def ledger_units(
             # FSDP2 keeps the root gathered into backward, which needs it at once; SHARD_GRAD_OP keeps every unit
             reshard_after_forward=config.sharding_strategy != "SHARD_GRAD_OP" and module is not model,
         )
+        if config.reshard_after_forward and module is not model:
+            made[ref(names[id(module)])].post_forward = (
+                made[ref(names[id(module)])].all_gather // config.reshard_after_forward
+            )
     return made
 
 
@@ -157,16 +165,20 @@ class Ledger:
         optim: int,
         accumulating: bool,
         limit: int | None = None,
+        async_gathers: bool = False,
     ) -> None:
         """``fixed``: the shards and buffers, always held; ``optim``: AdamW's state; ``accumulating``: a micro-batch
         after the first, whose sharded gradients add into those held; ``limit``: ``crossed`` is the first moment
-        past it, found allocation by allocation."""
+        past it, found allocation by allocation; ``async_gathers``: FSDP2 gathers asynchronously (CPU ranks:
+        ``torch_private.set_unshard_async_op``)."""
         self.units, self.order = units, list(units.values())
         self.fixed, self.optim, self.accumulating, self.limit = fixed, optim, accumulating, limit
         self.prefetch_forward = config.forward_prefetch
         self.prefetch_backward = config.effective_backward_prefetch != "NONE"
+        # FSDP2 keeps a forward gather's output past its copy-out only when it gathered synchronously
+        self.defer_forward_output = not async_gathers
         self.grads = sum(u.shard for u in self.order if u.trained) if accumulating else 0
-        self.gathered = self.in_flight = self.deferred = self.pending_reduce = 0
+        self.gathered = self.in_flight = self.deferred = self.pending_reduce = self.post_forward = 0
         self.split: Split = (0, 0, 0)
         self.phase, self.where = "forward", ""
         self.ended: list[Unit] = []
@@ -188,7 +200,12 @@ class Ledger:
             optim=self.optim,
             activations=activations,
             temporaries=temporaries,
-            comm_buffers=self.gathered + self.in_flight + self.deferred + self.pending_reduce + grads,
+            comm_buffers=self.gathered
+            + self.in_flight
+            + self.deferred
+            + self.pending_reduce
+            + self.post_forward
+            + grads,
             at=where or f"{self.where}, {self.phase}",
         )
         if self.best is None or peak.total > self.best.total:
@@ -225,6 +242,10 @@ class Ledger:
         if unit is self.order[0]:  # the root's post-forward frees the last unit's all-gather output
             self.deferred = 0
         if unit.reshard_after_forward:
+            if unit.post_forward and unit.gathered:  # its group's slice copied out of the gather, then freed
+                unit.holds_post_forward = True
+                self.post_forward += unit.post_forward
+                self._check(f"{unit.name}, resharded to its group after forward")
             self._reshard(unit)
 
     def _pre_backward(self, ref: Ref, split: Split) -> None:
@@ -266,7 +287,8 @@ class Ledger:
         """All-gather ``unit``: its output buffer and the unsharded parameters copied out of it, both at once
         until the copy is done (a prefetched unit's buffer waits for its own pre-hook). In forward FSDP2 keeps
         the output until the next unit's copy-out is over (to overlap that copy with the next all-gather; its
-        ``wait_for_unshard`` holds the previous one in a local until it returns), or the root's post-forward."""
+        ``wait_for_unshard`` holds the previous one in a local until it returns), or the root's post-forward, when it
+        gathered synchronously (GPU ranks)."""
         if unit.gathered:
             return
         unit.gathered = True
@@ -280,9 +302,12 @@ class Ledger:
                 self.gathered += size
                 self._check(where)
         self._check(where)
+        if unit.holds_post_forward:  # gathered from the group's slice, which goes once copied out
+            unit.holds_post_forward = False
+            self.post_forward -= unit.post_forward
         if not prefetched:
             self.in_flight -= unit.all_gather
-            if self.phase == "forward":
+            if self.phase == "forward" and self.defer_forward_output:
                 self.deferred = unit.all_gather  # the previous one is freed
 
     def _reshard(self, unit: Unit) -> None:

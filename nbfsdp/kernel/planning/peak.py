@@ -176,6 +176,7 @@ def _step(
         optim=optim,
         accumulating=workload.micro_batches > 1,
         limit=limit,
+        async_gathers=devices.type == "cpu",  # as nbfsdp has CPU ranks gather (engines/sharding.py)
     )
     others: list[Shape] = []
     layers: dict[int, list[Shape]] = {}

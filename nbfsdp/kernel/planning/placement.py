@@ -34,7 +34,19 @@ def cross_host(wire: dict[str, dict[str, int]], mesh: tuple[int, int], hosts: li
     """Per collective, the bytes each host sends to the others per step (``Plan.cross_host``)."""
     replicas, shards = mesh
     mesh_groups = {"shard": shard_groups(replicas, shards), "replicate": replicate_groups(replicas, shards)}
-    return {
-        kind: host_out(mesh_groups["replicate" if kind == "all_reduce" else "shard"], hosts, w["sent"])
+    out = {
+        kind: host_out(
+            mesh_groups["replicate" if kind == "all_reduce" else "shard"],
+            hosts,
+            w["sent"] - w.get("post_forward_sent", 0),
+        )
         for kind, w in wire.items()
     }
+    gathers = wire.get("all_gather", {})
+    if gathers.get(
+        "post_forward_group"
+    ):  # backward's gathers: inside groups of N consecutive ranks (FSDP2's view(-1, N))
+        group = gathers["post_forward_group"]
+        inside = host_out(shard_groups(len(hosts) // group, group), hosts, gathers["post_forward_sent"])
+        out["all_gather"] = {host: out["all_gather"][host] + inside[host] for host in hosts}
+    return out

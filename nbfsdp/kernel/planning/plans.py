@@ -486,10 +486,14 @@ def _communication(model: nn.Module, units: _Units, config: FSDPConfig, mesh: tu
 
 
 def _wire(
-    communication: dict[str, int], mesh: tuple[int, int], hosts: list[str] | None
+    communication: dict[str, int],
+    mesh: tuple[int, int],
+    hosts: list[str] | None,
+    post_forward: tuple[int, int] | None = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """What each collective puts on the wire under the ring algorithms, and (over several hosts) what crosses
-    between them, by kind."""
+    between them, by kind. ``post_forward``: ``reshard_after_forward`` N and the bytes backward gathers, inside
+    groups of N ranks."""
     replicas, shards = mesh
     groups = {"all_gather": shards, "reduce_scatter": shards, "all_reduce": replicas}
     wire = {
@@ -502,6 +506,11 @@ def _wire(
         }
         for kind, nbytes in communication.items()
     }
+    if post_forward is not None and communication["all_gather"]:
+        group, backward = post_forward
+        inside = ring_bytes("all_gather", backward, group)
+        sent = ring_bytes("all_gather", communication["all_gather"] - backward, shards) + inside
+        wire["all_gather"].update(sent=sent, received=sent, post_forward_group=group, post_forward_sent=inside)
     several = hosts is not None and len(set(hosts)) > 1
     cross_host = placement.cross_host(wire, mesh, hosts) if hosts is not None and several else {}
     for kind, out in cross_host.items():
@@ -526,7 +535,13 @@ def _plan(
     units = _units(model, config, mesh[1])
     names, ordered = units.names, units.ordered
     communication = _communication(model, units, config, mesh)
-    wire, cross_host = _wire(communication, mesh, hosts)
+    post_forward = None
+    if config.reshard_after_forward:  # every unit but the root gathered again for backward, inside its group
+        backward = sum(
+            plan.gathered_bytes for plan, unit in zip(units.plans, ordered, strict=True) if unit is not model
+        )
+        post_forward = (config.reshard_after_forward, backward)
+    wire, cross_host = _wire(communication, mesh, hosts, post_forward)
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch

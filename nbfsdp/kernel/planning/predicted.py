@@ -6,7 +6,8 @@ can know it without running the cell: the first batch of the notebook DataLoader
 worker processes: taking a batch from one with workers would start them), else the batch of the last
 ``explain`` of that model with ``--batch``. The loss is that explain's ``loss``, else the output's
 ``loss`` or its sum, as ``explain`` takes it; a ``with torch.autocast(...)`` in the cell's code is traced
-as autocast. A cell with neither batch gets no prediction.
+as autocast. A cell with neither batch is traced with the shapes rank 0's model was first called with, once
+the rank sends them (``nbfsdp.engines.memory_limit``): the batch the ranks actually use.
 
 The loader's batch is taken in the kernel's thread before the cell runs, its shuffling left where it was
 (the ranks' loaders must draw what they would have); the trace runs on a meta copy of the model in a
@@ -32,6 +33,8 @@ from nbfsdp.kernel.planning.workload import StepInputs, Workload, first_batch, o
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
+from nbfsdp.shared.protocol import TensorShape
+from nbfsdp.shared.torch_private import tree_map
 
 #: The last ``explain(..., batch=...)`` of each notebook model, its batch as meta tensors (shapes alone: the
 #: notebook's tensors are not kept alive by it).
@@ -41,6 +44,20 @@ _explained: weakref.WeakKeyDictionary[nn.Module, Workload] = weakref.WeakKeyDict
 def remember(model: nn.Module, workload: Workload) -> None:
     """``explain`` planned ``model`` with ``workload``: a cell that trains it on no loader traces with it."""
     _explained[model] = dataclasses.replace(workload, batch=on_meta(first_batch(workload.batch)))
+
+
+def workload_of_call(call: Any, loss: Any = None, autocast: torch.dtype | None = None) -> Workload | None:
+    """A rank's call of its model, ``(args, kwargs)`` of ``TensorShape``s, as the per-rank batch a step traces
+    (None: the model was never called)."""
+    if call is None:
+        return None
+
+    def meta(leaf: Any) -> Any:
+        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") if isinstance(leaf, TensorShape) else leaf
+
+    args, kwargs = tree_map(meta, call)
+    given: Any = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
+    return Workload(given, loss, per_rank_batches=True, autocast=autocast)
 
 
 def cell_workload(
@@ -97,6 +114,8 @@ class PeakPrediction:
         The thread copies ``model`` onto the meta device first: ``copied`` waits for that, before the
         notebook's model takes the trained weights back."""
         self.peaks: list[int] | None = None
+        self.parts: list[dict[str, int]] | None = None
+        """Each rank's bytes by category at its traced peak (``Peak.as_dict``)."""
         self.error: BaseException | None = None
         self._copied = threading.Event()
 
@@ -123,6 +142,7 @@ class PeakPrediction:
             self.error = error
             return
         self.peaks = [p.total for p in peaks]
+        self.parts = [p.as_dict() for p in peaks]
         done(self.peaks, inputs.described)
 
     def wait(self, seconds: float) -> None:

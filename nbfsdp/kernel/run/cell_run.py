@@ -188,15 +188,20 @@ def submit(
     except BaseException:  # a Ctrl-C while the dashboard is built: the ranks started already
         ranks.stop()
         raise
-    ranks.show_on(
-        view=dashboard,
-        sink=dashboard if background else None,
-        on_records=functools.partial(stream_into, record, dashboard),
-    )
     run = CellRun(
         ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, delivery.tokens, started,
         prediction,
     )  # fmt: skip
+    ranks.show_on(
+        view=dashboard,
+        sink=dashboard if background else None,
+        on_records=functools.partial(stream_into, record, dashboard),
+        on_capture=functools.partial(capture_into, record, dashboard),
+        # not ``prepared``: its pickled inputs (a loader's dataset) must not outlive the cell with the run
+        on_first_call=None
+        if prepared.internal
+        else functools.partial(_predict_from_call, run, prepared.config, prepared.code, world),
+    )
     run.on_ranks, run.holder = prepared.on_ranks, (world.generation, world.world_size)
     if dashboard is not None:
         for name in prepared.on_ranks:
@@ -259,6 +264,38 @@ def unit_names(model: nn.Module, config: FSDPConfig) -> list[str]:
     return [names[id(unit)] for unit in wrap_units(model, config)] + [""]
 
 
+def _predict_from_call(run: CellRun, config: FSDPConfig, code: str, world: RunningWorld, call: Any) -> None:
+    """Rank 0's model was first called with ``call`` (its shapes): where the kernel could not know the cell's
+    batch before it ran, its predicted peak is traced with this one, the batch the ranks use."""
+    if run.prediction is not None or not run.models:
+        return
+    workload = predicted.workload_of_call(call, autocast=predicted.cell_autocast(code, world.devices))
+    if workload is None:
+        return
+    run.prediction = _prediction(next(iter(run.models.values())), config, world, workload, run.record, run.dashboard)
+
+
+def _prediction(
+    model: nn.Module,
+    config: FSDPConfig,
+    world: RunningWorld,
+    workload: Any,
+    record: history.RunRecord,
+    dashboard: LiveDashboard | None,
+) -> PeakPrediction:
+    """The peak of a step of ``model`` on ``workload``, traced in a thread; into ``last_run().predicted_peak`` and
+    the dashboard (each rank's traced bytes by category) when done."""
+    prediction: PeakPrediction | None = None
+
+    def done(peaks: list[int], described: str) -> None:
+        record.predicted_peak = peaks
+        if dashboard is not None:
+            dashboard.predict_peaks(peaks, described, prediction.parts if prediction is not None else None)
+
+    prediction = PeakPrediction(model, config, world.world_size, world.devices, workload, done)
+    return prediction
+
+
 def predict_peak(
     models: dict[str, nn.Module],
     loaders: list[Any],
@@ -280,13 +317,7 @@ def predict_peak(
         return None
     if workload is None:
         return None
-
-    def done(peaks: list[int], described: str) -> None:
-        record.predicted_peak = peaks
-        if dashboard is not None:
-            dashboard.predict_peaks(peaks, described)
-
-    return PeakPrediction(model, config, world.world_size, world.devices, workload, done)
+    return _prediction(model, config, world, workload, record, dashboard)
 
 
 def stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:
@@ -297,6 +328,14 @@ def stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, reco
     record.metrics.extend(records)
     if dashboard is not None:
         dashboard.add(records)
+
+
+def capture_into(record: history.RunRecord, dashboard: LiveDashboard | None, capture: dict[str, Any]) -> None:
+    """A step a rank captured (``--timeline``), as it sends it: into ``last_run().timeline`` and onto the
+    dashboard's timeline panel. When the cell ends, ``timeline`` becomes every rank's complete list."""
+    record.timeline.append(capture)
+    if dashboard is not None:
+        dashboard.add_capture(capture)
 
 
 def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders: NotebookLoaders) -> None:
@@ -326,6 +365,7 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     if sum(record.gathered_bytes.values()) >= FREE_GATHERED_BYTES:
         _free_gathered(outcome)
     record.metrics = sorted((m for o in outcome for m in o.metrics), key=lambda m: (m["step"], m["rank"]))
+    record.timeline = sorted((c for o in outcome for c in o.timeline), key=lambda c: (c["forward"], c["rank"]))
     record.changes = [(m["step"], m["changed"]) for m in record.metrics if m["rank"] == 0 and "changed" in m]
     record.cancelled = outcome[0].cancelled
     if run.prediction is not None:  # a cell shorter than its trace: its final figure still shows the peak

@@ -66,6 +66,12 @@ class RunRecord:
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes the notebook sent each rank for this cell: its shards of models sent anew (as the rank
     counted them on arrival), their skeletons and the other names the cell reads."""
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    """The captured steps of every rank (``--timeline``), in step and rank order: each with ``rank``, ``step``,
+    ``step_ms``, ``exposed_comm_ms`` (the communication no compute covered on that rank), ``comm_ms``, the
+    ``settings`` in force and its ``events`` (each ``lane``: ``compute``, ``all_gather``, ``reduce_scatter``,
+    ``optimizer`` or ``nbfsdp``; ``name``; ``unit``; ``start_ms``; ``ms``; ``bytes``). Filled as the ranks send
+    them while the cell runs (``nbfsdp.shared.timeline``)."""
 
     def metric(self, name: str, rank: int = 0) -> list[Any]:
         """One rank's values of ``name``, in step order."""

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
 from nbfsdp.kernel.planning import peak
 from nbfsdp.kernel.planning.fitting import DeviceMemory
 from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.planning.predicted import workload_of_call
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.protocol import TensorShape
-from nbfsdp.shared.torch_private import tree_map
 
 #: An offered fix's traced peak stays under this share of a CPU rank's ``--memory-limit``.
 MARGIN = 0.9
@@ -72,7 +70,7 @@ def explain(
         "fixes": [],
     }
     model = next(iter(models.values()), None)
-    workload = _workload(memory.get("batch"))
+    workload = workload_of_call(memory.get("batch"))
     if model is not None and workload is not None:
         try:
             report.update(_planned(model, config, world_size, devices, workload, limit, memory))
@@ -117,19 +115,6 @@ def _planned(
             for s in planned.suggestions
         ],
     }
-
-
-def _workload(batch: Any) -> peak.Workload | None:
-    """The failed rank's last call of its model, as the planner's per-rank batch (None: never called)."""
-    if batch is None:
-        return None
-
-    def on_meta(leaf: Any) -> Any:
-        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") if isinstance(leaf, TensorShape) else leaf
-
-    args, kwargs = tree_map(on_meta, batch)
-    given: Any = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
-    return peak.Workload(given, per_rank_batches=True)
 
 
 def fix_flags(settings: dict[str, Any]) -> str:

@@ -93,13 +93,24 @@ class CellStreams:
             self._bars[bar] = display({"text/plain": text}, raw=True, display_id=True)
 
 
+#: What the profiler prints on a rank each time a step is captured (``--timeline``): Kineto's start and stop
+#: (printed whatever its log level) and the CPU allocator's note on freeing a tensor allocated before it began.
+#: Not the cell's output: left out of it where the cell captures steps.
+PROFILER_NOISE = re.compile(
+    r"SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)"
+    r"|Memory block of unknown size was allocated before the profiling started"
+)
+
+
 class _OutputStreamer:
     """Writes each rank's stdout and stderr as they grow, one prefixed line at a time; rank 0's progress
-    bars go to the sink's ``progress``, each bar's latest state once a look (other ranks draw none)."""
+    bars go to the sink's ``progress``, each bar's latest state once a look (other ranks draw none).
+    ``quiet``: the profiler's own lines are left out (a cell that captures steps)."""
 
-    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink) -> None:
+    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink, quiet: bool = False) -> None:
         self._results = results
         self._sink = sink
+        self._quiet = quiet
         self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
         self._bars: dict[str, tuple[str, bool]] = {}  # id -> the text last shown, whether it ended
 
@@ -113,6 +124,8 @@ class _OutputStreamer:
                 if end > start:
                     lines = []
                     for line in text[start:end].splitlines():
+                        if self._quiet and PROFILER_NOISE.search(line):
+                            continue
                         before, marker, drawn = line.partition(BAR_MARKER)
                         if before or not marker:
                             lines.append(f"[rank {rank}] {before}\n")
@@ -146,24 +159,29 @@ class LiveView(Protocol):
 
 
 class _RecordStream:
-    """New records each rank has published since the last look, handed to ``on_records``."""
+    """What each rank has published since the last look, by key: ``records<n>`` (its records) to
+    ``on_records``, ``timeline<n>`` (a captured step: ``nbfsdp.engines.timeline``) to ``on_capture``,
+    ``first_call`` (rank 0's model's first call, its shapes: ``nbfsdp.engines.memory_limit``) to ``on_first_call``."""
 
     def __init__(
         self,
         results: list[ipp.AsyncResult],
-        on_records: Callable[[list[dict[str, Any]]], None] | None,
         view: LiveView | None,
+        handlers: dict[str, Callable[[Any], None] | None],
     ) -> None:
-        self._results, self._on_records, self._view = results, on_records, view
+        self._results, self._view = results, view
+        self._handlers = {prefix: handler for prefix, handler in handlers.items() if handler is not None}
         self._seen: list[set[str]] = [set() for _ in results]
 
     def pump(self) -> None:
-        if self._on_records is not None:
+        if self._handlers:
             for result, seen in zip(self._results, self._seen, strict=True):
                 data = result.data
                 for key in [k for k in data if k not in seen]:
                     seen.add(key)
-                    self._on_records(data[key])
+                    handler = next((h for prefix, h in self._handlers.items() if key.startswith(prefix)), None)
+                    if handler is not None:
+                        handler(data[key])
         if self._view is not None:
             self._view.refresh()
 
@@ -185,8 +203,9 @@ class RankRun:
         arguments = dict.fromkeys(engine_ids, (spec, values, skeletons))
         self.results = list(submit(cluster.client, engine_ids, engine.run_cell, arguments).values())
         self.view: LiveView | None = None
-        self._streamer = _OutputStreamer(self.results, CellStreams())
-        self._records = _RecordStream(self.results, None, None)
+        self._captures = spec.timeline > 0
+        self._streamer = _OutputStreamer(self.results, CellStreams(), quiet=self._captures)
+        self._records = _RecordStream(self.results, None, {})
         self._interrupt = threading.Event()
 
     def show_on(
@@ -194,12 +213,17 @@ class RankRun:
         view: LiveView | None = None,
         sink: OutputSink | None = None,
         on_records: Callable[[list[dict[str, Any]]], None] | None = None,
+        on_capture: Callable[[dict[str, Any]], None] | None = None,
+        on_first_call: Callable[[Any], None] | None = None,
     ) -> None:
         """Before ``watch``: ``view`` redrawn as records arrive and told of dead ranks, the ranks' output into
-        ``sink`` (default: the cell's own streams), each batch of records they stream to ``on_records``."""
+        ``sink`` (default: the cell's own streams), each batch of records they stream to ``on_records``, each
+        step a rank captured (``--timeline``) to ``on_capture``, the shapes of rank 0's model's first call to
+        ``on_first_call``."""
         self.view = view
-        self._streamer = _OutputStreamer(self.results, sink or CellStreams())
-        self._records = _RecordStream(self.results, on_records, view)
+        self._streamer = _OutputStreamer(self.results, sink or CellStreams(), quiet=self._captures)
+        handlers = {"records": on_records, "timeline": on_capture, "first_call": on_first_call}
+        self._records = _RecordStream(self.results, view, handlers)
 
     def stop(self) -> None:
         """End every rank now (SIGINT, then a kill for one that does not stop), as an interrupt of ``watch``

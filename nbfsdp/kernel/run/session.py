@@ -88,7 +88,9 @@ class Session:
         control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
         saves = interval_saves(self.cluster.private_dir, prepared.number, options.checkpointing)
         resume = self._resume_for(prepared.internal)
-        spec = cell_spec(prepared, delivery, world, options.gather, control, saves, self.loaders, resume)
+        spec = cell_spec(
+            prepared, delivery, world, options.gather, control, saves, self.loaders, resume, timeline=options.timeline
+        )
         record = cell_run.new_record(prepared, world, options, delivery.sent_bytes)
         run = cell_run.submit(
             prepared, delivery, cluster=self.cluster, spec=spec, world=world, record=record, control=control,

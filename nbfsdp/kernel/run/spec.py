@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,9 @@ class RunOptions:
     """The cell's models live on the ranks from now on (``residence``): never gathered."""
     hang_report: float = 0.0
     """Seconds a rank may wait in one collective before the cell says where the ranks are; 0, never."""
+    timeline: float = 0.0
+    """``--timeline``: seconds between captured steps (after the second, and the first after each change); 0,
+    none."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,9 +207,12 @@ def cell_spec(
     saves: IntervalSaves | None,
     loaders: NotebookLoaders,
     resume: ResumePoint,
+    *,
+    timeline: float = 0.0,
 ) -> CellSpec:
     """What every rank is told to run. ``resume``: where a checkpoint loaded since the last cell left the steps
-    and the loaders."""
+    and the loaders; ``timeline``: seconds between captured steps (``--timeline``), none for a cell that runs a
+    profiler of its own (two cannot run at once)."""
     plans, sent = prepared.plans, prepared.sent
     # with saves on, every loader also carries the epochs it began before, for the saves' count
     epochs = {name: LoaderState(epochs=loaders.epochs(sent[name]), generators=[]) for name in plans}
@@ -238,4 +245,11 @@ def cell_spec(
             **(epochs if saves is not None else {}),
             **{name: state for name, state in resume.loaders.items() if name in plans},
         },
+        timeline=0.0 if prepared.request is not None or profiles_itself(prepared.code) else timeline,
     )
+
+
+def profiles_itself(code: str) -> bool:
+    """The cell runs ``torch.profiler`` (or autograd's) itself: a capture of the timeline would refuse to start
+    inside it, or make the cell's own fail to."""
+    return re.search(r"\bprofiler\b", code) is not None
