@@ -124,6 +124,11 @@ def test_attach_to_two_hosts_train_as_one_process_and_detach(shell, tiny_model, 
     assert rows == [["0", names[0], "0"], ["1", names[0], "1"], ["2", names[1], "0"], ["3", names[1], "1"]], status
     run_ok(shell, TRAIN)  # no --world-size: every engine of the attached cluster
     assert nbfsdp.last_run().ok and nbfsdp.last_run().world_size == 4
+    # the timeline's clocks over two hosts: each rank's offset to rank 0 measured at the world's set-up and
+    # reported (one machine's clock here: within a round trip of 0)
+    captures = nbfsdp.last_run().timeline
+    assert sorted({c["rank"] for c in captures}) == [0, 1, 2, 3], captures
+    assert all(abs(c["clock_offset_ms"]) < 5 for c in captures) and captures[0]["clock_offset_ms"] == 0
     assert shell.user_ns["where"] == [
         (names[0], "0", "eth0"),
         (names[0], "1", "eth0"),

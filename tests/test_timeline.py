@@ -87,6 +87,7 @@ def test_each_captured_step_holds_every_collective_fsdp2_issues(
         assert all(e["bytes"] == padded for e in gathers), (gathers, padded)
         assert capture["settings"]["sharding_strategy"] == (flags.split()[1] if "strategy" in flags else "FULL_SHARD")
         assert capture["post_forward_group"] == (2 if "reshard" in flags else None)
+        assert capture["clock_offset_ms"] == 0  # one host: one clock
     # the ranks' clocks are one: a step's captures start within a fraction of the step of each other
     starts = [c["clock_ns"] for c in captures]
     assert (max(starts) - min(starts)) / 1e6 < max(c["step_ms"] for c in captures)

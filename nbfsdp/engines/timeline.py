@@ -186,6 +186,7 @@ class StepTimeline:
             "shards": self._shards,
             "post_forward_group": self._post_forward_group,
             "clock_ns": clock_ns,
+            "clock_offset_ms": self._offset / 1e6,
             "settings": self._settings,
             "events": events,
             "allocated_peak": allocated,

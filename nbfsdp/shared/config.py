@@ -92,11 +92,6 @@ class FSDPConfig:
     sharding_strategy: ShardingStrategy = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3, default), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (replicated, like DDP) or HYBRID_SHARD
     (sharded inside replica groups, replicated across them)."""
-    reshard_after_forward: int | None = None
-    """FULL_SHARD and HYBRID_SHARD: after its forward each unit keeps its parameters sharded over groups of this
-    many ranks, not all of them (FSDP2's reshard_after_forward=N: a divisor of the ranks a unit is sharded over,
-    other than 1 and all), so backward gathers them inside the group (on one host: a GPU count) and a rank
-    holds 1/N of a unit between its forward and its backward. Default: as the strategy says."""
     mixed_precision: MixedPrecision | dict | None = None
     """FULL: one process's math, fp32 for an fp32 model, a tensor stored in bf16 computing as stored, fp32
     gradient reduction (default on CPU); DEFAULT: low-precision parameters (the compute), fp32 gradient
@@ -132,6 +127,11 @@ class FSDPConfig:
     replicas: int | None = None
     """HYBRID_SHARD: this many replica groups, each sharding the model (Composer's
     data_parallel_replicate_degree)."""
+    reshard_after_forward: int | None = None
+    """FULL_SHARD and HYBRID_SHARD: after its forward each unit keeps its parameters sharded over groups of this
+    many ranks, not all of them (FSDP2's reshard_after_forward=N: a divisor of the ranks a unit is sharded over,
+    other than 1 and all), so backward gathers them inside the group (on one host: a GPU count) and a rank
+    holds 1/N of a unit between its forward and its backward. Default: as the strategy says."""
     sync_module_states: bool = False
     """A model built on the meta device: rank 0 initializes it whole and broadcasts the shards (without it
     every rank initializes its own shards under the same seeds)."""

@@ -535,13 +535,7 @@ def _plan(
     units = _units(model, config, mesh[1])
     names, ordered = units.names, units.ordered
     communication = _communication(model, units, config, mesh)
-    post_forward = None
-    if config.reshard_after_forward:  # every unit but the root gathered again for backward, inside its group
-        backward = sum(
-            plan.gathered_bytes for plan, unit in zip(units.plans, ordered, strict=True) if unit is not model
-        )
-        post_forward = (config.reshard_after_forward, backward)
-    wire, cross_host = _wire(communication, mesh, hosts, post_forward)
+    wire, cross_host = _wire(communication, mesh, hosts, _post_forward(model, units, config))
     forward_prefetch = (
         [(names[id(a)], names[id(b)]) for a, b in zip(ordered[1:], ordered[2:], strict=False)]
         if config.forward_prefetch
@@ -573,6 +567,17 @@ def _plan(
         hosts=list(hosts) if hosts is not None and len(set(hosts)) > 1 else [],
         cross_host=cross_host,
     )
+
+
+def _post_forward(model: nn.Module, units: _Units, config: FSDPConfig) -> tuple[int, int] | None:
+    """``reshard_after_forward`` N: N, and the bytes backward gathers again inside each group of N (every unit's
+    but the root's); None otherwise."""
+    if not config.reshard_after_forward:
+        return None
+    backward = sum(
+        plan.gathered_bytes for plan, unit in zip(units.plans, units.ordered, strict=True) if unit is not model
+    )
+    return config.reshard_after_forward, backward
 
 
 def _comm_buffers_lower_bound(units: list[UnitPlan], strategy: str, shards: int) -> int:
