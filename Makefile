@@ -20,9 +20,8 @@ FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
 # The suite's test files run on this many pytest-xdist workers, each file whole on one (its module fixtures, and
 # nbval's kernel of a notebook, stay in one process): the ranks' processes leave one of 2 cores idle about half
-# the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers; three workers on the
-# same 2 cores, 2026-11-29: 22 min for a suite that took 23 with two, and the whole `make test` under 30 with margin)
-TEST_WORKERS ?= 3
+# the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers)
+TEST_WORKERS ?= 2
 
 .PHONY: lab test test-floor test-gpu check typecheck browser sshd lint clean bench docs
 

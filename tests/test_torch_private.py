@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -81,15 +82,22 @@ def test_the_profilers_events_and_the_cpu_bytes_it_saw_allocated_at_once():
     from torch.profiler import ProfilerActivity, profile, record_function
 
     before = torch.empty(2**20, dtype=torch.uint8)  # allocated before the profiler: neither counted nor its free
+    def elsewhere() -> None:  # another thread's allocation: not the step's, as gloo's staging buffers are not
+        torch.empty(8 * 2**20, dtype=torch.uint8).fill_(1)
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler, record_function("nbfsdp::x"):
         a, b = torch.empty(2**20, dtype=torch.uint8), torch.empty(2 * 2**20, dtype=torch.uint8)
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
         del a, b, before
         c = torch.empty(2**20, dtype=torch.uint8)
     events, start_ns = torch_private.profiler_events(profiler)
     span = next(e for e in events if e[0] == "nbfsdp::x")
     assert start_ns <= span[1] < span[2] and not span[4]  # on the host
     assert all(e[0] != "[memory]" for e in events)
-    assert torch_private.profiled_allocation_peak(profiler) == 3 * 2**20
+    assert torch_private.profiled_allocation_peak(profiler, {span[3]}) == 3 * 2**20
+    assert torch_private.profiled_allocation_peak(profiler, set()) == 0
     del c
 
 

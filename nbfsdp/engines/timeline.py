@@ -169,7 +169,8 @@ class StepTimeline:
         profiler.__exit__(None, None, None)
         self._last_capture = time.monotonic()
         raw, start_ns = profiler_events(profiler)
-        allocated = profiled_allocation_peak(profiler) if self.device.type == "cpu" else None
+        step_threads = {r[3] for r in raw if r[0].startswith("FSDP::")}  # the step's, not gloo's workers
+        allocated = profiled_allocation_peak(profiler, step_threads) if self.device.type == "cpu" else None
         release_profiler_results(profiler)
         clock_ns = start_ns - self._offset
         events = parse(raw, start_ns, self._sizes, two_reductions=self._replicated and _sharded(self._models))
