@@ -82,6 +82,7 @@ def test_the_profilers_events_and_the_cpu_bytes_it_saw_allocated_at_once():
     from torch.profiler import ProfilerActivity, profile, record_function
 
     before = torch.empty(2**20, dtype=torch.uint8)  # allocated before the profiler: neither counted nor its free
+
     def elsewhere() -> None:  # another thread's allocation: not the step's, as gloo's staging buffers are not
         torch.empty(8 * 2**20, dtype=torch.uint8).fill_(1)
 
