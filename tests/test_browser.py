@@ -156,13 +156,18 @@ def shot(target: Page | Locator, name: str) -> None:
     target.screenshot(path=ARTIFACTS / f"{name}.png")
 
 
+#: The dashboard's figure: the first picture of the cell's output that is not the timeline panel's (whose pictures
+#: change only with a captured step).
+FIGURE = f".jp-OutputArea-output img:not(.{PANEL_CLASS})"
+
+
 def watch_redraws(cell: Locator, wanted: int = 3) -> list[str]:
     """The distinct drawings the figure showed while the cell ran (each redraw is a new blob URL).
 
     Only loaded images count (the widget can start empty). Three, not two: the cell's very last
     update, as it ends, also replaces the image.
     """
-    figure = cell.locator(".jp-OutputArea-output img").first
+    figure = cell.locator(FIGURE).first
     sources: list[str] = []
     while running(cell) and len(sources) < wanted:
         src = figure.evaluate("img => img.complete && img.naturalWidth > 0 ? img.src : null")
@@ -257,7 +262,7 @@ def run_quickstart(page: Page, lab: Lab) -> None:
     run_all(page)
 
     cell = page.locator(".jp-CodeCell").filter(has=page.locator(".jp-InputArea-editor", has_text="%%fsdp")).first
-    figure = cell.locator(".jp-OutputArea-output img").first
+    figure = cell.locator(FIGURE).first
     expect(figure).to_be_attached(timeout=180_000)
     cell.scroll_into_view_if_needed()
     assert running(cell), "the training cell ended before its dashboard could be looked at"
