@@ -18,7 +18,7 @@ import statistics
 
 from benchmarks import loops, notebook_loop
 from benchmarks.context import Context
-from benchmarks.measurement import Measurement, in_turn, median, round_interval
+from benchmarks.measurement import Measurement, in_turn, median
 
 NAME = "log_overhead"
 TARGET_PERCENT = 2.0
@@ -50,24 +50,18 @@ def run(ctx: Context) -> dict:
             if log_each_step:
                 records = result["records"]
     per_round = [overhead_percent([a], [b]) for a, b in zip(means[False], means[True], strict=True)]
-    overhead = overhead_percent(means[False], means[True])
     overhead_median = overhead_percent(medians[False], medians[True])
     rows = [
-        Measurement(
-            what=f"CPU ws{WORLD_SIZE}: nbfsdp.log each step + live plot, overhead of mean step time",
-            value=overhead,
+        Measurement.compared(
+            f"CPU ws{WORLD_SIZE}: nbfsdp.log each step + live plot, overhead of mean step time",
+            overhead_percent,
+            ("no log", means[False]),
+            ("log", means[True]),
             unit="%",
             target=TARGET_PERCENT,
             op="<=",
-            a_label="no log",
-            a=median(means[False]),
-            b_label="log",
-            b=median(means[True]),
             ab_unit="ms",
-            samples_a=means[False],
-            samples_b=means[True],
             samples_value=per_round,
-            interval=round_interval(means[False], means[True], overhead_percent),
             note=(
                 f"by median step instead: {overhead_median:+.2f}%; per-round overheads (each round's two cells "
                 f"back to back): median {median(per_round):+.2f}%, {min(per_round):+.2f} to {max(per_round):+.2f}%"

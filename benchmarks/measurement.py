@@ -85,6 +85,31 @@ class Measurement:
     def __post_init__(self) -> None:
         assert self.op is None or self.op in OPS, self.op
 
+    @classmethod
+    def compared(
+        cls,
+        what: str,
+        statistic: Callable[[Sequence[float], Sequence[float]], float],
+        a: tuple[str, list[float]],
+        b: tuple[str, list[float]],
+        **rest: Any,
+    ) -> Measurement:
+        """A row judging ``statistic(A, B)`` over rounds of both (``a`` and ``b``: a label and per-round figures):
+        each side's median, its samples and the rounds' interval filled in; ``rest``: the other fields."""
+        (a_label, samples_a), (b_label, samples_b) = a, b
+        return cls(
+            what=what,
+            value=statistic(samples_a, samples_b),
+            a_label=a_label,
+            a=median(samples_a),
+            b_label=b_label,
+            b=median(samples_b),
+            samples_a=samples_a,
+            samples_b=samples_b,
+            interval=round_interval(samples_a, samples_b, statistic),
+            **rest,
+        )
+
     @property
     def ok(self) -> bool | None:
         if self.value is None or math.isnan(self.value):

@@ -16,7 +16,7 @@ import statistics
 
 from benchmarks import loops, notebook_loop
 from benchmarks.context import Context
-from benchmarks.measurement import Measurement, in_turn, median, round_interval
+from benchmarks.measurement import Measurement, in_turn, median
 
 NAME = "timeline"
 TARGET_RATIO = 1.02
@@ -54,21 +54,16 @@ def run(ctx: Context) -> dict:
                         captured.append(steps[forward] / typical)
                         following.append(steps[forward + 1] / typical)
     rows = [
-        Measurement(
-            what=f"CPU ws{WORLD_SIZE}: a {sizes.steps}-step loop with the default --timeline (a step captured every "
+        Measurement.compared(
+            f"CPU ws{WORLD_SIZE}: a {sizes.steps}-step loop with the default --timeline (a step captured every "
             "10 s) / --timeline 0, mean step",
-            value=ratio(means[False], means[True]),
+            ratio,
+            ("--timeline 0", means[False]),
+            ("default", means[True]),
             unit="x",
             target=TARGET_RATIO,
             op="<=",
-            a_label="--timeline 0",
-            a=median(means[False]),
-            b_label="default",
-            b=median(means[True]),
             ab_unit="ms",
-            samples_a=means[False],
-            samples_b=means[True],
-            interval=round_interval(means[False], means[True], ratio),
         ),
         Measurement(
             what=f"CPU ws{WORLD_SIZE}: a captured step (the profiler on) / its cell's median step",

@@ -115,6 +115,30 @@ def test_over_its_limit_a_cpu_rank_fails_as_cuda_does_with_one_report(shell, mod
     assert [info.pid for info in cluster.world.engines] == pids
 
 
+#: 16 MiB let go by the cell and dropped by another thread 5 ms later, as gloo's worker drops a finished
+#: asynchronous gather's buffers; then 16 MiB more: past the limit (4 MiB of shards, 28.6 MiB) until that free lands.
+FREED_ELSEWHERE = """%%fsdp --world-size 2 --wrap-cls Block --memory-limit 30MB
+import threading, time
+held, let_go = [torch.empty(16 * 2**20, dtype=torch.uint8)], threading.Event()
+def drop_its_last_reference():
+    let_go.wait(); time.sleep(0.005); held.clear()
+worker = threading.Thread(target=drop_its_last_reference)
+worker.start()
+let_go.set()
+second = torch.empty(16 * 2**20, dtype=torch.uint8)
+worker.join()
+dropped_first = not held and net is not None
+"""
+
+
+@pytest.mark.floor
+def test_a_free_under_way_in_another_thread_is_not_counted_against_the_limit(shell, model):
+    """Without the wait for it, the second tensor runs out: a rank at its limit would run out one allocation
+    early, or not, by chance (seen as a report off the planner's by one buffer, once in 30 runs)."""
+    run_ok(shell, FREED_ELSEWHERE)
+    assert shell.user_ns["dropped_first"] is True
+
+
 def test_every_fix_the_report_offers_fits_when_run(shell, model):
     run_failing(shell, cell(f"--memory-limit {LIMIT}"))
     fixes = nbfsdp.last_run().out_of_memory["fixes"]

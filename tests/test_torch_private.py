@@ -61,7 +61,7 @@ torch_private.set_unshard_async_op(model, True)  # CPU ranks run so: a prefetche
 async_on = [g.unshard_async_op for g in groups if g is not None]
 out = model(x)  # unsharded asynchronously, waited on in each unit's pre-forward: the same result
 async_same = torch.equal(out, model(x))
-loss_fn(out, y).backward()
+loss_fn(out.float(), y).backward()  # a bf16 output against fp32 targets: torch 2.6's mse_loss backward needs one dtype
 del out
 """
 

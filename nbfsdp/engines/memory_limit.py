@@ -16,6 +16,7 @@ woken by the torn-down world, send their bytes where they stopped.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -27,6 +28,9 @@ import torch.nn as nn
 from nbfsdp.engines.metrics import MemoryMeter
 from nbfsdp.shared.protocol import TensorShape
 from nbfsdp.shared.torch_private import limited_memory_tracker, tree_map
+
+#: Past its limit, how long a CPU rank waits for frees under way in other threads before it runs out.
+PENDING_FREE_SECONDS = 0.2
 
 
 def _mib(size: int) -> str:
@@ -115,6 +119,9 @@ class RankMemory:
         assert self.limit is not None
         if not self._armed or total <= self.limit:
             return
+        total = self._once_frees_land(total)
+        if total <= self.limit:
+            return
         self._armed = False  # one error; what the unwinding allocates is not another
         doing = doing or self.tracker.doing
         self.failed = {"at_failure": self.by_category(), "doing": doing, "asked": asked}
@@ -124,6 +131,18 @@ class RankMemory:
             f"{_mib(self.limit)} of which {_mib(free)} is free. Of the limit, {_mib(total - asked)} is allocated by "
             f"tensors (nbfsdp's accounting: FSDPMemTracker). Doing: {doing}."
         )
+
+    def _once_frees_land(self, total: int) -> int:
+        """The tracked total once the frees other threads are making have landed. gloo's worker thread drops a
+        finished asynchronous all-gather's buffers moments after the rank has waited on it (the tracker hears of
+        a free when the storage's last reference goes, in whichever thread): counted, they would make a rank at
+        its limit run out one allocation early, or not, by chance. Waits only past the limit, and at most
+        ``PENDING_FREE_SECONDS``: a rank that truly ran out reports that much later."""
+        deadline = time.monotonic() + PENDING_FREE_SECONDS
+        while total > self.limit and time.monotonic() < deadline:
+            time.sleep(0.001)  # the GIL let go: a free waiting in another thread runs its tracker callback
+            total = self.tracker.total(self.device)
+        return total
 
     # -- what the kernel is told
     def by_category(self) -> dict[str, int]:

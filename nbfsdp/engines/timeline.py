@@ -37,6 +37,8 @@ from nbfsdp.shared.torch_private import (
 
 #: Compute shorter than this between two hooks is not an event of its own (it is counted in the exposure).
 SHORTEST_MS = 0.02
+#: One profiler event: (name, start_ns, end_ns, thread, on_device, correlation, linked correlation).
+RawEvent = tuple[str, int, int, int, bool, int, int]
 #: The settings a capture says were in force.
 SHOWN_SETTINGS = (
     "sharding_strategy",
@@ -111,7 +113,7 @@ class StepTimeline:
         began with (the memory meter then counts the step's true peak)."""
         self.every_seconds, self.rank, self.device = every_seconds, rank, device
         self._models = models
-        self._sizes = unit_sizes(models)
+        self._sizes: dict[str, tuple[int, int]] | None = None  # at the first capture: --timeline 0 never needs them
         self._publish = publish
         self._offset = clock_offset_ns
         self.on_allocated = on_allocated
@@ -173,6 +175,8 @@ class StepTimeline:
         allocated = profiled_allocation_peak(profiler, step_threads) if self.device.type == "cpu" else None
         release_profiler_results(profiler)
         clock_ns = start_ns - self._offset
+        if self._sizes is None:
+            self._sizes = unit_sizes(self._models)
         events = parse(raw, start_ns, self._sizes, two_reductions=self._replicated and _sharded(self._models))
         comm, exposed = exposure(events)
         step = self._logged if self._logged is not None else self._forward
@@ -239,7 +243,7 @@ def _is(name: str, label: str) -> bool:
 
 
 def parse(
-    raw: list[tuple[str, int, int, int, bool, int, int]],
+    raw: list[RawEvent],
     start_ns: int,
     sizes: dict[str, tuple[int, int]],
     two_reductions: bool = False,
@@ -261,27 +265,46 @@ def parse(
     host = [r for r in raw if not r[4]]
     fsdp_threads = {r[3] for r in host if r[0].startswith("FSDP::")}
     on_threads = sorted((r for r in host if r[3] in fsdp_threads), key=lambda r: (r[1], -r[2]))
-    events: list[dict[str, Any]] = []
+    device = sorted((r for r in raw if r[4]), key=lambda r: r[1])
+    events = _collectives(host, device, on_threads, sizes, two_reductions, event)
+    events += _host_spans(on_threads, event)
+    on_device = [r for r in device if "nccl" not in r[0].lower()]
+    events += _compute(on_threads, on_device, event)
+    return sorted(events, key=lambda e: (e["start_ms"], e["lane"]))
+
+
+def _collectives(
+    host: list[RawEvent],
+    device: list[RawEvent],
+    on_threads: list[RawEvent],
+    sizes: dict[str, tuple[int, int]],
+    two_reductions: bool,
+    event: Callable[..., dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The transfers themselves (gloo's spans in its threads, or NCCL's kernels), each named by the unit whose
+    FSDP2 span issued it: a process group runs its collectives in the order they were issued."""
     gathers = [r for r in on_threads if _is(r[0], "FSDP::all_gather")]
     reduces = [r for r in on_threads if _is(r[0], "FSDP::post_backward_reduce")]
-    device = sorted((r for r in raw if r[4]), key=lambda r: r[1])
     transfers = [r for r in host if r[0].startswith("gloo:")] or [r for r in device if "nccl" in r[0].lower()]
     transfers.sort(key=lambda r: r[1])
     gathered = [r for r in transfers if "all_gather" in r[0] or "AllGather" in r[0]]
     reduced = [r for r in transfers if r not in gathered]
-    for issue, transfer in zip(gathers, gathered, strict=False):  # in the order issued, as the group runs them
+    events = []
+    for issue, transfer in zip(gathers, gathered, strict=False):
         unit = _unit(issue[0])
         events.append(event("all_gather", "all_gather", unit, transfer[1], transfer[2], sizes.get(unit, (0, 0))[0]))
     per_unit = 2 if two_reductions else 1
-    for index, transfer in enumerate(reduced):
-        if index // per_unit >= len(reduces):
-            break
+    for index, transfer in enumerate(reduced[: per_unit * len(reduces)]):
         unit = _unit(reduces[index // per_unit][0])
         name = "all_reduce" if per_unit == 2 and index % 2 else "reduce_scatter"
-        size = sizes.get(unit, (0, 0))[1]
-        events.append(
-            event("reduce_scatter", name, unit, transfer[1], transfer[2], size if name != "all_reduce" else 0)
-        )
+        size = sizes.get(unit, (0, 0))[1] if name == "reduce_scatter" else 0
+        events.append(event("reduce_scatter", name, unit, transfer[1], transfer[2], size))
+    return events
+
+
+def _host_spans(on_threads: list[RawEvent], event: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """FSDP2's copies into and out of the gathers, the optimizer's and nbfsdp's own spans, as the host ran them."""
+    events = []
     for r in on_threads:
         if _is(r[0], "FSDP::all_gather"):
             events.append(event("all_gather", "copy_in", _unit(r[0]), r[1], r[2]))
@@ -293,14 +316,12 @@ def parse(
             events.append(event("optimizer", "zero_grad", "", r[1], r[2]))
         elif r[0].startswith("nbfsdp::"):
             events.append(event("nbfsdp", r[0].removeprefix("nbfsdp::"), "", r[1], r[2]))
-    on_device = [r for r in device if "nccl" not in r[0].lower()]
-    events += _compute(on_threads, on_device, event)
-    return sorted(events, key=lambda e: (e["start_ms"], e["lane"]))
+    return events
 
 
 def _compute(
-    on_threads: list[tuple[str, int, int, int, bool, int, int]],
-    on_device: list[tuple[str, int, int, int, bool, int, int]],
+    on_threads: list[RawEvent],
+    on_device: list[RawEvent],
     event: Callable[..., dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """The compute lane: on the CPU, each thread's time outside FSDP2's hooks, the optimizer and nbfsdp's own

@@ -509,6 +509,10 @@ def limited_memory_tracker(root: nn.Module, over_limit: Callable[[int, int], Non
             self.operator = func
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        def total(self, device: torch.device) -> int:
+            """The bytes tracked on ``device`` now."""
+            return self._curr_mem_snap.get(device, {}).get("Total", 0)
+
         @property
         def doing(self) -> str:
             """What the rank was doing at the last change: FSDP2's collective for a unit, else the operator."""

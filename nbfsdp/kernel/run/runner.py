@@ -37,6 +37,8 @@ POLL_SECONDS = 0.1
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 1.5
+#: Once an engine was lost: how much longer the ranks still running are watched for their engines' end too.
+HOST_DEATH_SECONDS = 3.0
 
 
 #: What PyTorch says when a low-precision model output meets an fp32 tensor in an op that needs one dtype
@@ -303,6 +305,20 @@ def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[],
         concurrent.futures.wait(pending, timeout=POLL_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
 
 
+def _see_deaths(run: RankRun, outcomes: dict[int, CellOutcome]) -> None:
+    """Name the ranks whose engine ended while the others were being stopped. Where one engine was lost, the
+    rest of its host likely went with it: their deaths are awaited a little longer (a busy controller can see
+    a host's engines go seconds apart), so each is named as lost rather than as a rank that did not stop."""
+    cluster, ranks = run.cluster, range(len(run.results))
+    deadline = time.monotonic() + (HOST_DEATH_SECONDS if any(o.engine_lost for o in outcomes.values()) else 0)
+    while True:
+        for rank, how in cluster.dead_ranks().items():
+            outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))
+        if all(rank in outcomes for rank in ranks) or time.monotonic() >= deadline:
+            return
+        time.sleep(POLL_SECONDS)
+
+
 def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: bool) -> None:
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
     results, cluster = run.results, run.cluster
@@ -322,8 +338,7 @@ def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: boo
         for rank in running:
             if results[rank].ready():
                 outcomes[rank] = _outcome(results[rank])
-    for rank, how in cluster.dead_ranks().items():  # ended while the others were being stopped
-        outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))
+    _see_deaths(run, outcomes)
     stuck = [rank for rank in range(len(results)) if rank not in outcomes]
     for rank in stuck:
         outcomes[rank] = CellOutcome.failed("did not stop; engine killed", secondary=True)
