@@ -25,17 +25,22 @@ TEST_WORKERS ?= 2
 
 .PHONY: lab test test-floor test-gpu check typecheck browser sshd lint clean bench docs
 
+# `make test` builds the two environments at once (`make -j2`): their editable installs of this directory take turns
+# (flock), as both write nbfsdp.egg-info here
+EDITABLE_LOCK := flock .editable-install.lock
+
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_BIN)/python -m pip install --quiet --upgrade pip
-	$(FLOOR_BIN)/python -m pip install --quiet $(FLOOR_PINS) -e ".[test]"
+	$(FLOOR_BIN)/python -m pip install --quiet $(FLOOR_PINS)
+	$(EDITABLE_LOCK) $(FLOOR_BIN)/python -m pip install --quiet $(FLOOR_PINS) -e ".[test]"
 	touch $(FLOOR_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs,peft,qlora]"
+	$(EDITABLE_LOCK) $(BIN)/python -m pip install --quiet -e ".[test,lab,bench,examples,docs,peft,qlora]"
 	touch $(STAMP)
 
 ## Create .venv, install nbfsdp with its extras, open JupyterLab on notebooks/
@@ -63,7 +68,8 @@ sshd:
 	  fi; }
 
 ## Same set-up, then the whole suite: lint, types, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
-test: $(STAMP) browser sshd
+test: browser sshd
+	$(MAKE) -j2 $(STAMP) $(FLOOR_STAMP)
 	$(BIN)/ruff check nbfsdp tests benchmarks
 	$(BIN)/ruff format --check nbfsdp tests benchmarks
 	$(MAKE) typecheck
@@ -105,4 +111,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info site
+	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info site .editable-install.lock
