@@ -184,13 +184,42 @@ def test_each_action_is_one_entry_whose_usage_makes_the_help(shell):
     from nbfsdp.kernel.magics import ACTIONS, FSDPMagics
 
     parser_help = FSDPMagics.fsdp_line.parser.format_help()
-    words = " ".join(parser_help.split())  # argparse wraps the help: compare words, not lines
+    letters = "".join(parser_help.split())  # argparse wraps the help, at spaces and after hyphens: no whitespace
     for name, action in ACTIONS.items():
-        shown = " ".join(action.usage.replace("%%", "%").split())  # argparse prints its help through %-formatting
-        assert action.usage.startswith(name) and shown in words, name
+        shown = "".join(action.usage.replace("%%", "%").split())  # argparse prints its help through %-formatting
+        assert action.usage.startswith(name) and shown in letters, name
         assert callable(action.handler), name
     with pytest.raises(UsageError, match="%fsdp status takes no arguments; got 'now'"):
         shell.run_line_magic("fsdp", "status now")
+
+
+def test_an_action_that_parses_flags_names_each_of_them_in_its_usage():
+    """The usage is made from the parser: every flag argparse's own usage line lists is in the action's (the
+    settings flags as [settings]), where explain's lacked --batch, --gpu, --suggest and --device-memory."""
+    import re
+
+    from nbfsdp.kernel import flags
+    from nbfsdp.kernel.magics import ACTIONS
+
+    settings = {"--config", *("--" + name.replace("_", "-") for name in flags.CONFIG_FLAGS)}
+    parsed = 0
+    for name, action in ACTIONS.items():
+        parser_function = getattr(flags, f"{name.replace('-', '_')}_arguments", None)
+        if parser_function is None:
+            continue
+        parsed += 1
+        listed = set(re.findall(r"\[(--[a-z-]+)", parser_function.parser.format_usage())) - {"--help"}
+        takes_settings = bool(listed & settings)
+        for flag in listed - settings:
+            assert re.search(rf"\[{flag}[\] ]", action.usage), (name, flag, action.usage)
+        assert ("[settings]" in action.usage) == takes_settings, name
+        depth, positional = 0, []
+        for word in parser_function.parser.format_usage().split()[2:]:  # past "::" and the parser's name
+            if depth == 0 and not word.startswith("["):
+                positional.append(word)
+            depth += word.count("[") - word.count("]")
+        assert all(w.upper() in action.usage or w in action.usage for w in positional), (name, positional)
+    assert parsed == 8  # explain, timeline, trace, save, load, checkpoints, export, attach
 
 
 def test_each_settings_flag_is_made_from_its_field_its_choices_the_literal_its_help_the_docstring():

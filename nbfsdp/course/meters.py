@@ -2,7 +2,7 @@
 
 ``CommMeter`` is a ``TorchDispatchMode`` (PyTorch's hook on every operation) that keeps each c10d
 collective with the size of the tensor it handles and the size of its group; from those two,
-``planning.ring_bytes`` gives what the rank sends and receives under the ring algorithms.
+``collectives.ring_bytes`` gives what the rank sends and receives under the ring algorithms.
 ``tcp_counters``, ``peer_connections`` and ``traffic`` read what a rank really sent and received
 on its own TCP connections to the other ranks (gloo's), from the kernel's per-socket counters.
 ``flop_counter`` counts FLOPs as PyTorch's ``FlopCounterMode`` does, the attention included on CPU too.

@@ -119,7 +119,7 @@ class RankMemory:
         assert self.limit is not None
         if not self._armed or total <= self.limit:
             return
-        total = self._once_frees_land(total)
+        total = self._once_frees_land(total, self.limit)
         if total <= self.limit:
             return
         self._armed = False  # one error; what the unwinding allocates is not another
@@ -132,14 +132,14 @@ class RankMemory:
             f"tensors (nbfsdp's accounting: FSDPMemTracker). Doing: {doing}."
         )
 
-    def _once_frees_land(self, total: int) -> int:
+    def _once_frees_land(self, total: int, limit: int) -> int:
         """The tracked total once the frees other threads are making have landed. gloo's worker thread drops a
         finished asynchronous all-gather's buffers moments after the rank has waited on it (the tracker hears of
         a free when the storage's last reference goes, in whichever thread): counted, they would make a rank at
         its limit run out one allocation early, or not, by chance. Waits only past the limit, and at most
         ``PENDING_FREE_SECONDS``: a rank that truly ran out reports that much later."""
         deadline = time.monotonic() + PENDING_FREE_SECONDS
-        while total > self.limit and time.monotonic() < deadline:
+        while total > limit and time.monotonic() < deadline:
             time.sleep(0.001)  # the GIL let go: a free waiting in another thread runs its tracker callback
             total = self.tracker.total(self.device)
         return total

@@ -162,10 +162,41 @@ def checkpoint_arguments(func: Callable) -> Callable:
     return func
 
 
-# -- the parsers of %fsdp's actions that take flags (parse_argstring(parser, rest)); their docstrings are usage
+def synopsis(parser_function: Any) -> str:
+    """An action's arguments as its parser declares them, in the source's order, the settings flags written
+    once as ``[settings]``: the usage is made from the parser, so it cannot miss a flag the parser takes.
+    Reads ``magic_arguments``' own record of the decorators (``decorators``, each ``argument`` with its
+    ``args`` and ``kwds``), not argparse's private action list."""
+    words: list[str] = []
+    for decorator in reversed(parser_function.decorators):
+        if decorator in _CONFIG_ARGUMENTS:
+            words += [] if "[settings]" in words else ["[settings]"]
+        elif isinstance(decorator, argument):
+            words.append(_usage_word(decorator.args, decorator.kwds))
+    return " ".join([w for w in words if not w.startswith("[")] + [w for w in words if w.startswith("[")])
+
+
+def _usage_word(names: tuple[str, ...], options: dict[str, Any]) -> str:
+    if not names[0].startswith("-"):
+        return options.get("metavar") or names[0].upper()
+    flag = next(n for n in names if n.startswith("--"))
+    if options.get("action") in ("store_true", "store_const"):
+        return f"[{flag}]"
+    choices = options.get("choices")
+    value = options.get("metavar") or ("{" + ",".join(choices) + "}" if choices else flag[2:].upper())
+    return f"[{flag} {value}]"
+
+
+def description(parser_function: Any) -> str:
+    """What an action does: its parser's description (the parser function's docstring)."""
+    return parser_function.parser.description
+
+
+# -- the parsers of %fsdp's actions that take flags (parse_argstring(parser, rest)); each docstring says what the
+# action does, and ``synopsis`` writes its arguments
 @magic_arguments()
 @argument("model", help="The name of an nn.Module in the notebook.")
-@argument("--world-size", "-n", type=int, default=None, help=WORLD_SIZE_HELP)
+@argument("--world-size", "-n", type=int, metavar="N", default=None, help=WORLD_SIZE_HELP)
 @argument("--code", action="store_true", help="Print the plain FSDP2 code these settings amount to.")
 @argument(
     "--batch",
@@ -185,20 +216,27 @@ def checkpoint_arguments(func: Callable) -> Callable:
 @argument("--suggest", action="store_true", help="With --gpu or --device-memory: the cheapest settings that fit.")
 @config_arguments
 def explain_arguments(line: str) -> None:
-    """%fsdp explain [--code] [settings] [--world-size N] [--batch EXPR [--gpu NAME] [--suggest]] MODEL"""
+    """the FSDP plan, or with --code the plain FSDP2 code it amounts to, nothing run (see %fsdp? for settings);
+    with --batch, each rank's peak in a training step, and with --gpu or --device-memory whether it fits"""
 
 
 @magic_arguments()
-@argument("--profile", default=None, help="The ipyparallel profile the cluster was started with (default: default).")
-@argument("--cluster-id", default=None, help="Its cluster id, where the profile has several running.")
+@argument(
+    "--profile",
+    metavar="P",
+    default=None,
+    help="The ipyparallel profile the cluster was started with (default: default).",
+)
+@argument("--cluster-id", metavar="ID", default=None, help="Its cluster id, where the profile has several running.")
 @argument(
     "--shared-dir",
+    metavar="PATH",
     default=None,
     help="A directory the notebook and every host see (a shared file system), for live changes, cancel and "
     "--save-interval (default: a directory in the cluster's profile, shared where the hosts share a home).",
 )
 def attach_arguments(line: str) -> None:
-    """%fsdp attach [--profile P] [--cluster-id ID] [--shared-dir PATH]"""
+    """run the next cells on a running ipyparallel cluster nbfsdp did not start (any launcher, several hosts)"""
 
 
 @magic_arguments()
@@ -217,11 +255,12 @@ def attach_arguments(line: str) -> None:
     help="Write PATH as save_pretrained does (safetensors files, their index, config.json) for from_pretrained, "
     "each rank writing its shards; the kernel never holds the model.",
 )
-@argument("--model", default=None, help="With --hf: which model, when the engines hold several.")
+@argument("--model", metavar="NAME", default=None, help="With --hf: which model, when the engines hold several.")
 @argument("--max-shard-size", metavar="SIZE", default=None, help=MAX_SHARD_SIZE_HELP)
 @argument("--dtype", choices=HF_DTYPES, default=None, help="With --hf: cast the floating tensors (default: as held).")
 def save_arguments(line: str) -> None:
-    """%fsdp save PATH [--overwrite] [--async] [--hf [--model NAME] [--max-shard-size SIZE] [--dtype D]]"""
+    """a sharded checkpoint of what the engines hold; with --hf, one model as save_pretrained writes it, for
+    from_pretrained"""
 
 
 @magic_arguments()
@@ -230,6 +269,7 @@ def save_arguments(line: str) -> None:
     "--world-size",
     "-n",
     type=int,
+    metavar="N",
     default=None,
     help="Ranks to load into (default: the running world's, or with none running the checkpoint's).",
 )
@@ -241,36 +281,45 @@ def save_arguments(line: str) -> None:
 )
 @argument(
     "--model",
+    metavar="NAME",
     default=None,
     help="With a .pt or .safetensors file: the notebook's model to load it into (default: the only one it fits).",
 )
 def load_arguments(line: str) -> None:
-    """%fsdp load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]"""
+    """a checkpoint (or a .pt/.safetensors file of full weights, each rank reading its shard) into the engines
+    and the notebook's objects"""
 
 
 @magic_arguments()
 @argument("folder", help="A folder holding checkpoints.")
 def checkpoints_arguments(line: str) -> None:
-    """%fsdp checkpoints FOLDER"""
+    """the checkpoints there"""
 
 
 @magic_arguments()
-@argument("--step", type=int, default=None, help="The captured step to draw (default: the last one captured).")
-@argument("--rank", type=int, default=None, help="Draw this rank alone (default: every rank, aligned).")
+@argument(
+    "--step", type=int, metavar="N", default=None, help="The captured step to draw (default: the last one captured)."
+)
+@argument("--rank", type=int, metavar="R", default=None, help="Draw this rank alone (default: every rank, aligned).")
 def timeline_arguments(line: str) -> None:
-    """%fsdp timeline [--step N] [--rank R]"""
+    """a step the last cell captured (--timeline), each rank's all_gather, compute and reduce_scatter phases,
+    and its collectives' sizes and bus bandwidth"""
 
 
 @magic_arguments()
-@argument("path", help="The Chrome trace file to write, e.g. trace.json (Perfetto and chrome://tracing open it).")
+@argument(
+    "path",
+    metavar="PATH.json",
+    help="The Chrome trace file to write, e.g. trace.json (Perfetto and chrome://tracing open it).",
+)
 def trace_arguments(line: str) -> None:
-    """%fsdp trace PATH.json"""
+    """the last cell's captured steps as one Chrome trace (Perfetto)"""
 
 
 @magic_arguments()
 @argument("checkpoint", help="A complete checkpoint's directory.")
 @argument("out", help="The file to write: .pt (a plain state dict) or .safetensors; with --hf a directory.")
-@argument("--model", default=None, help="Which model, when the checkpoint holds several.")
+@argument("--model", metavar="NAME", default=None, help="Which model, when the checkpoint holds several.")
 @argument("--dtype", choices=HF_DTYPES, default=None, help="Cast the floating tensors.")
 @argument(
     "--hf",
@@ -281,7 +330,8 @@ def trace_arguments(line: str) -> None:
 @argument("--max-shard-size", metavar="SIZE", default=None, help=MAX_SHARD_SIZE_HELP)
 @argument("--overwrite", action="store_true", help="With --hf: replace a model directory already at OUT.")
 def export_arguments(line: str) -> None:
-    """%fsdp export CHECKPOINT OUT [--model NAME] [--dtype {fp32,bf16,fp16}] [--hf [--max-shard-size SIZE]]"""
+    """one model's full weights into one .pt or .safetensors file, in the kernel; with --hf, into the directory
+    OUT as save_pretrained writes it, one file at a time"""
 
 
 def save_options(args: argparse.Namespace) -> dict[str, Any]:

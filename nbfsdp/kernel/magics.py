@@ -8,6 +8,7 @@ import ast
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 from IPython.core.error import UsageError
@@ -39,6 +40,12 @@ class Action:
 
     usage: str
     handler: Callable[[FSDPMagics, str], None]
+
+
+def _parsed(name: str, parser_function: Any, handler: Callable[[FSDPMagics, str], None]) -> Action:
+    """An action that parses its flags: its usage made from its parser (``flags.synopsis``) and its docstring."""
+    usage = f"{name} {flags.synopsis(parser_function)}: {flags.description(parser_function)}"
+    return Action(" ".join(usage.split()).replace("%", "%%"), handler)  # argparse formats help with %
 
 
 def _no_arguments(action: str, rest: str) -> None:
@@ -229,11 +236,7 @@ def _panel(magics: FSDPMagics, rest: str) -> None:
 ACTIONS = {
     "status": Action("status: engines, ranks, devices, pids", _status),
     "stop": Action("stop: end the cluster", _stop),
-    "explain": Action(
-        "explain [--code] [settings] [--world-size N] MODEL: the FSDP plan, or with --code the plain FSDP2 "
-        "code it amounts to, nothing run (see %%fsdp? for settings)",
-        _explain,
-    ),
+    "explain": _parsed("explain", flags.explain_arguments, _explain),
     "compare": Action("compare [N]: the last N runs (default 5) side by side", _compare),
     "panel": Action("panel [MODEL]: the settings as controls, defaults of the next cells, with MODEL's plan", _panel),
     "set": Action(
@@ -251,37 +254,16 @@ ACTIONS = {
         "where: each rank's stack and collectives while a cell runs, and which rank left the others waiting", _where
     ),
     "interrupt": Action("interrupt: end an --async run now, as Ctrl-C ends a blocking one", _interrupt),
-    "timeline": Action(
-        "timeline [--step N] [--rank R]: a step the last cell captured (--timeline), each rank's all_gather, "
-        "compute and reduce_scatter phases, and its collectives' sizes and bus bandwidth",
-        _timeline,
-    ),
-    "trace": Action("trace PATH.json: the last cell's captured steps as one Chrome trace (Perfetto)", _trace),
-    "save": Action(
-        "save PATH [--overwrite] [--async]: a sharded checkpoint of what the engines hold; with --hf "
-        "[--max-shard-size SIZE] [--model NAME]: one model as save_pretrained writes it, for from_pretrained",
-        _save,
-    ),
-    "load": Action(
-        "load PATH [--world-size N] [--load-ignore-keys K,...] [--model NAME]: a checkpoint (or a .pt/.safetensors "
-        "file of full weights, each rank reading its shard) into the engines and the notebook's objects",
-        _load,
-    ),
-    "checkpoints": Action("checkpoints FOLDER: the checkpoints there", _checkpoints),
-    "export": Action(
-        "export CHECKPOINT OUT [--model NAME] [--dtype D]: one model's full weights into one .pt or "
-        ".safetensors file, in the kernel; with --hf [--max-shard-size SIZE]: into the directory OUT as "
-        "save_pretrained writes it, one file at a time",
-        _export,
-    ),
+    "timeline": _parsed("timeline", flags.timeline_arguments, _timeline),
+    "trace": _parsed("trace", flags.trace_arguments, _trace),
+    "save": _parsed("save", flags.save_arguments, _save),
+    "load": _parsed("load", flags.load_arguments, _load),
+    "checkpoints": _parsed("checkpoints", flags.checkpoints_arguments, _checkpoints),
+    "export": _parsed("export", flags.export_arguments, _export),
     "export-script": Action(
         "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it", _export_script
     ),
-    "attach": Action(
-        "attach [--profile P] [--cluster-id ID]: run the next cells on a running ipyparallel cluster nbfsdp "
-        "did not start (any launcher, several hosts)",
-        _attach,
-    ),
+    "attach": _parsed("attach", flags.attach_arguments, _attach),
     "detach": Action("detach: let go of it, leaving it running", _detach),
 }
 

@@ -312,5 +312,5 @@ def newest(folder: str | os.PathLike) -> CheckpointInfo | None:
 
 def ignored(key: str, patterns: list[str]) -> bool:
     """``load_ignore_keys``: a glob skips an entry when it matches the entry's DCP key or the key and a dot
-    (so ``optimizers.*`` and ``optimizers.opt.*`` both skip ``optimizers.opt``)."""
+    (so ``optimizers.*`` and ``optimizers.opt.*`` both skip the entry ``'optimizers.opt'``)."""
     return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(f"{key}.", p) for p in patterns)

@@ -48,7 +48,7 @@ def adopt_process(launcher: LocalProcessLauncher, process: psutil.Process) -> No
     is running.
 
     Relies on ``pid`` (saved in the cluster file) and ``process``, the ``psutil.Process`` that
-    ``signal()`` (and so ``stop()`` and ``Cluster.signal_engines``) sends to: without it, they fail.
+    ``signal()`` (and so ``stop()`` and ``ipyparallel.Cluster.signal_engines``) sends to: without it, they fail.
     """
     launcher.pid = process.pid
     launcher.process = process
@@ -60,7 +60,7 @@ def watch_exit(launcher: LocalProcessLauncher, wait_for_exit: Callable[[], int |
     exit code) in place of psutil's wait, which only the process's parent can use.
 
     Relies on ``_start_waiting()`` starting a thread on ``self._wait``, which ``join()`` (so ``stop()``
-    and ``Cluster.stop_engines``) waits for; the thread ends by calling ``notify_stop`` on the
+    and ``ipyparallel.Cluster.stop_engines``) waits for; the thread ends by calling ``notify_stop`` on the
     launcher's ``loop`` with ``exit_code``, ``pid`` and ``identifier``, which fires the ``on_stop``
     callbacks (the engine set's count of running engines). If ``_wait`` were no longer the thread's
     target, the exit code would be psutil's (None for a process that is not ours).
@@ -78,10 +78,11 @@ def watch_exit(launcher: LocalProcessLauncher, wait_for_exit: Callable[[], int |
 def launched_pids(cluster: ipp.Cluster) -> list[int]:
     """The process ids of the cluster's controller, then of each engine it started (by engine set).
 
-    Relies on ``Cluster.controller`` and ``Cluster.engines`` (engine set id -> launcher; ipyparallel calls
-    both "private state"), on an engine set's ``launchers`` (identifier -> engine launcher) and on each
-    launcher's ``pid``. An engine that ended may still be listed: the set drops it only when its stop
-    notice runs on the loop it was started on, which a ``_sync`` call outside a running loop closes.
+    Relies on ``ipyparallel.Cluster.controller`` and ``ipyparallel.Cluster.engines`` (engine set id ->
+    launcher; ipyparallel calls both "private state"), on an engine set's ``launchers`` (identifier -> engine
+    launcher) and on each launcher's ``pid``. An engine that ended may still be listed: the set drops it only
+    when its stop notice runs on the loop it was started on, which a ``_sync`` call outside a running loop
+    closes.
     """
     engines = [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
     return [launcher.pid for launcher in [cluster.controller, *engines]]
@@ -92,7 +93,7 @@ def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:
 
     Relies on ``IPController.engine_json_file``: ``ipcontroller-<cluster id>-engine.json`` in the profile's
     security directory, ``ipcontroller-engine.json`` for the empty cluster id. Read instead of
-    ``Cluster.from_file``, which would restore the cluster's launchers here (an SSH launcher then watches
+    ``ipyparallel.Cluster.from_file``, which would restore the cluster's launchers here (an SSH launcher then watches
     every engine over ssh from this kernel, once a minute).
     """
     name = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
@@ -102,7 +103,7 @@ def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:
 def running_cluster_ids(security_dir: str | Path) -> list[str]:
     """The ids of the clusters running in a profile, sorted.
 
-    Relies on ``Cluster.cluster_file``'s default, ``cluster-<cluster id>.json`` in the profile's security
+    Relies on ``ipyparallel.Cluster.cluster_file``'s default, ``cluster-<cluster id>.json`` in the profile's security
     directory, written while the cluster runs and removed when it stops.
     """
     return sorted(p.name[len("cluster-") : -len(".json")] for p in Path(security_dir).glob("cluster-*.json"))

@@ -47,7 +47,7 @@ class ForkedEngineLauncher(LocalEngineLauncher):
 
 
 class ForkedEngineSetLauncher(LocalEngineSetLauncher):
-    """A set of engines forked by ``fork_server`` (pass it to ``Cluster.start_engines``)."""
+    """A set of engines forked by ``fork_server`` (pass it to ``ipyparallel.Cluster.start_engines``)."""
 
     launcher_class = ForkedEngineLauncher
     fork_server = Instance(ForkServer)

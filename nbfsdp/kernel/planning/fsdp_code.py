@@ -1,6 +1,6 @@
 """The plain FSDP2 code a set of ``%%fsdp`` settings amounts to, as text: ``nbfsdp.explain(...).code``.
 
-Runs in the notebook's kernel, on the model and the validated config ``planning.plan`` has; it
+Runs in the notebook's kernel, on the model and the validated config ``plans.plan`` has; it
 uses the same rules as the ranks (``units.wrap_units``, ``sharding.activation_modules``) and
 renders what ``sharding.apply_fsdp`` does with them, so that the printed code, run on each rank
 of a process group over the same model, gives the same units and the same losses as the cell

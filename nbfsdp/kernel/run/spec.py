@@ -101,7 +101,7 @@ class PreparedCell:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What the ranks were sent of the cell's models before it runs (``Session._send_models``)."""
+    """What the ranks were sent of the cell's models before it runs (``delivery.send_models``)."""
 
     tokens: dict[str, int]
     """Each model's token on the ranks (a new one for each model sent)."""
