@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from nbfsdp.course import MLP, TinyGPT
-from nbfsdp.kernel.planning import check
+from nbfsdp.kernel.diagnostics import check
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import ConfigError, resolve, validate
 from nbfsdp.shared.devices import Devices, on_gpus

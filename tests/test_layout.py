@@ -10,6 +10,7 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -226,8 +227,9 @@ def test_no_class_is_over_300_lines():
 KERNEL_ALLOWED = {
     "cluster": {"cluster"},
     "planning": {"planning", "cluster"},
-    "run": {"run", "cluster", "planning"},
-    "checkpoints": {"checkpoints", "cluster", "planning", "run"},
+    "diagnostics": {"diagnostics", "cluster", "planning"},
+    "run": {"run", "cluster", "planning", "diagnostics"},
+    "checkpoints": {"checkpoints", "cluster", "planning", "diagnostics", "run"},
 }
 
 
@@ -255,10 +257,9 @@ def _private(dotted: str) -> bool:
     return parts[0] == "torch" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
 
 
-def _private_torch_names(path: Path) -> list[str]:
-    """``line: name`` of each private torch name ``path`` imports or reaches by attribute, through the names it
-    binds to torch's modules and objects (``import torch.nn as nn``, ``aten = torch.ops.aten``)."""
-    tree = ast.parse(path.read_text(), str(path))
+def _torch_names(tree: ast.Module) -> tuple[dict[str, str], Callable[[ast.AST], str | None]]:
+    """The names a module binds to torch's modules and objects by import (``import torch.nn as nn``), and what a
+    name or attribute chain is in torch's terms (``nn.Module.x`` -> ``torch.nn.Module.x``; None: not torch's)."""
     bound: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -277,6 +278,14 @@ def _private_torch_names(path: Path) -> list[str]:
             return None if base is None else f"{base}.{node.attr}"
         return None
 
+    return bound, dotted
+
+
+def _private_torch_names(path: Path) -> list[str]:
+    """``line: name`` of each private torch name ``path`` imports or reaches by attribute, through the names it
+    binds to torch's modules and objects (``import torch.nn as nn``, ``aten = torch.ops.aten``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound, dotted = _torch_names(tree)
     for node in ast.walk(tree):  # names bound to a torch object: ``aten = torch.ops.aten``
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             value = dotted(node.value)
@@ -339,3 +348,116 @@ def test_the_planners_model_of_fsdp2_is_in_parts():
         if isinstance(node, ast.FunctionDef)
     }
     assert {"_units", "_memory", "_communication"} <= set(functions) and functions["_plan"] <= 50
+
+
+def test_the_ranks_cell_is_named_steps_and_no_function_on_the_ranks_is_long():
+    """The rank's side of a cell as the kernel's is: enter, execute, its results in a module of their own
+    (``engines/cell_results.py``); no function in ``engines/`` over 50 lines (``_run_cell`` was 134)."""
+    engines = PACKAGE / "engines"
+    long = [
+        f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(engines.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50
+    ]
+    assert not long, long
+    engine = {node.name for node in ast.parse((engines / "engine.py").read_text()).body if hasattr(node, "name")}
+    assert {"_enter", "_execute", "_run_cell"} <= engine
+    results = ast.parse((engines / "cell_results.py").read_text()).body
+    assert "outcome" in {node.name for node in results if hasattr(node, "name")}
+
+
+#: Underscored attributes that are contracts, not internals: Python's documented ``os._exit`` and
+#: ``sys._current_frames``, and Composer's per-module flags a user sets (``_fsdp_wrap``, ``_activation_checkpointing``).
+#: nbfsdp's own marks on others' objects begin ``_nbfsdp``.
+DOCUMENTED_PRIVATE = {"_exit", "_current_frames", "_fsdp_wrap", "_activation_checkpointing"}
+
+
+def _own_attributes() -> set[str]:
+    """The underscored names nbfsdp makes itself, outside its fences: its functions and classes, its modules' and
+    classes' assignments, and what its methods set on ``self``."""
+    own: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name.endswith("_private.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _receiver(node) == "self":
+                own.add(node.attr)
+        for scope in [tree, *(n for n in tree.body if isinstance(n, ast.ClassDef))]:
+            for node in scope.body:
+                if isinstance(node, ast.Assign):
+                    own |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    own.add(node.target.id)
+    return own
+
+
+def _receiver(node: ast.Attribute) -> str | None:
+    return node.value.id if isinstance(node.value, ast.Name) else None
+
+
+def _others_private_attributes(path: Path, own: set[str]) -> list[str]:
+    """``line: name`` of each underscored attribute ``path`` reaches that nbfsdp does not make: another library's
+    internals (``module._parameters``, ``tensor._version``, ``model_class._from_config``), whatever the receiver."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        if _receiver(node) in ("self", "cls", "nbfsdp") or node.attr.startswith("_nbfsdp"):
+            continue
+        if node.attr not in own and node.attr not in DOCUMENTED_PRIVATE:
+            found.append(f"{node.lineno}: {node.attr}")
+    return sorted(set(found), key=lambda line: int(line.split(":")[0]))
+
+
+def _torch_attribute_assignments(path: Path) -> list[str]:
+    """``line: name`` of each assignment to an attribute of a torch module or class (``torch.Tensor.backward =``,
+    ``nn.Module.register_parameter =``, ``setattr(torch.amp.GradScaler, ...)``): a patch of torch."""
+    tree = ast.parse(path.read_text(), str(path))
+    _, dotted = _torch_names(tree)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [dotted(t) for t in targets if isinstance(t, ast.Attribute)]
+            found += [f"{node.lineno}: {name}" for name in names if name and name.startswith("torch.")]
+        is_setattr = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+        owner = dotted(node.args[0]) if is_setattr and node.args else None
+        if owner is not None and owner.startswith("torch"):
+            found.append(f"{node.lineno}: setattr({owner}, ...)")
+    return found
+
+
+def test_other_libraries_internals_and_patches_of_torch_are_reached_only_behind_a_fence():
+    """Outside the ``*_private.py`` modules, no underscored attribute of another library's (on any receiver: the
+    check cannot know the receiver's type, so it asks whether nbfsdp makes the name), and no assignment to a
+    torch module's or class's attribute: each is a named helper in a fence, tested directly."""
+    own = _own_attributes()
+    outside = [path for path in sorted(PACKAGE.rglob("*.py")) if not path.name.endswith("_private.py")]
+    wrong = {
+        str(path.relative_to(PACKAGE.parent)): found
+        for path in outside
+        if (found := _others_private_attributes(path, own) + _torch_attribute_assignments(path))
+    }
+    assert wrong == {}
+
+
+def test_the_internals_check_sees_a_reach_on_any_receiver_and_a_patch(tmp_path):
+    source = tmp_path / "reaching.py"
+    source.write_text(
+        "import torch\nimport torch.nn as nn\nimport os\n"
+        "def f(module, tensor, marked):\n"
+        "    module._parameters['w'] = None\n    n = tensor._version\n    os._exit(0)\n"
+        "    marked._nbfsdp_seen = True\n    return module._fsdp_wrap, n\n"
+        "torch.Tensor.backward = f\nnn.Module.register_parameter = f\nsetattr(torch.amp.GradScaler, 'scale', f)\n"
+    )
+    assert _others_private_attributes(source, own=set()) == ["5: _parameters", "6: _version"]
+    assert _torch_attribute_assignments(source) == [
+        "10: torch.Tensor.backward",
+        "11: torch.nn.Module.register_parameter",
+        "12: setattr(torch.amp.GradScaler, ...)",
+    ]

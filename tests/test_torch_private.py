@@ -394,3 +394,50 @@ def test_the_planners_attention_kernels_run_on_meta_tensors(dtype):
     ]
     assert [tuple(o.shape) for o in outputs] == [(2, 4, 32, 16)] * 4
     assert kernels.cpu_picks_flash(q, k, None, True) is True  # the CPU's flash kernel takes these
+
+
+def test_a_modules_own_tensor_slots_read_set_and_copied_without_its_constructor():
+    linear = torch.nn.Linear(3, 2, bias=False)  # its bias slot is None: reset_parameters reads it
+    linear.register_buffer("kept", torch.ones(2))
+    linear.register_buffer("scratch", torch.zeros(2), persistent=False)
+    assert list(torch_private.own_parameters(linear)) == ["weight", "bias"] and linear.bias is None
+    assert list(torch_private.own_buffers(linear)) == ["kept", "scratch"]
+    assert torch_private.is_persistent_buffer(linear, "kept") and not torch_private.is_persistent_buffer(
+        linear, "scratch"
+    )
+    torch_private.put_buffer(linear, "scratch", torch.full((2,), 7.0))  # its persistence kept
+    assert not torch_private.is_persistent_buffer(linear, "scratch") and linear.scratch.tolist() == [7.0, 7.0]
+    seen = []
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(lambda *a: seen.append(a))
+    try:
+        torch_private.put_parameter(linear, "weight", torch.nn.Parameter(torch.zeros(2, 3)))  # no hook, no check
+    finally:
+        handle.remove()
+    assert not seen and linear.weight.sum() == 0
+    parent = torch.nn.Sequential(linear)
+    copy = torch_private.childless_copy(parent, {}, {})
+    assert type(copy) is torch.nn.Sequential and len(copy) == 0 and len(parent) == 1
+    made = torch_private.childless_copy(linear, {"weight": torch.nn.Parameter(torch.empty(2, 3)), "bias": None}, {})
+    made.reset_parameters()  # its initializer runs on the copy alone
+    assert made.weight.abs().sum() > 0 and linear.weight.sum() == 0 and made.bias is None
+
+
+def test_a_tensors_write_count_and_view_base():
+    tensor = torch.zeros(4)
+    before = torch_private.version(tensor)
+    tensor.add_(1)
+    view = tensor[1:]
+    assert torch_private.version(tensor) == before + 1
+    assert torch_private.view_base(view) is tensor and torch_private.view_base(tensor) is None
+
+
+def test_a_torch_function_replaced_while_inside_and_restored_however_it_ends():
+    original = torch.Tensor.backward
+    replacement = lambda *a, **k: "replaced"  # noqa: E731
+    with (
+        pytest.raises(RuntimeError, match="inside"),
+        torch_private.replaced(torch.Tensor, "backward", replacement) as kept,
+    ):
+        assert kept is original and torch.ones(1).backward() == "replaced"
+        raise RuntimeError("inside")
+    assert torch.Tensor.backward is original

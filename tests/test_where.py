@@ -34,7 +34,7 @@ else:
 """
 
 
-def _asked_while_it_hangs(shell, cell: str) -> tuple[nbfsdp.kernel.run.where.Where, float]:
+def _asked_while_it_hangs(shell, cell: str) -> tuple[nbfsdp.kernel.diagnostics.where.Where, float]:
     run_ok(shell, "import torch")
     run_ok(shell, "%%fsdp --world-size 2\nwarm = rank")
     run_ok(shell, cell)

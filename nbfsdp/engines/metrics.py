@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.profiler import record_function
 
 from nbfsdp.engines.control import RankControl
+from nbfsdp.shared import torch_private
 from nbfsdp.shared.torch_private import (
     local_tensor,
     pop_saved_tensors_hooks,
@@ -147,7 +148,7 @@ class MemoryMeter:
 
     # -- autograd's saved tensors: activations
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(tensor._base, nn.Parameter):
+        if isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(torch_private.view_base(tensor), nn.Parameter):
             return tensor
         try:
             storage = tensor.untyped_storage()

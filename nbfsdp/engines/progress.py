@@ -64,15 +64,15 @@ class _NoWidget:
 
 
 def _patch() -> None:
-    from tqdm import notebook, std, utils
+    from tqdm import notebook, std
+
+    from nbfsdp.engines import tqdm_private
 
     def in_cell(bar: std.tqdm) -> bool:
         """Whether the bar draws where the cell's output goes (not into a file of the user's); decided once,
         as ``close`` swaps its file."""
         if "_nbfsdp_in_cell" not in bar.__dict__:
-            fp = getattr(bar, "fp", None)
-            while isinstance(fp, utils.ObjectWrapper):
-                fp = fp._wrapped
+            fp = tqdm_private.unwrapped(getattr(bar, "fp", None))
             notebook_bar = isinstance(bar, notebook.tqdm_notebook)
             bar._nbfsdp_in_cell = notebook_bar or fp is sys.stderr or fp is sys.stdout
         return bar._nbfsdp_in_cell

@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from nbfsdp.engines.metrics import Recorder
 from nbfsdp.engines.sharding import ShardedModel
+from nbfsdp.shared import torch_private
 from nbfsdp.shared.torch_private import local_tensor, unscale_and_check_, update_scale_
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class ScaledLosses:
         self._fp16: tuple[tuple[int, ...], bool] = ((), False)  # (the models' settings objects, computes fp16)
         self._forward_seen = False
         self._handles: list[Any] = []
+        self._patches = contextlib.ExitStack()
         self._backward = torch.Tensor.backward
         self._their_scale = torch.amp.GradScaler.scale
 
@@ -151,15 +153,14 @@ class ScaledLosses:
                 raise RuntimeError(TWICE)
             return scaled._their_scale(grad_scaler, outputs)
 
-        torch.Tensor.backward = backward  # type: ignore[assignment,method-assign]
-        torch.amp.GradScaler.scale = scale  # type: ignore[assignment,method-assign]
+        self._patches.enter_context(torch_private.replaced(torch.Tensor, "backward", backward))
+        self._patches.enter_context(torch_private.replaced(torch.amp.GradScaler, "scale", scale))
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        torch.Tensor.backward = self._backward  # type: ignore[method-assign]
-        torch.amp.GradScaler.scale = self._their_scale  # type: ignore[method-assign]
+        self._patches.close()  # Tensor.backward and GradScaler.scale restored
         for handle in self._handles:
             handle.remove()
         if kind is None:

@@ -328,32 +328,7 @@ def _compute(
     work, named by the unit whose forward or backward it is in (FSDP2's pre- and post- hooks open and close them);
     on a GPU, the kernels the device ran, named by the unit their launch was in."""
     own = [r for r in on_threads if r[0].startswith(("FSDP::", "Optimizer.", "nbfsdp::"))]
-    boundaries: list[tuple[int, str, str]] = []  # (time, what, unit): where a unit's forward or backward opens/closes
-    for name, start, end, *_ in own:
-        if _is(name, "FSDP::pre_forward"):
-            boundaries.append((end, "open forward", _unit(name)))
-        elif _is(name, "FSDP::post_forward"):
-            boundaries.append((start, "close", _unit(name)))
-        elif _is(name, "FSDP::pre_backward"):
-            boundaries.append((end, "open backward", _unit(name)))
-        elif name.startswith("FSDP::post_backward_"):
-            boundaries.append((start, "close", _unit(name)))
-    boundaries.sort()
-
-    def labels() -> list[tuple[int, str, str]]:
-        """From each boundary on: the pass and unit work is in (the innermost open unit), else 'other'."""
-        stack: list[tuple[str, str]] = []
-        out: list[tuple[int, str, str]] = [(0, "other", "")]
-        for at, what, unit in boundaries:
-            if what.startswith("open"):
-                stack.append((what.split()[1], unit))
-            elif stack and stack[-1][1] == unit:
-                stack.pop()
-            phase, current = stack[-1] if stack else ("other", "")
-            out.append((at, phase, current))
-        return out
-
-    named = labels()
+    named = _labels(own)
 
     def label_at(at: float) -> tuple[str, str]:
         index = max(i for i, (t, _, _) in enumerate(named) if t <= at)
@@ -378,3 +353,28 @@ def _compute(
         for start, end, (phase, unit) in pieces
         if (end - start) / 1e6 >= SHORTEST_MS
     ]
+
+
+def _labels(own: list[RawEvent]) -> list[tuple[int, str, str]]:
+    """From each boundary where a unit's forward or backward opens or closes on: the pass and unit work is in
+    (the innermost open unit), else 'other'."""
+    boundaries: list[tuple[int, str, str]] = []
+    for name, start, end, *_ in own:
+        if _is(name, "FSDP::pre_forward"):
+            boundaries.append((end, "open forward", _unit(name)))
+        elif _is(name, "FSDP::post_forward"):
+            boundaries.append((start, "close", _unit(name)))
+        elif _is(name, "FSDP::pre_backward"):
+            boundaries.append((end, "open backward", _unit(name)))
+        elif name.startswith("FSDP::post_backward_"):
+            boundaries.append((start, "close", _unit(name)))
+    stack: list[tuple[str, str]] = []
+    labels: list[tuple[int, str, str]] = [(0, "other", "")]
+    for at, what, unit in sorted(boundaries):
+        if what.startswith("open"):
+            stack.append((what.split()[1], unit))
+        elif stack and stack[-1][1] == unit:
+            stack.pop()
+        phase, current = stack[-1] if stack else ("other", "")
+        labels.append((at, phase, current))
+    return labels

@@ -29,7 +29,7 @@ def written(model: nn.Module) -> list[tuple[int, int, int]]:
     found = []
     for tensor in [*model.parameters(), *model.buffers()]:
         local = torch_private.local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-        found.append((id(tensor), tensor._version, local._version))
+        found.append((id(tensor), torch_private.version(tensor), torch_private.version(local)))
     return found
 
 
@@ -62,10 +62,6 @@ def _counting(load: Callable[..., Any]) -> Callable[..., Any]:
 def dcp_loads_counted() -> Iterator[None]:
     """While a cell runs, ``dcp.load`` (as ``torch.distributed.checkpoint.load`` and ``state_dict_loader.load``)
     counts a write to each tensor it loads into."""
-    original = dcp_loader.load
-    counted = _counting(original)
-    dcp.load = dcp_loader.load = counted
-    try:
+    counted = _counting(dcp_loader.load)
+    with torch_private.replaced(dcp, "load", counted), torch_private.replaced(dcp_loader, "load", counted):
         yield
-    finally:
-        dcp.load = dcp_loader.load = original

@@ -20,7 +20,8 @@ from IPython.display import display
 from nbfsdp.kernel import comparison, flags, timeline
 from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
-from nbfsdp.kernel.planning import check, fitting
+from nbfsdp.kernel.diagnostics import check
+from nbfsdp.kernel.planning import fitting
 from nbfsdp.kernel.planning.plans import plan
 from nbfsdp.kernel.planning.progress import ProgressLine
 from nbfsdp.kernel.run.session import Session

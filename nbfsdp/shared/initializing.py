@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from nbfsdp.shared.torch_private import childless_copy, is_persistent_buffer, own_buffers, own_parameters, put_buffer
 from nbfsdp.shared.transfer import shard_slice
 from nbfsdp.shared.units import init_function
 
@@ -19,15 +20,13 @@ from nbfsdp.shared.units import init_function
 def initialized_copy(root: nn.Module, name: str, device: torch.device, seed: int) -> nn.Module:
     """``root``'s module ``name`` alone (no children), its own tensors full-size and initialized under ``seed``."""
     module = root.get_submodule(name)
-    copy = object.__new__(type(module))
-    copy.__dict__ = dict(module.__dict__)
-    copy._modules = {}
     empty = lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)  # noqa: E731
-    copy._parameters = {  # None stays: reset_parameters reads it (a Linear without bias)
+    parameters: dict[str, nn.Parameter | None] = {  # None stays: reset_parameters reads it (a Linear without bias)
         key: None if p is None else nn.Parameter(empty(p), requires_grad=p.requires_grad)
-        for key, p in module._parameters.items()
+        for key, p in own_parameters(module).items()
     }
-    copy._buffers = {key: None if b is None else empty(b) for key, b in module._buffers.items()}
+    buffers = {key: None if b is None else empty(b) for key, b in own_buffers(module).items()}
+    copy = childless_copy(module, parameters, buffers)
     torch.manual_seed(seed)
     init_fn = init_function(root, name)
     assert init_fn is not None  # the kernel checked (units.check_initializable)
@@ -56,26 +55,26 @@ def materialize(
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for position, (name, module) in enumerate(model.named_modules()):
-            if not module._parameters and not module._buffers:
+            if not own_parameters(module) and not own_buffers(module):
                 continue
             prefix = f"{name}." if name else ""
-            own = [key for key, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
+            own = [key for key, t in [*own_parameters(module).items(), *own_buffers(module).items()] if t is not None]
             if all(prefix + key in loaded for key in own):
                 continue
             copy = initialized_copy(model, name, device, seed + position)
-            for key, param in module._parameters.items():
+            for key, param in own_parameters(module).items():
                 if param is None or prefix + key in loaded:
                     continue
-                whole = copy._parameters[key]
+                whole = own_parameters(copy)[key]
                 assert whole is not None  # the copy has each parameter the module has
                 local = param.to_local() if isinstance(param, DTensor) else param
                 local.copy_(shard_slice(whole, index, count))
                 if full:
                     state[prefix + key] = whole.detach().cpu()
-            for key, buffer in copy._buffers.items():
+            for key, buffer in own_buffers(copy).items():
                 if prefix + key in loaded:
                     continue
-                module._buffers[key] = buffer
-                if full and buffer is not None and key not in module._non_persistent_buffers_set:
+                put_buffer(module, key, buffer)
+                if full and buffer is not None and is_persistent_buffer(module, key):
                     state[prefix + key] = buffer.cpu()
     return state

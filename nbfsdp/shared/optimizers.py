@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from nbfsdp.shared import torch_private
 from nbfsdp.shared.torch_private import (
     is_step_tracked,
     local_tensor,
@@ -62,7 +63,7 @@ def fingerprint(value: Any) -> tuple:
     Reads no tensor data."""
     if isinstance(value, Optimizer):
         state = tuple(
-            (key, (id(v), v._version) if isinstance(v, torch.Tensor) else repr(v))
+            (key, (id(v), torch_private.version(v)) if isinstance(v, torch.Tensor) else repr(v))
             for entry in value.state.values()
             for key, v in entry.items()
         )

@@ -209,7 +209,7 @@ class CellSpec:
     """The models whose weights live on the ranks (never gathered): the ranks tell whether the cell changed them."""
     trained_back: list[str] = field(default_factory=list)
     """Of ``on_ranks``, those whose trained parameters come back where they are a small part of the model (a LoRA
-    model's adapters: ``nbfsdp.engines.engine.ADAPTER_SHARE``); empty with ``--no-gather``."""
+    model's adapters: ``nbfsdp.engines.cell_results.ADAPTER_SHARE``); empty with ``--no-gather``."""
     sources: dict[str, str] = field(default_factory=dict)
     """Of ``materialize``, the models whose weights each rank reads from a Hugging Face checkpoint directory
     (``nbfsdp.engines.checkpointing.load_pretrained``): only what the checkpoint lacks is initialized."""

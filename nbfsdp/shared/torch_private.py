@@ -35,21 +35,28 @@ __all__ = [
     "abort_nccl_communicators",
     "apply_to_tensors",
     "checkpoint",
+    "childless_copy",
     "cpu_attention_flop_formulas",
     "dcp_load_in_one_process",
-    "is_iterable_loader",
     "infinite_sampler",
+    "is_iterable_loader",
+    "is_persistent_buffer",
     "is_step_tracked",
     "local_tensor",
     "mark_optimizer_stepped",
     "mark_step_tracked",
     "operator_name",
+    "own_buffers",
+    "own_parameters",
     "patch_fsdp2_for_torch_2_6",
-    "profiled_allocation_peak",
-    "profiler_events",
     "paused_dispatch_mode",
     "pop_saved_tensors_hooks",
+    "profiled_allocation_peak",
+    "profiler_events",
     "push_saved_tensors_hooks",
+    "put_buffer",
+    "put_parameter",
+    "replaced",
     "set_checkpointing",
     "set_mixed_precision",
     "set_reshard_after_forward",
@@ -62,6 +69,8 @@ __all__ = [
     "tree_unflatten",
     "unscale_and_check_",
     "update_scale_",
+    "version",
+    "view_base",
 ]
 
 
@@ -570,3 +579,70 @@ def abort_nccl_communicators() -> bool:
     finally:
         backends[0]._group_end()
     return True
+
+
+# -- nn.Module's and Tensor's own state, where their public API has no way to it
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots by name, None ones included (``Module._parameters``, the dict itself):
+    ``named_parameters(recurse=False)`` leaves out a slot set to None, which ``reset_parameters`` reads (a
+    Linear without bias)."""
+    return cast(dict[str, nn.Parameter | None], module._parameters)
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffer slots by name, None ones included (``Module._buffers``, the dict itself)."""
+    return cast(dict[str, torch.Tensor | None], module._buffers)
+
+
+def put_parameter(module: nn.Module, key: str, parameter: nn.Parameter | None) -> None:
+    """Set an existing parameter slot as ``Module.__setattr__`` would, without ``register_parameter``'s checks
+    and hooks (``parameters_on_meta`` is such a hook: it calls this from inside one)."""
+    module._parameters[key] = parameter
+
+
+def put_buffer(module: nn.Module, key: str, buffer: torch.Tensor | None) -> None:
+    """Set an existing buffer slot keeping its persistence, which ``register_buffer`` would reset."""
+    module._buffers[key] = buffer
+
+
+def is_persistent_buffer(module: nn.Module, key: str) -> bool:
+    """Whether ``module``'s buffer ``key`` is in its state dict (``Module._non_persistent_buffers_set``)."""
+    return key not in module._non_persistent_buffers_set
+
+
+def childless_copy(
+    module: nn.Module, parameters: dict[str, nn.Parameter | None], buffers: dict[str, torch.Tensor | None]
+) -> nn.Module:
+    """A module of ``module``'s class and attributes with no children and these own tensors, its constructor not
+    run (``Module._modules``, ``_parameters``, ``_buffers`` set directly): what its initializer needs of it."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._modules = {}
+    copy._parameters = parameters
+    copy._buffers = buffers
+    return copy
+
+
+def version(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor`` has had (``Tensor._version``, autograd's counter)."""
+    return tensor._version
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of, or None (``Tensor._base``)."""
+    return tensor._base
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, replacement: Any) -> Iterator[Any]:
+    """``owner.name`` (a torch class's method: ``Tensor.backward``, ``GradScaler.scale``,
+    ``Module.register_parameter``) replaced by ``replacement`` while inside, restored however it ends; yields the
+    original, which the replacement calls."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)

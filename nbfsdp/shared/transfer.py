@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from nbfsdp.shared import torch_private
 from nbfsdp.shared.cloudpickle_private import OwnDefinitions
 
 #: Names every cell gets on the engines; never sent, never brought back.
@@ -254,7 +255,7 @@ def model_fingerprint(model: nn.Module, skeleton: bytes) -> tuple:
     tensors = [*model.parameters(), *model.buffers()]
     return (
         id(model),
-        tuple((id(t), t._version) for t in tensors),
+        tuple((id(t), torch_private.version(t)) for t in tensors),
         hashlib.blake2b(skeleton, digest_size=16).hexdigest(),
     )
 

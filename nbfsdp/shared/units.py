@@ -28,15 +28,14 @@ instead, so the tie stays in its names' common parent's unit (a BERT's
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
+from nbfsdp.shared import peft_private, torch_private
 from nbfsdp.shared.config import ConfigError, FSDPConfig
 
 #: Containers without a forward of their own: FSDP2 cannot make them units (FSDP1's size policy,
@@ -362,8 +361,8 @@ def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] |
     peft LoRA adapter is made as peft makes it (``lora_B`` zero, so the adapted model starts as its base)."""
     if (method := root_method(root, "param_init_fn")) is not None:
         return method
-    if (adapter := lora_adapter(root, name)) is not None:
-        return _lora_init(*adapter)
+    if (adapter := peft_private.lora_adapter(root, name)) is not None:
+        return peft_private.lora_init(*adapter)
     parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):
         if (method := root_method(root.get_submodule(".".join(parts[:depth])), "_init_weights")) is not None:
@@ -371,47 +370,6 @@ def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] |
     if not callable(getattr(root.get_submodule(name), "reset_parameters", None)):
         return None
     return _reset_parameters
-
-
-#: The ``init_lora_weights`` a rank can apply to one adapter matrix on its own (peft's ``reset_lora_parameters``);
-#: the others (PiSSA, OLoRA, LoftQ, EVA...) read the base layer's weights, or make both matrices at once.
-LORA_INITS_WITHOUT_BASE = (True, False, "gaussian")
-
-
-def lora_adapter(root: nn.Module, name: str) -> tuple[str, str | bool, int] | None:
-    """For a peft LoRA adapter (``...q_proj.lora_A.default``): whether it is ``lora_A`` or ``lora_B``, its
-    ``init_lora_weights`` (from the root's ``peft_config``) and its rank ``r``; None for any other module. nbfsdp
-    never imports peft: its attributes are read as they are."""
-    parts = name.split(".")
-    if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
-        return None
-    layer = root.get_submodule(".".join(parts[:-2]))
-    config = getattr(root, "peft_config", {}).get(parts[-1])
-    if not callable(getattr(layer, "reset_lora_parameters", None)) or config is None:
-        return None
-    ranks: Any = layer.r  # peft's dict of each adapter's rank (torch types a module's attributes as tensors)
-    return parts[-2], config.init_lora_weights, int(ranks[parts[-1]])
-
-
-def _lora_init(which: str, how: str | bool, rank: int) -> Callable[[nn.Module], object] | None:
-    """peft's ``reset_lora_parameters`` for one adapter matrix, on the copy ``materialize`` makes of it: peft's
-    own method needs the whole LoRA layer (both matrices and the base), which a rank holds only sharded.
-    None where the initialization reads the base's weights."""
-    if how not in LORA_INITS_WITHOUT_BASE:
-        return None
-
-    def init(copy: nn.Module) -> None:
-        if how is False:  # peft leaves nn.Linear's own initialization
-            copy.reset_parameters()  # type: ignore[operator]
-        elif which == "lora_B":  # zero: the adapted model starts as the base
-            for param in copy.parameters(recurse=False):
-                nn.init.zeros_(param)
-        elif how is True:
-            nn.init.kaiming_uniform_(copy.weight, a=math.sqrt(5))  # type: ignore[arg-type]
-        else:
-            nn.init.normal_(copy.weight, std=1 / rank)  # type: ignore[arg-type]
-
-    return init
 
 
 def _reset_parameters(copy: nn.Module) -> None:
@@ -429,10 +387,10 @@ def check_initializable(model: nn.Module, needed: set[str] | None = None) -> str
     None, every tensor."""
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        own = [*module._parameters, *module._buffers]
+        own = [*torch_private.own_parameters(module), *torch_private.own_buffers(module)]
         wanted = [key for key in own if needed is None or prefix + key in needed]
         if _owns_tensors(module) and wanted and init_function(model, name) is None:
-            if (adapter := lora_adapter(model, name)) is not None:
+            if (adapter := peft_private.lora_adapter(model, name)) is not None:
                 return (
                     f"{name} is a LoRA adapter with init_lora_weights={adapter[1]!r}, which the ranks cannot apply "
                     "to one adapter matrix on its own (it reads the base layer's weights, or makes both matrices "

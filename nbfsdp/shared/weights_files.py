@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from nbfsdp.shared import peft_private
 from nbfsdp.shared.config import ConfigError
 
 #: The file formats of full weights, by suffix.
@@ -130,7 +131,7 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
     added (weights of the bare base model into a model with a head) or taken away (weights of a model with a
     head into its bare base, the head's names then ignored). A peft model's tensors match by their names in its
     base (peft's wrapper path and the ``base_layer`` of each adapted layer taken away): its adapters by none."""
-    inside, base = _wrapped_model(module)
+    inside, base = peft_private.wrapped_model(module)
     prefix = getattr(base, "base_model_prefix", "") or ""
     groups: dict[int, list[str]] = {}
     model_shapes: dict[str, tuple[int, ...]] = {}
@@ -138,7 +139,7 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
     for key, tensor in module.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append(key)
         model_shapes[key] = tuple(tensor.shape)
-        as_base[key] = key.removeprefix(inside).replace(".base_layer.", ".") if inside else key
+        as_base[key] = peft_private.name_in_base(key, inside)
     strip = bool(prefix) and not any(key.startswith(f"{prefix}.") for key in as_base.values())
     strip = strip and any(key.startswith(f"{prefix}.") for key in shapes)
 
@@ -168,17 +169,6 @@ def match_names(module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> NameMa
             continue
         (match.ignored if strip and not key.startswith(f"{prefix}.") else match.unexpected).append(key)
     return match
-
-
-def _wrapped_model(module: nn.Module) -> tuple[str, nn.Module]:
-    """A peft model's base (``get_base_model()``) and its path inside it with a trailing dot; ``("", module)`` for
-    any other model. nbfsdp never imports peft: the method is read as it is."""
-    get_base = getattr(module, "get_base_model", None)
-    base = get_base() if callable(get_base) else None
-    if not isinstance(base, nn.Module) or base is module:
-        return "", module
-    path = next(name for name, inner in module.named_modules() if inner is base)
-    return f"{path}.", base
 
 
 class Weights:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 
+from nbfsdp.kernel.checkpoints.transformers_private import config_builder
 from nbfsdp.kernel.run import residence
+from nbfsdp.shared import torch_private
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.weights_files import full_weights_reader, hugging_face_checkpoint
@@ -86,16 +88,18 @@ def _build(directory: Path, dtype: torch.dtype | None, model_class: Any) -> nn.M
         model_class = getattr(transformers, named, None) if named else transformers.AutoModelForCausalLM
         if model_class is None:
             raise UsageError(f"{directory}/config.json names {named}, which transformers has not: pass model_class=")
-    build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+    build = config_builder(model_class)
+    if build is None:
+        raise UsageError(f"{model_class!r} builds no model from a config (no from_config or _from_config)")
     with parameters_on_meta():
         model = build(config)
     if dtype is not None:  # the parameters only, on the meta device (free): buffers keep the dtype they were made in
         cast: dict[int, nn.Parameter] = {}  # a tie stays one parameter
         for module in model.modules():
-            for key, param in module._parameters.items():
+            for key, param in torch_private.own_parameters(module).items():
                 if param is not None and param.is_floating_point():
                     made = cast.setdefault(id(param), nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
-                    module._parameters[key] = made
+                    torch_private.put_parameter(module, key, made)
     return model
 
 
@@ -106,19 +110,16 @@ def parameters_on_meta() -> Iterator[None]:
     ``from_pretrained`` used before transformers 5. Hand-written: Accelerate is not a dependency, and
     transformers 5 builds buffers on the meta device too (its ``_init_weights`` makes them after, which
     transformers 4 does not). Each parameter is allocated empty, then moved: nothing is initialized."""
-    register = nn.Module.register_parameter
+    register: Callable[[nn.Module, str, nn.Parameter | None], None] = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
             kind = type(param)
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            torch_private.put_parameter(module, name, kind(param.to("meta"), requires_grad=param.requires_grad))
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
-    try:
+    with torch_private.replaced(nn.Module, "register_parameter", on_meta):
         yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def make_buffers(model: nn.Module) -> None:
@@ -127,7 +128,7 @@ def make_buffers(model: nn.Module) -> None:
     buffers taken. Nothing for another model (``units.init_function`` makes its buffers on the ranks)."""
     missing = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     config = getattr(model, "config", None)
-    build = getattr(type(model), "_from_config", None)  # a Hugging Face model's
+    build = config_builder(type(model)) if hasattr(type(model), "_from_config") else None  # a Hugging Face model's
     if not missing or config is None or build is None:
         return
     with parameters_on_meta(), torch.device("cpu"):
@@ -136,4 +137,4 @@ def make_buffers(model: nn.Module) -> None:
     for name in missing:
         if name in made and not made[name].is_meta:
             owner, _, key = name.rpartition(".")
-            model.get_submodule(owner)._buffers[key] = made[name]
+            torch_private.put_buffer(model.get_submodule(owner), key, made[name])

@@ -47,7 +47,7 @@ class RankError(Exception):
 class RankOutOfMemory(RankError):
     """A rank ran out of memory (CUDA's allocator, or ``--memory-limit``): ``memories`` holds each failed
     rank's bytes where it stopped (``CellOutcome.memory``); once ``report`` is written (the planner's view
-    beside them, ``nbfsdp.kernel.run.out_of_memory``) it is what the notebook shows, with the cell's line."""
+    beside them, ``nbfsdp.kernel.diagnostics.out_of_memory``) it is what the notebook shows, with the cell's line."""
 
     def __init__(self, rank: int, message: str, remote_traceback: str, others: str, host: str | None,
                  memories: dict[int, dict[str, Any]]) -> None:  # fmt: skip

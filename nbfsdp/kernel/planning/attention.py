@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nbfsdp.kernel.planning import torch_private as kernels
+from nbfsdp.shared import torch_private
 
 #: The dtypes a GPU runs its flash kernel in (a mask, or heads wider than 256, send it to the efficient one).
 _FLASH_ON_GPU = (torch.bfloat16, torch.float16)
@@ -57,10 +58,6 @@ def device_attention(on_gpu: bool, autocast: torch.dtype | None = None) -> Itera
     """``F.scaled_dot_product_attention`` as the device would run it, for the trace. Replaced on the module
     for the trace's length rather than intercepted with a TorchFunctionMode: such a mode is the calling
     thread's, and autograd recomputes a checkpointed module on a thread of its own for the meta device."""
-    with _ATTENTION_REPLACED:
-        original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = functools.partial(device_sdpa, on_gpu, autocast)
-        try:
-            yield
-        finally:
-            F.scaled_dot_product_attention = original
+    replacement = functools.partial(device_sdpa, on_gpu, autocast)
+    with _ATTENTION_REPLACED, torch_private.replaced(F, "scaled_dot_product_attention", replacement):
+        yield

@@ -22,12 +22,13 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
 from nbfsdp.kernel.cluster.world import Cluster, RunningWorld
+from nbfsdp.kernel.diagnostics import out_of_memory
+from nbfsdp.kernel.diagnostics.hang_report import HangReporter
 from nbfsdp.kernel.planning import predicted
 from nbfsdp.kernel.planning.plans import Plan, plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
-from nbfsdp.kernel.run import history, out_of_memory, residence
+from nbfsdp.kernel.run import history, residence
 from nbfsdp.kernel.run.control import RunControl
-from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders

@@ -37,7 +37,8 @@ POLL_SECONDS = 0.1
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 1.5
-#: Once an engine was lost: how much longer the ranks still running are watched for their engines' end too.
+#: Over several hosts, once an engine was lost: how much longer the other ranks of its host are watched for their
+#: engines' end too.
 HOST_DEATH_SECONDS = 3.0
 
 
@@ -255,6 +256,9 @@ class RankRun:
         failed = {rank: o for rank, o in outcomes.items() if not o.ok}
         if failed:
             self.world.broken = True
+            if any(o.engine_lost for o in failed.values()):
+                _see_deaths(self, outcomes)  # a rank that failed because a peer died, and died too, is named lost
+                failed = {rank: o for rank, o in outcomes.items() if not o.ok}
             # a rank whose engine ended is the cause; its peers' errors (a closed connection) follow from it
             primary = (
                 {rank: o for rank, o in failed.items() if o.engine_lost}
@@ -306,17 +310,25 @@ def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[],
 
 
 def _see_deaths(run: RankRun, outcomes: dict[int, CellOutcome]) -> None:
-    """Name the ranks whose engine ended while the others were being stopped. Where one engine was lost, the
-    rest of its host likely went with it: their deaths are awaited a little longer (a busy controller can see
-    a host's engines go seconds apart), so each is named as lost rather than as a rank that did not stop."""
-    cluster, ranks = run.cluster, range(len(run.results))
-    deadline = time.monotonic() + (HOST_DEATH_SECONDS if any(o.engine_lost for o in outcomes.values()) else 0)
+    """Name the ranks whose engine ended while the others were being stopped, also one that failed first (its
+    peer's death broke its collective) and then went. Over several hosts, where an engine was lost the rest of
+    its host likely went with it: those ranks are watched a little longer (a busy controller sees a host's
+    engines go seconds apart), so each is named as lost rather than as a rank that failed or did not stop."""
+    hosts = [info.host for info in run.world.engines]
+    deadline = time.monotonic() + HOST_DEATH_SECONDS
     while True:
-        for rank, how in cluster.dead_ranks().items():
-            outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))
-        if all(rank in outcomes for rank in ranks) or time.monotonic() >= deadline:
+        for rank, how in run.cluster.dead_ranks().items():
+            if not _lost(outcomes, rank):
+                outcomes[rank] = CellOutcome.failed(f"engine died: {how}", engine_lost=True)
+        lost = {hosts[rank] for rank in outcomes if _lost(outcomes, rank)}
+        waiting = [rank for rank, host in enumerate(hosts) if host in lost and not _lost(outcomes, rank)]
+        if len(set(hosts)) == 1 or not waiting or time.monotonic() >= deadline:
             return
         time.sleep(POLL_SECONDS)
+
+
+def _lost(outcomes: dict[int, CellOutcome], rank: int) -> bool:
+    return (outcome := outcomes.get(rank)) is not None and outcome.engine_lost
 
 
 def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: bool) -> None:

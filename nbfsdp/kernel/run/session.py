@@ -20,17 +20,17 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.kernel.cluster.world import Cluster, RunningWorld, WorldPlan, plan_with
-from nbfsdp.kernel.planning import check
+from nbfsdp.kernel.diagnostics import check
+from nbfsdp.kernel.diagnostics.hang_report import HangReporter
+from nbfsdp.kernel.diagnostics.where import ANSWER_SECONDS, Where, where_of
 from nbfsdp.kernel.run import cell_run, residence
 from nbfsdp.kernel.run.cell_run import CellRun
 from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import send_models
-from nbfsdp.kernel.run.hang_report import HangReporter
 from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, interval_saves, prepare
-from nbfsdp.kernel.run.where import ANSWER_SECONDS, Where, where_of
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
 from nbfsdp.shared.protocol import InternalRequest
 from nbfsdp.ui.widget_events import pending_events
@@ -213,7 +213,7 @@ class Session:
         self._finish(run)
 
     def where(self, seconds: float = ANSWER_SECONDS) -> Where:
-        """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.run.where``)."""
+        """Where each rank of the running world is: its stack and collectives (``nbfsdp.kernel.diagnostics.where``)."""
         return where_of(self.cluster, seconds)
 
     def interrupt(self) -> None:
@@ -351,5 +351,5 @@ def current_session() -> Session:
 
 def where() -> Where:
     """``%fsdp where`` in Python: where each rank of the running world is, and what that says
-    (``nbfsdp.kernel.run.where``)."""
+    (``nbfsdp.kernel.diagnostics.where``)."""
     return current_session().where()

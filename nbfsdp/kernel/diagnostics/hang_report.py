@@ -1,5 +1,5 @@
 """A hang reported by itself: while a cell runs, the kernel asks the ranks where they are (``%fsdp where``'s
-machinery, ``nbfsdp.kernel.run.where``) and, once a rank has waited in one collective longer than
+machinery, ``nbfsdp.kernel.diagnostics.where``) and, once a rank has waited in one collective longer than
 ``--hang-report`` seconds, prints that report once, as the user would have asked for it. The cell goes on
 waiting for ``--timeout`` or an interrupt: the report only says where it is stuck and why. The cell's live
 dashboard marks the ranks it names, in their rows: the stuck one ("stuck in all_reduce #1 for 17 s at cell line
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nbfsdp.kernel.run.where import RankPosition, Where
+from nbfsdp.kernel.diagnostics.where import RankPosition, Where
 from nbfsdp.ui.dashboard import LiveDashboard
 
 #: How often the ranks are asked once a hang is possible.
