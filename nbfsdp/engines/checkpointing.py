@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from typing_extensions import assert_never  # typing has it from Python 3.11; torch requires typing_extensions
 
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import SaveAgreement
@@ -44,7 +45,14 @@ from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints, optimizers
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
 from nbfsdp.shared.initializing import materialize
-from nbfsdp.shared.protocol import InternalRequest, IntervalSaves, LoadCheckpoint, LoaderState, LoadWeightsFile
+from nbfsdp.shared.protocol import (
+    GatherModel,
+    InternalRequest,
+    IntervalSaves,
+    LoadCheckpoint,
+    LoaderState,
+    LoadWeightsFile,
+)
 from nbfsdp.shared.weights_files import Weights, WeightsDirectory, full_weights_reader
 
 try:  # public since torch 2.8; the floor (2.6) reads Hugging Face checkpoints with nbfsdp's own reader
@@ -492,10 +500,13 @@ def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
                 request.ignore,
                 request.restore_rng,
             )
-        case LoadWeightsFile() if not request.read_when_sharded:
-            load_weights_file(request.path, namespace[request.model])
-        case _:  # read as the model was sharded, or gathered at the cell's end (GatherModel): nothing more
+        case LoadWeightsFile():
+            if not request.read_when_sharded:  # else read as the model was sharded: nothing more
+                load_weights_file(request.path, namespace[request.model])
+        case GatherModel():  # gathered at the cell's end: nothing more
             pass
+        case _:
+            assert_never(request)
 
 
 def load_into(

@@ -56,7 +56,7 @@ class RunOptions:
     none."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class PreparedCell:
     """A cell parsed and its inputs read and pickled: everything known before an engine is touched."""
 
@@ -154,9 +154,24 @@ def prepare(
     plans = loaders.plan(sent, world_size, per_rank_batches)
     on_ranks = [name for name, model in models.items() if keep_on_ranks or residence.of(model) is not None]
     return PreparedCell(
-        code, number, reads, config, devices, assigned, models, others, skeletons, fingerprints, kept, values, sent,
-        plans, per_rank_batches, request, on_ranks,
-    )  # fmt: skip
+        code=code,
+        number=number,
+        reads=reads,
+        config=config,
+        devices=devices,
+        assigned=assigned,
+        models=models,
+        others=others,
+        skeletons=skeletons,
+        fingerprints=fingerprints,
+        kept=kept,
+        values=values,
+        sent=sent,
+        plans=plans,
+        per_rank_batches=per_rank_batches,
+        request=request,
+        on_ranks=on_ranks,
+    )
 
 
 #: The models whose kept ties were said, by id and the lines said: once each, not at every cell.
