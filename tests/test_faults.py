@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,9 +24,10 @@ from tests.test_kernel import Kernel
 pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(240)]
 
 
-def _kernel_with_cluster() -> tuple[Kernel, int, list[int], str]:
-    """A kernel running a world of 2; its pid, the cluster's pids and private directory."""
-    kernel = Kernel()
+def _kernel_with_cluster(tmpdir: Path | None = None) -> tuple[Kernel, int, list[int], str]:
+    """A kernel running a world of 2 (its cluster's private directory in ``tmpdir``, where given); its pid, the
+    cluster's pids and private directory."""
+    kernel = Kernel(None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)})
     kernel.execute("%load_ext nbfsdp")
     reply, _ = kernel.execute("%%fsdp --world-size 2\npass")
     assert reply["content"]["status"] == "ok", reply["content"]
@@ -58,8 +60,10 @@ def test_no_engine_or_controller_outlives_a_kernel_shut_down_or_restarted(shell,
     assert left_behind(pids, 30) == []
 
 
-def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster):
-    kernel, kernel_pid, pids, private_dir = _kernel_with_cluster()
+def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, cluster, tmp_path, monkeypatch):
+    # its own temporary directory: a cluster the suite's other worker starts meanwhile cleans up the stale
+    # clusters of the shared one, and would end this one before the test looks (seen once)
+    kernel, kernel_pid, pids, private_dir = _kernel_with_cluster(tmp_path)
     watchers = [
         p
         for p in psutil.process_iter(["cmdline"])
@@ -73,7 +77,8 @@ def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, c
     assert left_behind([fork_server, *engines], 10) == []
     time.sleep(1)
     assert not gone(controller)
-    cluster.stop()  # the next cluster to start cleans up
+    cluster.stop()  # the next cluster to start cleans up (this process's, looking where that kernel kept it)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run_ok(shell, "%%fsdp --world-size 2\npass\n")
     assert left_behind(pids, 10) == []
     kernel.client.stop_channels()
