@@ -185,7 +185,9 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
 def _dashboard(predicted: list[dict[str, int]] | None = None) -> LiveDashboard:
     """A 2-rank CPU dashboard with default settings, fed by hand."""
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 2))), "world_size": 2}
-    return LiveDashboard(2, Devices("cpu", 2), predicted, settings, lambda change: "", lambda: None)
+    return LiveDashboard(
+        2, Devices("cpu", 2), predicted=predicted, settings=settings, on_change=lambda change: "", on_stop=lambda: None
+    )
 
 
 def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffers(shell):
@@ -237,9 +239,9 @@ def test_each_ranks_predicted_peak_is_drawn_beside_its_measured_peak(shell):
     assert heights("-") == [3.0, 6.0]  # each rank's highest mem_peak, MiB
     # the worker's live figure, made before the trace was done, draws the prediction once it comes
     key = "predicted-peak-test"
-    drawing.draw(key, 2, planned.memory, records[:2], 0, False)
+    drawing.draw(key, 2, planned.memory, records[:2], 0, final=False)
     assert drawing._figures[key].memory.predicted_peaks == []
-    drawing.draw(key, 2, dashboard.predicted, records[2:], 2, False)
+    drawing.draw(key, 2, dashboard.predicted, records[2:], 2, final=False)
     assert drawing._figures[key].memory.predicted_peaks == peaks
     drawing._figures.pop(key)
 
@@ -251,10 +253,10 @@ def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell
     dashboard = LiveDashboard(
         4,
         Devices("cpu", 4),
-        plan.memory,
-        settings,
-        lambda change: "",
-        lambda: None,
+        predicted=plan.memory,
+        settings=settings,
+        on_change=lambda change: "",
+        on_stop=lambda: None,
         hosts=plan.hosts,
         across_hosts=plan.hosts_lines(),
     )
@@ -496,7 +498,9 @@ def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):
 
 def test_ranks_that_share_a_gpu_are_said_to_share_it_above_their_rows(shell):
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), on_gpus(4, 1))), "world_size": 4}
-    dashboard = LiveDashboard(4, on_gpus(4, 1), None, settings, lambda change: "", lambda: None)
+    dashboard = LiveDashboard(
+        4, on_gpus(4, 1), predicted=None, settings=settings, on_change=lambda change: "", on_stop=lambda: None
+    )
     table = dashboard._status.value
     assert "<div>4 ranks on 1 GPU (shared)</div>" in table
     assert all(f"<tr><td>{rank}</td><td></td><td></td><td>cuda:0</td>" in table for rank in range(4)), table

@@ -41,19 +41,21 @@ def test_the_exported_scripts_sampler_gives_each_rank_what_the_ranks_gave_it(
     size, batch_size, drop_last, world_size, per_rank
 ):
     for rank in range(world_size):
-        ranks = loaders.split(_loader(size, batch_size, drop_last), rank, world_size, per_rank, None).loader
+        ranks = loaders.split(
+            _loader(size, batch_size, drop_last), rank, world_size, per_rank=per_rank, seed_state=None
+        ).loader
         script = _script_split(_loader(size, batch_size, drop_last), rank, world_size, per_rank)
         assert _epochs(script) == _epochs(ranks), (rank, world_size)
 
 
 def test_the_check_sees_a_sampler_that_splits_otherwise():
     """The comparison itself: a script whose sampler gave every rank the whole batch would fail it."""
-    ranks = loaders.split(_loader(16, 4, False), 1, 2, False, None).loader
+    ranks = loaders.split(_loader(16, 4, False), 1, 2, per_rank=False, seed_state=None).loader
     whole = _loader(16, 4, False)
     assert _epochs(whole) != _epochs(ranks)
 
 
 def test_the_exported_scripts_sampler_has_the_ranks_length():
-    ranks = loaders.split(_loader(9, 8, False), 0, 2, False, None).loader
+    ranks = loaders.split(_loader(9, 8, False), 0, 2, per_rank=False, seed_state=None).loader
     script = _script_split(_loader(9, 8, False), 0, 2, False)
     assert len(script) == len(ranks) == len(_epochs(ranks, 1)[0])

@@ -47,6 +47,7 @@ def test_peft_lora_adapters_and_base_read_as_peft_makes_them():
     assert peft_private.name_in_base("base_model.model.0.base_layer.weight", inside) == "0.weight"
     assert peft_private.wrapped_model(base) == ("", base)
     copy = nn.Linear(4, 2)
-    peft_private.lora_init("lora_B", "gaussian", 2)(copy)  # lora_B made zero: the adapted model starts as its base
+    # lora_B made zero: the adapted model starts as its base
+    peft_private.lora_init("lora_B", how="gaussian", rank=2)(copy)
     assert copy.weight.abs().sum() == 0
-    assert peft_private.lora_init("lora_A", "pissa", 2) is None  # reads the base's weights: not on one rank
+    assert peft_private.lora_init("lora_A", how="pissa", rank=2) is None  # reads the base's weights: not on one rank

@@ -246,7 +246,8 @@ def test_a_gpu_plan_runs_flash_attention_which_keeps_no_scores():
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask)[0]
 
     assert kept(math, torch.float32, True) >= scores * 4  # the textbook path keeps the scores
-    on_gpu, on_cpu = functools.partial(device_sdpa, True, None), functools.partial(device_sdpa, False, None)
+    on_gpu = functools.partial(device_sdpa, on_gpu=True, autocast=None)
+    on_cpu = functools.partial(device_sdpa, on_gpu=False, autocast=None)
     assert kept(on_gpu, torch.bfloat16, False) < 0.01 * scores * 2  # flash: the log-sum-exp alone
     assert kept(on_gpu, torch.float32, True) < 0.01 * scores * 4  # memory-efficient, a mask as an input
     assert kept(on_cpu, torch.float32, True) < 0.01 * scores * 4  # the CPU flash kernel, as PyTorch picks it
@@ -417,7 +418,7 @@ def test_the_optimizer_step_is_traced_foreach_on_a_gpu():
     parameter loop on the CPU makes one parameter's at a time."""
     shapes = [(256, 512), (256,)] * 8
     shards = 8 * (256 * 512 + 256) * 4
-    on_gpu, on_cpu = (sum(recording.optimizer_peak(shapes, foreach)) for foreach in (True, False))
+    on_gpu, on_cpu = (sum(recording.optimizer_peak(shapes, foreach=foreach)) for foreach in (True, False))
     assert on_gpu >= shards and on_cpu < shards / 4, (on_gpu, on_cpu)
 
 
@@ -426,8 +427,8 @@ def test_a_stack_of_alike_layers_steps_the_optimizer_on_three_and_gets_all_of_th
     stepping all of them, foreach or not."""
     others, layer = [(1000, 64), (64,)], [(64, 64), (64,), (256, 64), (64, 256)]
     for foreach in (True, False):
-        whole = recording.optimizer_peak([*others, *layer * 12], foreach)
-        assert peak.TraceCache().optimizer(others, [layer] * 12, foreach) == whole
+        whole = recording.optimizer_peak([*others, *layer * 12], foreach=foreach)
+        assert peak.TraceCache().optimizer(others, [layer] * 12, foreach=foreach) == whole
 
 
 LOADER_CELL = """%%fsdp --world-size 2 --wrap-cls Block

@@ -16,11 +16,14 @@ from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import (
     BAR_MARKER,
+    Arrival,
     BarDrawing,
     CellOutcome,
     CellSpec,
     ControlRequest,
     LoaderSplit,
+    ModelRoute,
+    Returns,
     claim_file,
     control_file,
 )
@@ -94,16 +97,14 @@ def test_a_failed_outcome_has_the_failed_shape():
 
 def test_the_messages_travel_by_reference_and_round_trip():
     """cloudpickle, as ipyparallel sends them: the classes by name (engines import this module), the fields by value."""
+    route = ModelRoute(token=5, arrives=Arrival.DELIVERED, returns=Returns.CHANGED)
     spec = CellSpec(
         code="x = 1",
         filename="<fsdp-cell-1>",
         generation=2,
-        models=["model"],
-        model_tokens={"model": 5},
+        models={"model": route},
         assigned=["x"],
-        gather=["model"],
         fsdp=FSDPConfig(sharding_strategy="SHARD_GRAD_OP", wrap_cls=("Block",)),
-        materialize=[],
         seed=7,
         control="/tmp/control-1.json",
         loaders={"train": LoaderSplit(per_rank=True, seed_state=torch.Generator().manual_seed(3).get_state())},
@@ -111,7 +112,8 @@ def test_the_messages_travel_by_reference_and_round_trip():
     data = cloudpickle.dumps(spec)
     assert b"nbfsdp.shared.protocol" in data and b"code" in data
     back = cloudpickle.loads(data)
-    assert back.fsdp == spec.fsdp and back.model_tokens == spec.model_tokens
+    assert back.fsdp == spec.fsdp and back.models == {"model": route}
+    assert back.models["model"].arrives is Arrival.DELIVERED  # the enum itself, by reference: `is` holds on a rank
     assert torch.equal(back.loaders["train"].seed_state, spec.loaders["train"].seed_state)
     outcome = CellOutcome(ok=True, cancelled=True, names={"x": b"1"}, settings={"model": spec.fsdp})
     assert cloudpickle.loads(cloudpickle.dumps(outcome)) == outcome

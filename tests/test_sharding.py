@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch.nn as nn
@@ -95,6 +96,32 @@ local_bytes = sum(p.to_local().nbytes for p in big.parameters())
     sent = nbfsdp.last_run().sent_bytes
     assert len(sent) == 2 and all(abs(n - shard) <= 0.05 * shard for n in sent), sent
     del shell.user_ns["big"], shell.user_ns["small"]
+
+
+def _killed_and_unregistered(cluster) -> None:
+    """Kill rank 1's engine and wait until the controller has let it go (its heartbeats stopped): ipyparallel then
+    refuses a call to it outright, before any message is sent."""
+    engine_id = cluster.world.engine_ids[1]
+    os.kill(cluster.world.pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while engine_id in cluster.client.ids:
+        assert time.monotonic() < deadline, "the controller kept a killed engine for a minute"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("cell", ["out = fresh.weight.shape", "out = 1"])
+def test_a_cell_after_an_engine_the_controller_let_go_fails_at_once_and_the_next_runs(shell, cluster, cell):
+    """Delivering shards, or starting the cell itself, to an engine the controller no longer has: that rank named
+    as dead (not ipyparallel's ``IndexError: No such engine``), and the next cell runs on a new world."""
+    run_ok(shell, "%%fsdp --world-size 2\npass\n")
+    _killed_and_unregistered(cluster)
+    shell.user_ns["fresh"] = nn.Linear(64, 64)  # a model the engines have not seen: its shards are delivered
+    error, _ = run_failing(shell, f"%%fsdp --world-size 2\n{cell}\n")
+    doing = "receiving its shards" if "fresh" in cell else "before the cell started"
+    assert "rank 1" in str(error) and doing in str(error) and "is gone" in str(error), error
+    run_ok(shell, f"%%fsdp --world-size 2\n{cell}\n")  # the next cell restarts the world
+    assert shell.user_ns["out"] in ((64, 64), 1)
+    del shell.user_ns["fresh"], shell.user_ns["out"]
 
 
 def test_an_engine_that_died_before_its_shards_arrive_fails_the_cell_at_once(shell, cluster):

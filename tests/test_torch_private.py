@@ -44,20 +44,21 @@ del out
 block = model.blocks[0]
 gathered_after_forward = []
 for reshard in (False, True):  # FULL_SHARD -> SHARD_GRAD_OP -> FULL_SHARD, as a live change does
-    torch_private.set_reshard_after_forward(block, reshard)
+    torch_private.set_reshard_after_forward(block, reshard=reshard)
     out = model(x)
     gathered_after_forward.append(not isinstance(block.mlp[0].weight, DTensor))
     loss_fn(out.float(), y).backward()
 del out
 
 checkpointing = [torch_private.checkpoint.state(block).enable_hook]
-torch_private.set_checkpointing(block, False)
+torch_private.set_checkpointing(block, enabled=False)
 checkpointing.append(torch_private.checkpoint.state(block).enable_hook)
 
 groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
-torch_private.set_unshard_async_op(model, False)
+torch_private.set_unshard_async_op(model, async_op=False)
 async_off = [g.unshard_async_op for g in groups if g is not None]
-torch_private.set_unshard_async_op(model, True)  # CPU ranks run so: a prefetched gather overlaps in gloo's thread
+# CPU ranks run so: a prefetched gather overlaps in gloo's thread
+torch_private.set_unshard_async_op(model, async_op=True)
 async_on = [g.unshard_async_op for g in groups if g is not None]
 out = model(x)  # unsharded asynchronously, waited on in each unit's pre-forward: the same result
 async_same = torch.equal(out, model(x))
@@ -387,13 +388,13 @@ def test_the_planners_attention_kernels_run_on_meta_tensors(dtype):
     q, k, v = (torch.empty(2, 4, 32, 16, dtype=dtype, device="meta") for _ in range(3))
     mask = torch.zeros(1, 1, 32, 32, dtype=dtype, device="meta")
     outputs = [
-        kernels.flash_attention(q, k, v, 0.0, True, None),
-        kernels.efficient_attention(q, k, v, mask, 0.0, False, None),
-        kernels.cpu_flash_attention(q, k, v, None, 0.0, True, None),
-        kernels.math_attention(q, k, v, mask, 0.0, False, None),
+        kernels.flash_attention(q, k, v, 0.0, is_causal=True, scale=None),
+        kernels.efficient_attention(q, k, v, mask, 0.0, is_causal=False, scale=None),
+        kernels.cpu_flash_attention(q, k, v, None, 0.0, is_causal=True, scale=None),
+        kernels.math_attention(q, k, v, mask, 0.0, is_causal=False, scale=None),
     ]
     assert [tuple(o.shape) for o in outputs] == [(2, 4, 32, 16)] * 4
-    assert kernels.cpu_picks_flash(q, k, None, True) is True  # the CPU's flash kernel takes these
+    assert kernels.cpu_picks_flash(q, k, None, is_causal=True) is True  # the CPU's flash kernel takes these
 
 
 def test_a_modules_own_tensor_slots_read_set_and_copied_without_its_constructor():

@@ -70,7 +70,7 @@ def _peaks(model: nn.Module, cache: peak.TraceCache, device: str, micro_batches:
         batch = {"input_ids": ids, "labels": ids}
     workload = Workload(batch=batch, micro_batches=micro_batches)
     peaks, _ = peak.rank_peaks(model, config, 4, devices, workload, cache)
-    crossed = peak.crossing(model, config, 4, devices, workload, peaks[0].total * 3 // 4, False, cache)
+    crossed = peak.crossing(model, config, 4, devices, workload, peaks[0].total * 3 // 4, first_step=False, cache=cache)
     return [(p.as_dict(), p.at) for p in peaks] + [(crossed.as_dict(), crossed.at)]
 
 

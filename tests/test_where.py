@@ -107,9 +107,14 @@ def test_the_dashboard_asks_where_the_ranks_are_from_a_button(shell):
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 2))), "world_size": 2}
     asked = []
     dashboard = LiveDashboard(
-        2, Devices("cpu", 2), None, settings, lambda change: "", lambda: None,
+        2,
+        Devices("cpu", 2),
+        predicted=None,
+        settings=settings,
+        on_change=lambda change: "",
+        on_stop=lambda: None,
         on_where=lambda: asked.append(1) or "rank 0: waiting in all_reduce #2 <here>",
-    )  # fmt: skip
+    )
     dashboard._where.click()
     assert asked == [1] and "rank 0: waiting in all_reduce #2 &lt;here&gt;" in dashboard._where_text.value
     dashboard.finish([], "done")

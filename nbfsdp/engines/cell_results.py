@@ -4,12 +4,13 @@ the ranks, after ``engine`` ran the cell's code.
 Back go the names the cell assigned (pickled by rank 0, a model's own parameters as references to the notebook's),
 the trained state of the notebook's optimizers and schedulers, and of each model what changed: the tensors some
 rank holds otherwise than the notebook has them (one small all-reduce agrees on which), whole, by rank 0; of a
-model living on the ranks only its adapters (``ADAPTER_SHARE``), or all of it where ``nbfsdp.gather`` asked.
+model as its route says (``ModelRoute.returns``, decided by the kernel): what changed, all of it where
+``nbfsdp.gather`` asked, or of a LoRA model living on the ranks its trained adapters.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from nbfsdp.engines import loaders, writes
 from nbfsdp.engines.sharding import ShardedModel
 from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, transfer
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, GatherModel
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, GatherModel, Returns
 
 
 def outcome(
@@ -59,25 +60,26 @@ def _models_back(world: World, spec: CellSpec) -> tuple[dict[str, dict[str, torc
     that may come back, and those living on the ranks (whose changes the kernel records), are watched; none under
     --no-gather otherwise, so such a cell ends with no collective of nbfsdp's own."""
     models = {name: sharded.module for name, (_, sharded) in world.models.items()}
-    watched = [name for name in spec.models if name in spec.gather or name in spec.on_ranks]
+    watched = [name for name, route in spec.models.items() if route.watched]
     changed = _changed_on_any_rank(world, watched, models)
     written = [name for name in watched if any(changed[name])]
-    request = spec.request if isinstance(spec.request, GatherModel) else None
-    # nbfsdp.gather: the notebook has only the skeleton, so the weights go whatever was written
-    gathered = [name for name in spec.gather if name in written or request is not None]
-    states = {
-        name: _full_state(models[name], request)
-        if request is not None or all(changed[name])
-        else _changed_state(models[name], changed[name])
-        for name in gathered
-    }
-    for name in spec.trained_back:  # a LoRA model living on the ranks: its adapters come back, not its base
-        adapters = _adapters(models[name])
-        if name in written and adapters is not None:
-            trained = [a and b for a, b in zip(changed[name], adapters, strict=True)]
-            states[name] = _changed_state(models[name], trained)
-            world.in_notebook[name] = writes.written(models[name])  # a later cell sends them back only if changed
-    world.in_notebook.update((name, writes.written(models[name])) for name in gathered)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name, route in spec.models.items():
+        match route.returns:
+            case Returns.ALL:  # nbfsdp.gather: the notebook has only the skeleton, so all goes, written or not
+                assert isinstance(spec.request, GatherModel)
+                states[name] = _full_state(models[name], spec.request)
+            case Returns.CHANGED if name in written:
+                whole = all(changed[name])
+                states[name] = _full_state(models[name], None) if whole else _changed_state(models[name], changed[name])
+            case Returns.ADAPTERS if name in written:  # a LoRA model living on the ranks: not its frozen base
+                trained = [a and b for a, b in zip(changed[name], _trainable(models[name]), strict=True)]
+                states[name] = _changed_state(models[name], trained)
+            case Returns.CHANGED | Returns.ADAPTERS | Returns.NOTHING:
+                continue
+            case unknown:
+                assert_never(unknown)
+        world.in_notebook[name] = writes.written(models[name])  # a later cell sends it back only if changed again
     return states, written
 
 
@@ -91,7 +93,7 @@ def _names_back(world: World, spec: CellSpec, read: dict[str, Any], outcome: Cel
     back whole; an optimizer's sharded state too, gathered like the weights. Both are collectives:
     every rank walks the same names in the same order.
     """
-    gather = spec.gather != []
+    gather = spec.gathers
     cell_models = {name: world.models[name][1].module for name in spec.models}
     references = transfer.model_references(cell_models) if gather else {}
     sharded = {id(model.module) for _, model in world.models.values()}
@@ -167,19 +169,10 @@ def _changed_on_any_rank(world: World, names: list[str], models: dict[str, nn.Mo
     return flags
 
 
-#: A model living on the ranks brings its trained parameters back after a cell where they are at most this share
-#: of its parameters' bytes: adapters (LoRA's are well under 1%) on a frozen base, which stays on the ranks.
-ADAPTER_SHARE = 0.1
-
-
-def _adapters(model: nn.Module) -> list[bool] | None:
-    """Which of ``model``'s tensors (``writes.written``'s order) are trainable parameters, where those are a small
-    part of it (``ADAPTER_SHARE``); None for a model that trains more (it lives wholly on the ranks)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    trainable = [isinstance(t, nn.Parameter) and t.requires_grad for t in tensors]
-    nbytes = {id(t): t.numel() * t.element_size() for t in model.parameters()}
-    trained = sum(nbytes[id(t)] for t, flag in zip(tensors, trainable, strict=True) if flag)
-    return trainable if 0 < trained <= ADAPTER_SHARE * sum(nbytes.values()) else None
+def _trainable(model: nn.Module) -> list[bool]:
+    """Which of ``model``'s tensors (``writes.written``'s order) are trainable parameters: a LoRA model's
+    adapters."""
+    return [isinstance(t, nn.Parameter) and t.requires_grad for t in [*model.parameters(), *model.buffers()]]
 
 
 def _changed_state(model: nn.Module, changed: list[bool]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.nn as nn
 from torch.profiler import record_function
@@ -22,6 +22,13 @@ from nbfsdp.shared.protocol import ControlRequest, claim_file
 class CellCancelled(BaseException):
     """Raised at the start of the agreed forward on every rank (``StepBoundaries``); a BaseException so user code's
     ``except Exception`` does not swallow it. The cell then ends as a successful one would."""
+
+
+class StepListener(Protocol):
+    """``StepBoundaries``'s ``on_step``: a step begins at forward number ``forward``, ``changed``: with settings
+    changed at it."""
+
+    def __call__(self, forward: int, *, changed: bool) -> None: ...
 
 
 class RankControl:
@@ -132,7 +139,7 @@ class SaveAgreement:
         self._check_markers()
         self._write()
 
-    def at_log(self, step: int, due: bool) -> None:
+    def at_log(self, step: int, *, due: bool) -> None:
         """A log call; when ``due``, return only once every rank is at this one (then they save together)."""
         self._check_markers(step)
         self._step = step
@@ -175,7 +182,7 @@ class SaveAgreement:
             if self._forwards > forwards or (step is not None and step > due_step):
                 raise SkippedLog(f"this rank did not log step {due_step}, where {name.split('.')[-1]} saves")
 
-    def end(self, failed: bool) -> None:
+    def end(self, *, failed: bool) -> None:
         """The cell ended on this rank (finished or failed): a peer waiting at a save stops waiting."""
         self._ended = 2 if failed else 1
         self._write()
@@ -196,7 +203,7 @@ class StepBoundaries:
         control: RankControl,
         on_change: Callable[[list[str]], None],
         saves: SaveAgreement | None = None,
-        on_step: Callable[[int, bool], None] | None = None,
+        on_step: StepListener | None = None,
     ) -> None:
         """``on_step(forward, changed)``: a step begins at forward number ``forward``, with the settings changed
         at it or not (the timeline's captures start and end here)."""
@@ -216,7 +223,7 @@ class StepBoundaries:
         if changed:
             self._on_change(changed)
         if self._on_step is not None:
-            self._on_step(self._forwards - 1, bool(changed))
+            self._on_step(self._forwards - 1, changed=bool(changed))
 
     def remove(self) -> None:
         """Take the hooks off: the models outlive the cell."""

@@ -28,9 +28,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.optim import Optimizer
 
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
-from nbfsdp.engines import cell_results, checkpointing, hosts, loaders, metrics, pasted, release, scaling, where, writes
+from nbfsdp.engines import (
+    cell_results,
+    hosts,
+    loader_positions,
+    loaders,
+    loading,
+    metrics,
+    pasted,
+    release,
+    scaling,
+    where,
+    writes,
+)
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.control import CellCancelled, PeerEnded, RankControl, StepBoundaries
+from nbfsdp.engines.interval_saves import IntervalSaver
 from nbfsdp.engines.memory_limit import RankMemory
 from nbfsdp.engines.progress import route_bars
 from nbfsdp.engines.sharding import ShardedModel, apply_live, cast_buffers, device_mesh, real_buffers, shard_model
@@ -40,7 +53,7 @@ from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
-from nbfsdp.shared.protocol import CellOutcome, CellSpec, EngineInfo, ShardAllocation, WorldSetup
+from nbfsdp.shared.protocol import Arrival, CellOutcome, CellSpec, EngineInfo, ShardAllocation, WorldSetup
 
 _PACKAGE_DIR = str(Path(__file__).parents[1])  # nbfsdp/, whose frames a user traceback leaves out
 #: Errors a rank raises only because a peer tore the world down first.
@@ -148,7 +161,7 @@ _CELL_SOURCES_KEPT = 20
 
 def _remember_source(filename: str, code: str) -> None:
     """Let tracebacks show the cell's lines; keep only recent cells (linecache never forgets)."""
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
     cells = [name for name in linecache.cache if name.startswith("<fsdp-cell-")]
     for name in cells[:-_CELL_SOURCES_KEPT]:
         del linecache.cache[name]
@@ -189,32 +202,31 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
     shape = config.mesh_shape(world.world_size)
     if skeletons and shape not in world.meshes:
         world.meshes[shape] = device_mesh(config, world.world_size, world.device)
-    for name in spec.models:
-        token = spec.model_tokens[name]
-        if name in skeletons:
-            skeleton = transfer.load_skeleton(skeletons[name])
-            if name in spec.materialize:
-                made = frozenset(real_buffers(skeleton))  # kept by shard_model: not initialized again
-                sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
-                shard = (world.rank % shape[1], shape[1])
-                if name in spec.sources:  # a pretrained model: its checkpoint, read here, is its "notebook" state
-                    source = spec.sources[name]
-                    checkpointing.load_pretrained(source, sharded.module, world.device, shard, spec.seed, made)
-                else:
-                    _materialize(world, sharded.module, config, shard, spec.seed, made)
+    for name, route in spec.models.items():
+        if route.arrives is Arrival.HELD:
+            if world.models.get(name, (None,))[0] != route.token:
+                raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
+            continue
+        skeleton = transfer.load_skeleton(skeletons[name])
+        if route.arrives is Arrival.DELIVERED:
+            delivered_token, shards = world.incoming.pop(name, (None, {}))
+            if delivered_token != route.token:
+                raise RuntimeError(f"engine did not receive its shards of {name!r}; run the cell again")
+            sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
+        else:
+            made = frozenset(real_buffers(skeleton))  # kept by shard_model: not initialized again
+            sharded = shard_model(skeleton, world.device, config, world.meshes[shape])
+            shard = (world.rank % shape[1], shape[1])
+            if route.source is not None:  # a pretrained model: its checkpoint, read here, is its "notebook" state
+                loading.load_pretrained(route.source, sharded.module, world.device, shard, spec.seed, made)
             else:
-                delivered_token, shards = world.incoming.pop(name, (None, {}))
-                if delivered_token != token:
-                    raise RuntimeError(f"engine did not receive its shards of {name!r}; run the cell again")
-                sharded = shard_model(skeleton, world.device, config, world.meshes[shape], shards)
-            cast_buffers(sharded.module, config.dtypes()[2])
-            world.models[name] = (token, sharded)
-            if name in spec.materialize and name not in spec.sources:
-                world.in_notebook.pop(name, None)  # initialized here: the notebook has only its meta skeleton
-            else:
-                world.in_notebook[name] = writes.written(sharded.module)  # what the notebook sent, as it has it
-        elif world.models.get(name, (None,))[0] != token:
-            raise RuntimeError(f"engine lost its copy of {name!r}; run the cell again")
+                _materialize(world, sharded.module, config, shard, spec.seed, made)
+        cast_buffers(sharded.module, config.dtypes()[2])
+        world.models[name] = (route.token, sharded)
+        if route.arrives is Arrival.INITIALIZED:
+            world.in_notebook.pop(name, None)  # initialized here: the notebook has only its meta skeleton
+        else:
+            world.in_notebook[name] = writes.written(sharded.module)  # what the notebook sent, as it has it
 
 
 def _materialize(
@@ -234,12 +246,12 @@ def _materialize(
 def _split_loaders(world: World, spec: CellSpec, read: dict[str, Any]) -> dict[str, loaders.SplitLoader]:
     """The notebook's DataLoaders the cell reads, each giving this rank its part (``nbfsdp.engines.loaders``)."""
     splits = {
-        name: loaders.split(read[name], world.rank, world.world_size, how.per_rank, how.seed_state)
+        name: loaders.split(read[name], world.rank, world.world_size, per_rank=how.per_rank, seed_state=how.seed_state)
         for name, how in spec.loaders.items()
     }
     for name, split in splits.items():  # interval saves, and a resume part-way, need where in its epoch it is
         if spec.saves is not None or name in spec.loader_resume:
-            checkpointing.track_positions(split.loader, spec.loader_resume.get(name))
+            loader_positions.track_positions(split.loader, spec.loader_resume.get(name))
     return splits
 
 
@@ -293,7 +305,7 @@ class _Cell:
     split_loaders: dict[str, loaders.SplitLoader]
     code: CodeType
     control: RankControl
-    saver: checkpointing.IntervalSaver | None
+    saver: IntervalSaver | None
     timeline: StepTimeline
     recorder: metrics.Recorder | None = None
     rank_memory: RankMemory | None = None
@@ -328,7 +340,7 @@ def _enter(world: World, spec: CellSpec, values: bytes, skeletons: dict[str, byt
         split_loaders=split_loaders,
         code=compile(spec.code, spec.filename, "exec"),
         control=RankControl(spec.control, lambda settings: _apply_live(cell_models, settings)),
-        saver=checkpointing.IntervalSaver(spec.saves, world) if spec.saves else None,
+        saver=IntervalSaver(spec.saves, world) if spec.saves else None,
         timeline=StepTimeline(
             every_seconds=spec.timeline,
             rank=world.rank,
@@ -356,7 +368,7 @@ def _execute(world: World, spec: CellSpec, cell: _Cell) -> bool:
                 cell.rank_memory,  # --memory-limit; what a rank that runs out reports
             ):
                 if spec.request is not None:
-                    checkpointing.run_request(spec.request, world.namespace)
+                    loading.run_request(spec.request, world.namespace)
                 else:
                     exec(cell.code, world.namespace)
             failed = False
@@ -367,7 +379,7 @@ def _execute(world: World, spec: CellSpec, cell: _Cell) -> bool:
             boundaries.remove()
             cell.timeline.end()
             if cell.saver is not None:
-                cell.saver.end(failed)
+                cell.saver.end(failed=failed)
     return cancelled
 
 

@@ -70,7 +70,7 @@ def save(request: HFSave, writer: Writer | None = None) -> dict[str, Any] | None
         parameters = sum(p.numel() for p in module.parameters())  # global sizes; a tie once, as num_parameters()
         written[hf_files.INDEX_NAME] = hf_files.index_json(plan, sizes, parameters)
     hf_files.write_text(partial, written)
-    hf_files.finish(partial, request.final, request.overwrite)
+    hf_files.finish(partial, request.final, overwrite=request.overwrite)
     return {"files": files, "bytes": sum(sizes.values()), "writer": how}
 
 

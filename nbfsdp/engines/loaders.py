@@ -65,10 +65,14 @@ class SplitBatchSampler(Sampler[list[int]]):
     generator and the order in which the generator is drawn from.
     """
 
-    def __init__(self, batches: Iterable[list[int]], rank: int, world_size: int, per_rank: bool, epochs: _Epochs):
+    def __init__(self, batches: Iterable[list[int]], rank: int, world_size: int, *, per_rank: bool, epochs: _Epochs):
         self.batches, self.rank, self.world_size, self.per_rank, self.epochs = (
-            batches, rank, world_size, per_rank, epochs,
-        )  # fmt: skip
+            batches,
+            rank,
+            world_size,
+            per_rank,
+            epochs,
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         self.epochs.started += 1
@@ -106,10 +110,14 @@ class SplitIterable(IterableDataset):
     every N-th whole group (per-rank mode), so no item reaches two ranks.
     """
 
-    def __init__(self, dataset: IterableDataset, batch_size: int, rank: int, world_size: int, per_rank: bool):
+    def __init__(self, dataset: IterableDataset, batch_size: int, rank: int, world_size: int, *, per_rank: bool):
         self.dataset, self.batch_size, self.rank, self.world_size, self.per_rank = (
-            dataset, batch_size, rank, world_size, per_rank,
-        )  # fmt: skip
+            dataset,
+            batch_size,
+            rank,
+            world_size,
+            per_rank,
+        )
 
     def __iter__(self) -> Iterator[Any]:
         group_size = self.batch_size * (self.world_size if self.per_rank else 1)
@@ -156,7 +164,7 @@ def set_after_init(loader: DataLoader, attribute: str, value: Any) -> None:
 
 
 def split(
-    loader: DataLoader, rank: int, world_size: int, per_rank: bool, seed_state: torch.Tensor | None
+    loader: DataLoader, rank: int, world_size: int, *, per_rank: bool, seed_state: torch.Tensor | None
 ) -> SplitLoader:
     """Make ``loader`` (this rank's unpickled copy of the notebook's) give this rank's part, in place.
 
@@ -169,12 +177,12 @@ def split(
         batch_size = global_batch_size(loader)
         assert isinstance(loader.dataset, IterableDataset)  # what is_iterable_loader says
         assert batch_size is not None  # the kernel's plan_split refused a loader without one
-        wrapped = SplitIterable(loader.dataset, batch_size, rank, world_size, per_rank)
+        wrapped = SplitIterable(loader.dataset, batch_size, rank, world_size, per_rank=per_rank)
         size = batch_size if per_rank else batch_size // world_size
         set_after_init(loader, "dataset", wrapped)
         set_after_init(loader, "batch_sampler", BatchSampler(infinite_sampler(), size, drop_last=False))
         set_after_init(loader, "batch_size", size)
-        set_after_init(loader, "drop_last", False)
+        set_after_init(loader, "drop_last", value=False)
         return SplitLoader(loader, epochs, [])
     if loader.generator is None and seed_state is not None:
         generator = torch.Generator()
@@ -183,7 +191,9 @@ def split(
         loader.generator = loader.sampler.generator = generator  # type: ignore[attr-defined]
     batches = loader.batch_sampler
     assert batches is not None  # the kernel's plan_split refused a loader without a batch size
-    set_after_init(loader, "batch_sampler", SplitBatchSampler(batches, rank, world_size, per_rank, epochs))
+    set_after_init(
+        loader, "batch_sampler", SplitBatchSampler(batches, rank, world_size, per_rank=per_rank, epochs=epochs)
+    )
     return SplitLoader(loader, epochs, shuffle_generators(loader))
 
 

@@ -110,8 +110,9 @@ class RankMemory:
         """The shapes of the model's last call: the batch the planner traces when this rank runs out."""
         # shapes and dtypes, not meta tensors: a tensor made here would be counted (the tracker is on)
         first = self.batch is None
-        self.batch = tree_map(lambda t: TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None,
-                              (args, kwargs))  # fmt: skip
+        self.batch = tree_map(
+            lambda t: TensorShape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None, (args, kwargs)
+        )
         if first and self._on_first_call is not None:
             self._on_first_call(self.batch)
 

@@ -125,9 +125,9 @@ class MemoryMeter:
 
     def count_next_step(self) -> None:
         """Count the activations of the step after this record (a setting changed: they may too)."""
-        self._count_activations(True)
+        self._count_activations(on=True)
 
-    def _count_activations(self, on: bool) -> None:
+    def _count_activations(self, *, on: bool) -> None:
         """Between steps, push or pop the saved-tensor hooks. Hooks are a stack and a cell's own
         ``with saved_tensors_hooks(...)`` must pop its own, so this happens only while none of the cell's
         are pushed. torch before 2.8 cannot tell: there every step is counted."""
@@ -192,7 +192,7 @@ class MemoryMeter:
             self._steps_to_count -= 1
             if self._steps_to_count <= 0 and self._hooks_on_top():  # else the next record ends the count
                 self._take_activations_figure()
-                self._count_activations(False)
+                self._count_activations(on=False)
 
     def _take_activations_figure(self) -> None:
         """The peak counted since the last figure becomes the figure; the next peak starts from now."""
@@ -250,7 +250,7 @@ class MemoryMeter:
         self._reads += 1
         now = time.perf_counter()
         count = self._reads < COUNTED_FIRST_STEPS or now - self._counted_step_began >= ACTIVATIONS_EVERY_SECONDS
-        self._count_activations(count)
+        self._count_activations(on=count)
         if count:
             self._counted_step_began = now
         return figures

@@ -82,7 +82,7 @@ def _patch() -> None:
     def std_display(self: std.tqdm, msg: str | None = None, pos: int | None = None) -> bool | None:
         return _draw(self, msg) if in_cell(self) else display(self, msg, pos)
 
-    def std_clear(self: std.tqdm, nolock: bool = False) -> None:
+    def std_clear(self: std.tqdm, nolock: bool = False) -> None:  # noqa: FBT001, FBT002 (tqdm.clear's signature)
         if not in_cell(self):
             clear(self, nolock)
 

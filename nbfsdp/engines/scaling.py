@@ -177,8 +177,8 @@ class ScaledLosses:
         self,
         tensor: torch.Tensor,
         gradient: torch.Tensor | None = None,
-        retain_graph: bool | None = None,
-        create_graph: bool = False,
+        retain_graph: bool | None = None,  # noqa: FBT001 (Tensor.backward's signature, which callers use positionally)
+        create_graph: bool = False,  # noqa: FBT001, FBT002 (Tensor.backward's signature)
         inputs: Any = None,
     ) -> None:
         """``tensor.backward(...)``: scaled where a forward of an fp16 cell model came since the last backward."""

@@ -28,7 +28,7 @@ from nbfsdp.shared.torch_private import (
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, wrap_units
 
 
-def _offload_saved_activations(module: nn.Module, pin_memory: bool) -> None:
+def _offload_saved_activations(module: nn.Module, *, pin_memory: bool) -> None:
     """Keep what ``module`` saves for backward on the CPU (autograd's ``save_on_cpu``)."""
 
     contexts: list[torch.autograd.graph.save_on_cpu] = []  # one per forward of the module under way
@@ -91,7 +91,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
     fully_shard(model, **options)
     ordered = cast(list[FSDPModule], forward_order(model, units))  # fully_shard made each an FSDPModule
     if device.type == "cpu":  # gloo: a prefetched gather overlaps only if issued async (set_unshard_async_op)
-        set_unshard_async_op(model, True)
+        set_unshard_async_op(model, async_op=True)
     sharded = ShardedModel(model, ordered, checkpointable, config)
     _set_prefetch(sharded, config)
     _set_checkpointing(sharded, config)
@@ -116,7 +116,7 @@ def _set_prefetch(sharded: ShardedModel, config: FSDPConfig) -> None:
 
 def _set_checkpointing(sharded: ShardedModel, config: FSDPConfig) -> None:
     for module in sharded.checkpointable:
-        set_checkpointing(module, config.activation_checkpointing)
+        set_checkpointing(module, enabled=config.activation_checkpointing)
 
 
 def _set_mixed_precision(sharded: ShardedModel, config: FSDPConfig) -> None:
@@ -155,7 +155,7 @@ def apply_live(sharded: ShardedModel, settings: dict[str, Any]) -> list[str]:
         )
     if "sharding_strategy" in changed:
         for unit in sharded.units[1:]:
-            set_reshard_after_forward(unit, new.sharding_strategy != "SHARD_GRAD_OP")
+            set_reshard_after_forward(unit, reshard=new.sharding_strategy != "SHARD_GRAD_OP")
     _set_prefetch(sharded, new)
     _set_checkpointing(sharded, new)
     if new.dtypes() != old.dtypes():

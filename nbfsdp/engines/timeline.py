@@ -128,7 +128,7 @@ class StepTimeline:
             (m.config.reshard_after_forward for m in models if m.config.reshard_after_forward), None
         )
 
-    def at_forward(self, forward: int, changed: bool) -> None:
+    def at_forward(self, forward: int, *, changed: bool) -> None:
         """Forward number ``forward`` of the cell's models begins (``changed``: settings changed at it): the
         step captured so far ends here, and this one is captured if it is due."""
         if self._profiler is not None:
@@ -246,6 +246,7 @@ def parse(
     raw: list[RawEvent],
     start_ns: int,
     sizes: dict[str, tuple[int, int]],
+    *,
     two_reductions: bool = False,
 ) -> list[dict[str, Any]]:
     """A captured step's events by lane, from the profiler's ``(name, start_ns, end_ns, thread, on_device,
@@ -266,7 +267,7 @@ def parse(
     fsdp_threads = {r[3] for r in host if r[0].startswith("FSDP::")}
     on_threads = sorted((r for r in host if r[3] in fsdp_threads), key=lambda r: (r[1], -r[2]))
     device = sorted((r for r in raw if r[4]), key=lambda r: r[1])
-    events = _collectives(host, device, on_threads, sizes, two_reductions, event)
+    events = _collectives(host, device, on_threads, sizes, two_reductions=two_reductions, event=event)
     events += _host_spans(on_threads, event)
     on_device = [r for r in device if "nccl" not in r[0].lower()]
     events += _compute(on_threads, on_device, event)
@@ -278,6 +279,7 @@ def _collectives(
     device: list[RawEvent],
     on_threads: list[RawEvent],
     sizes: dict[str, tuple[int, int]],
+    *,
     two_reductions: bool,
     event: Callable[..., dict[str, Any]],
 ) -> list[dict[str, Any]]:

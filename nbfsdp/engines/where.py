@@ -148,7 +148,7 @@ _LIBRARIES = (
 )
 
 
-def issuing_line(frame: FrameType | None, waiting: bool = False) -> str:
+def issuing_line(frame: FrameType | None, *, waiting: bool = False) -> str:
     """The line that issued the collective a thread is in, from its innermost ``frame``: the first frame above
     ``collective_calls``' wrapper outside torch and nbfsdp's engine code (for FSDP2's own collectives, the cell's line
     that ran the model); "" where the thread is in no wrapped collective (it has just left it). ``waiting``: the

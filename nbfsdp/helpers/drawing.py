@@ -96,7 +96,7 @@ _figures: dict[str, Any] = {}
 MAX_FIGURES = 8
 
 
-def draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int, final: bool) -> tuple:
+def draw(key: str, world_size: int, predicted: Any, records: list[dict[str, Any]], first: int, *, final: bool) -> tuple:
     # imported here, once the worker has left the kernel's session: matplotlib takes a second to load,
     # and a Ctrl-C sent to the kernel's process group meanwhile would end the worker
     from nbfsdp.shared.figures import DashboardFigure

@@ -85,7 +85,7 @@ def loss_figure(last: int = 5) -> Figure | None:
     return figure
 
 
-def show(last: int, with_figure: bool) -> None:
+def show(last: int, *, with_figure: bool) -> None:
     """``%fsdp compare``: the table of the last runs, and where a frontend shows images, their losses."""
     rows = compare(last)
     if not rows:

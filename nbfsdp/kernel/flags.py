@@ -336,14 +336,24 @@ def export_arguments(line: str) -> None:
 
 def save_options(args: argparse.Namespace) -> dict[str, Any]:
     """``%fsdp save``'s flags as ``save_with``'s keywords."""
-    return {"background": args.background, "hf": args.hf, "max_shard_size": args.max_shard_size, "model": args.model,
-            "dtype": args.dtype}  # fmt: skip
+    return {
+        "background": args.background,
+        "hf": args.hf,
+        "max_shard_size": args.max_shard_size,
+        "model": args.model,
+        "dtype": args.dtype,
+    }
 
 
 def export_options(args: argparse.Namespace) -> dict[str, Any]:
     """``%fsdp export``'s flags as ``exporting.export``'s keywords."""
-    return {"model": args.model, "dtype": args.dtype, "hf": args.hf, "max_shard_size": args.max_shard_size,
-            "overwrite": args.overwrite}  # fmt: skip
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "hf": args.hf,
+        "max_shard_size": args.max_shard_size,
+        "overwrite": args.overwrite,
+    }
 
 
 def explain_workload(args: argparse.Namespace, namespace: dict[str, Any]) -> Workload | None:

@@ -102,7 +102,7 @@ def _save(magics: FSDPMagics, rest: str) -> None:
     from nbfsdp.kernel.checkpoints import sharded
 
     args = parse_argstring(flags.save_arguments, rest)
-    sharded.save_with(magics.session, args.path, args.overwrite, **flags.save_options(args))
+    sharded.save_with(magics.session, args.path, overwrite=args.overwrite, **flags.save_options(args))
 
 
 def _load(magics: FSDPMagics, rest: str) -> None:

@@ -81,7 +81,7 @@ def is_disk_full(error: BaseException, directory: str | os.PathLike | None = Non
     return stats.f_bavail * stats.f_frsize < FULL_BELOW_BYTES
 
 
-def disk_full(partial: str | os.PathLike, then: str, remove: bool) -> CheckpointError:
+def disk_full(partial: str | os.PathLike, then: str, *, remove: bool) -> CheckpointError:
     """After ``ENOSPC`` mid-save: the error to raise; ``remove`` (one rank, once every rank is past its
     writes) deletes the partial directory, so the space it took goes back to the user."""
     partial = Path(partial)
@@ -194,7 +194,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def finish(partial: str | os.PathLike, final: str | os.PathLike, manifest: Manifest, overwrite: bool) -> None:
+def finish(partial: str | os.PathLike, final: str | os.PathLike, manifest: Manifest, *, overwrite: bool) -> None:
     """Complete a checkpoint every rank has written: the manifest, then the rename (rank 0 only).
 
     The manifest is written to a temporary file, synced and renamed, so a half-written one never exists;
@@ -211,7 +211,7 @@ def finish(partial: str | os.PathLike, final: str | os.PathLike, manifest: Manif
     _fsync_dir(partial)
     aside = None
     if final.exists():
-        check_target(final, overwrite)  # again: another save may have completed since the kernel looked
+        check_target(final, overwrite=overwrite)  # again: another save may have completed since the kernel looked
         aside = final.parent / f".{final.name}.old-{secrets.token_hex(4)}"
         os.rename(final, aside)
     os.rename(partial, final)
@@ -220,7 +220,7 @@ def finish(partial: str | os.PathLike, final: str | os.PathLike, manifest: Manif
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def check_target(final: str | os.PathLike, overwrite: bool) -> None:
+def check_target(final: str | os.PathLike, *, overwrite: bool) -> None:
     """Before a save: refuse a complete checkpoint in the way (unless ``overwrite``) and a file there."""
     final = Path(final)
     if final.name.startswith("."):

@@ -35,8 +35,13 @@ MEMORY_CATEGORIES = ("mem_params", "mem_grads", "mem_optim", "mem_activations", 
 #: explain's traced peak drawn the same way: its categories, in the measured bars' colours (its temporaries and
 #: communication buffers in ``other``'s).
 TRACED_CATEGORIES = (("params",), ("grads",), ("optim",), ("activations",), ("temporaries", "comm_buffers"))
-_MEMORY_LABELS = {"mem_params": "params", "mem_grads": "grads", "mem_optim": "optim", "mem_activations": "activations",
-                  "mem_other": "temporaries, comm buffers"}  # fmt: skip
+_MEMORY_LABELS = {
+    "mem_params": "params",
+    "mem_grads": "grads",
+    "mem_optim": "optim",
+    "mem_activations": "activations",
+    "mem_other": "temporaries, comm buffers",
+}
 #: The peak's lines, measured (solid) and explain's (dashed): a colour no category's bar has.
 PEAK_COLOR = "C4"
 #: With explain's prediction, each rank's measured bar stands left of its rank and explain's right of it, this
@@ -78,7 +83,7 @@ LEGEND_COLUMN = 0.5
 class DashboardFigure:
     """The loss, memory and step-time figures of one run; ``add`` its records as they come."""
 
-    def __init__(self, world_size: int, predicted: list[dict[str, Any]] | None, live: bool = False) -> None:
+    def __init__(self, world_size: int, predicted: list[dict[str, Any]] | None, *, live: bool = False) -> None:
         """``predicted``: ``explain``'s memory per rank, drawn beside the measured bars. ``live``: drawn
         again and again as records come (blitted, limits with room to grow); else drawn whole, limits fit."""
         self.figure = Figure(figsize=(12, 3.6), dpi=72)
@@ -100,7 +105,7 @@ class DashboardFigure:
         self._series: list[dict[str, list[float]]] = [
             {"steps": [], "ms": [], "loss_steps": [], "loss": []} for _ in ranks
         ]
-        self.memory = MemoryPanel(self._memory_axes, world_size, predicted or [], live)
+        self.memory = MemoryPanel(self._memory_axes, world_size, predicted or [], live=live)
         # titles at a fixed height: placing them above the tick labels measured every axis at each drawing
         title_pad = 2 + MARKER_ROWS * MARKER_ROW_POINTS + 4
         self._loss_axes.set_title("loss", y=1.0, pad=title_pad)
@@ -180,10 +185,16 @@ class DashboardFigure:
         for axes, labels in self._marker_labels.items():
             axes.axvline(step, color="grey", linestyle=":", zorder=MARKER_ZORDER)
             label = axes.annotate(
-                f"step {step}: {changed}", (step, 1), xycoords=("data", "axes fraction"),
-                xytext=(0, 2), textcoords="offset points",
-                va="bottom", fontsize=MARKER_FONT_SIZE, color="0.25", annotation_clip=False,
-            )  # fmt: skip
+                f"step {step}: {changed}",
+                (step, 1),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, 2),
+                textcoords="offset points",
+                va="bottom",
+                fontsize=MARKER_FONT_SIZE,
+                color="0.25",
+                annotation_clip=False,
+            )
             labels.append(label)
         self._still = None  # markers are part of the still picture
 
@@ -289,7 +300,7 @@ class MemoryPanel:
     the ranks used; before that, its states alone (``Plan.memory``) and its communication buffers' lower bound.
     """
 
-    def __init__(self, axes: Axes, world_size: int, predicted: list[dict[str, Any]], live: bool) -> None:
+    def __init__(self, axes: Axes, world_size: int, predicted: list[dict[str, Any]], *, live: bool) -> None:
         self.axes, self._live = axes, live
         ranks = range(world_size)
         self.bars = [
@@ -301,11 +312,14 @@ class MemoryPanel:
         self.peaks = [0.0] * world_size  # each rank's measured peak so far (MiB)
         self.peak_lines = [
             axes.plot(
-                _span(rank, ALONE_BAR_WIDTH), [np.nan, np.nan], color=PEAK_COLOR, linewidth=2,
+                _span(rank, ALONE_BAR_WIDTH),
+                [np.nan, np.nan],
+                color=PEAK_COLOR,
+                linewidth=2,
                 label="peak so far (measured)" if rank == 0 else None,
             )[0]
             for rank in ranks
-        ]  # fmt: skip
+        ]
         axes.set_xlabel("rank")
         axes.set_xticks(ranks)
         self._paired = False  # measured and explain's bars side by side, once there is a prediction
@@ -317,8 +331,12 @@ class MemoryPanel:
         self._legend()
 
     def artists(self) -> list[Artist]:
-        return [*(bar for bars in self.bars for bar in bars), *self.predicted_bars, *self.predicted_lines,
-                *self.peak_lines]  # fmt: skip
+        return [
+            *(bar for bars in self.bars for bar in bars),
+            *self.predicted_bars,
+            *self.predicted_lines,
+            *self.peak_lines,
+        ]
 
     def stack(self, rank: int, record: dict[str, Any]) -> None:
         """A rank's record: its bar shows the moment of its peak so far (a new one from this record, if higher)."""
@@ -341,15 +359,22 @@ class MemoryPanel:
             parts = [("params",), ("grads",), ("optim",), ("comm_buffers",)]
             self._bar(rank, [expected[key[0]] for key in parts], outlined_last=True)
 
-    def _bar(self, rank: int, values: list[float], outlined_last: bool = False) -> None:
+    def _bar(self, rank: int, values: list[float], *, outlined_last: bool = False) -> None:
         bottom, x = 0.0, rank + PAIRED_OFFSET
         for index, value in enumerate(values):
             last = outlined_last and index == len(values) - 1
             color = "none" if last else f"C{index}"
             (bar,) = self.axes.bar(
-                x, value / 2**20, PAIRED_BAR_WIDTH, bottom, color=color, alpha=1.0 if last else 0.45,
-                edgecolor="grey", hatch="//", label="comm buffers (explain)" if last and rank == 0 else None,
-            ).patches  # fmt: skip
+                x,
+                value / 2**20,
+                PAIRED_BAR_WIDTH,
+                bottom,
+                color=color,
+                alpha=1.0 if last else 0.45,
+                edgecolor="grey",
+                hatch="//",
+                label="comm buffers (explain)" if last and rank == 0 else None,
+            ).patches
             if self._live:
                 bar.set_animated(True)
             self.predicted_bars.append(bar)
@@ -396,9 +421,13 @@ class MemoryPanel:
         for rank, peak in enumerate(peaks):
             mib = peak / 2**20
             line = self.axes.plot(
-                _span(rank + PAIRED_OFFSET, PAIRED_BAR_WIDTH), [mib, mib], color=PEAK_COLOR, linestyle="--",
-                linewidth=1.5, label="peak (explain)" if rank == 0 else None,
-            )  # fmt: skip
+                _span(rank + PAIRED_OFFSET, PAIRED_BAR_WIDTH),
+                [mib, mib],
+                color=PEAK_COLOR,
+                linestyle="--",
+                linewidth=1.5,
+                label="peak (explain)" if rank == 0 else None,
+            )
             self.predicted_lines.extend(line)
             if self._live:
                 line[0].set_animated(True)

@@ -132,7 +132,7 @@ def write_text(directory: str | os.PathLike, files: dict[str, str]) -> None:
         Path(directory, name).write_text(text)
 
 
-def check_target(final: str | os.PathLike, overwrite: bool) -> None:
+def check_target(final: str | os.PathLike, *, overwrite: bool) -> None:
     """Before a write: OUT may be new or empty; a model directory there is replaced with ``--overwrite``
     only, and a directory holding anything else never (the user's data)."""
     final = Path(final)
@@ -157,12 +157,12 @@ def partial_path(final: str | os.PathLike) -> Path:
     return final.parent / f".{final.name}.partial-{secrets.token_hex(4)}"
 
 
-def finish(partial: str | os.PathLike, final: str | os.PathLike, overwrite: bool) -> None:
+def finish(partial: str | os.PathLike, final: str | os.PathLike, *, overwrite: bool) -> None:
     """The written directory under its name in one rename (one process); an old one moved aside first."""
     partial, final = Path(partial), Path(final)
     aside = None
     if final.exists():
-        check_target(final, overwrite)  # again: something may have been written there since
+        check_target(final, overwrite=overwrite)  # again: something may have been written there since
         aside = final.parent / f".{final.name}.old-{secrets.token_hex(4)}"
         os.rename(final, aside)
     os.rename(partial, final)

@@ -39,6 +39,7 @@ def materialize(
     device: torch.device,
     shard: tuple[int, int],
     seed: int,
+    *,
     full: bool,
     loaded: frozenset[str] = frozenset(),
 ) -> dict:

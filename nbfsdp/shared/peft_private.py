@@ -33,7 +33,7 @@ def lora_adapter(root: nn.Module, name: str) -> tuple[str, str | bool, int] | No
     return parts[-2], config.init_lora_weights, int(ranks[parts[-1]])
 
 
-def lora_init(which: str, how: str | bool, rank: int) -> Callable[[nn.Module], object] | None:
+def lora_init(which: str, *, how: str | bool, rank: int) -> Callable[[nn.Module], object] | None:
     """peft's ``reset_lora_parameters`` for one adapter matrix, on the copy ``materialize`` makes of it: peft's
     own method needs the whole LoRA layer (both matrices and the base), which a rank holds only sharded.
     None where the initialization reads the base's weights."""

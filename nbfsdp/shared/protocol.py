@@ -5,6 +5,7 @@ finds here everything that crosses the line:
 
 - ``CellSpec``: what the kernel asks each rank to run (``nbfsdp.engines.engine.run_cell``): a user's cell,
   or one of nbfsdp's own requests (``LoadCheckpoint``, ``LoadWeightsFile``), typed, never source text;
+  each model it reads with its ``ModelRoute`` (how it reaches the rank, what of it comes back);
 - ``CellOutcome``: what each rank answers, or what the kernel records for a rank that gave no answer;
 - ``WorldSetup``: what each rank is told to join a new world with, by either cluster;
 - ``EngineInfo``: an engine once it joined the world;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +136,7 @@ class IntervalSaves:
 @dataclass(kw_only=True, slots=True)
 class LoadCheckpoint:
     """nbfsdp's own cell: every rank reads checkpoint ``directory`` into the sharded models, optimizers and
-    schedulers of these names (``nbfsdp.engines.checkpointing.load_into``)."""
+    schedulers of these names (``nbfsdp.engines.loading.load_into``)."""
 
     directory: str
     models: list[str]
@@ -154,7 +156,7 @@ class LoadCheckpoint:
 @dataclass(kw_only=True, slots=True)
 class LoadWeightsFile:
     """nbfsdp's own cell: every rank reads its rows of a full-weights file into the sharded model ``model``
-    (``nbfsdp.engines.checkpointing.load_weights_file``)."""
+    (``nbfsdp.engines.loading.load_weights_file``)."""
 
     path: str
     model: str
@@ -182,6 +184,56 @@ class GatherModel:
 InternalRequest = LoadCheckpoint | LoadWeightsFile | GatherModel
 
 
+class Arrival(Enum):
+    """How a model's shards reach each rank for a cell."""
+
+    HELD = "held"
+    """The rank holds them from an earlier cell of this world, as the notebook has them: nothing is sent."""
+    DELIVERED = "delivered"
+    """The notebook's weights, each rank's shards sent in pieces before the cell (``nbfsdp.kernel.run.delivery``)."""
+    INITIALIZED = "initialized"
+    """Built on the meta device: each rank initializes its own shards under the notebook's seed."""
+    READ = "read"
+    """Each rank reads its shards from the route's ``source``, a Hugging Face checkpoint directory (only what that
+    lacks is initialized)."""
+
+
+class Returns(Enum):
+    """What of a model comes back into the notebook after a cell (rank 0 sends it), decided by the kernel."""
+
+    NOTHING = "nothing"
+    """``--no-gather``, or a model that lives on the ranks and trains more than adapters."""
+    CHANGED = "changed"
+    """The tensors some rank holds otherwise than the notebook has them, whole (a LoRA cell's adapters, not its
+    frozen base)."""
+    ALL = "all"
+    """The whole state dict, changed or not (``nbfsdp.gather``: the notebook has only a skeleton)."""
+    ADAPTERS = "adapters"
+    """Of a model living on the ranks whose trainable parameters are a small part of it (a LoRA model), those
+    that changed; its frozen base stays on the ranks."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelRoute:
+    """One model's way through a cell, as every rank is told it: the one record of it on the wire."""
+
+    token: int
+    """Which delivery or earlier cell the rank's copy must come from (a new one for each model sent)."""
+    arrives: Arrival
+    returns: Returns
+    on_ranks: bool = False
+    """Its weights live on the ranks (``nbfsdp.kernel.run.residence``): the ranks tell whether the cell changed
+    them."""
+    source: str | None = None
+    """With ``Arrival.READ``, the checkpoint directory each rank reads its shards from."""
+
+    @property
+    def watched(self) -> bool:
+        """Whether the ranks find out which of its tensors the cell changed: those of a model that may come back,
+        and of one that lives on the ranks (a world that ends would lose its changes)."""
+        return self.returns is not Returns.NOTHING or self.on_ranks
+
+
 @dataclass(kw_only=True, slots=True)
 class CellSpec:
     """One ``%%fsdp`` cell as every rank runs it; the same object goes to each rank."""
@@ -192,27 +244,12 @@ class CellSpec:
     """``<fsdp-cell-N>``: the name tracebacks show the cell's lines under."""
     generation: int
     """The world the kernel submitted to; a rank of another (restarted) world refuses the cell."""
-    models: list[str]
-    """The notebook's models the cell reads, by name."""
-    model_tokens: dict[str, int]
-    """Each model's token: which delivery or earlier cell the rank's copy must come from."""
+    models: dict[str, ModelRoute]
+    """The notebook's models the cell reads, by name, each with its route."""
     assigned: list[str]
     """The names the cell binds at top level: candidates to bring back to the notebook."""
-    gather: list[str]
-    """The models whose trained weights come back whole (rank 0 sends them), where the cell changed them;
-    empty with ``--no-gather``; never a model that lives on the ranks."""
     fsdp: FSDPConfig
     """The cell's settings, validated by the kernel (the object itself, so a rank gets types, not a dict)."""
-    materialize: list[str]
-    """Models built on the meta device: each rank initializes its shards instead of receiving them."""
-    on_ranks: list[str] = field(default_factory=list)
-    """The models whose weights live on the ranks (never gathered): the ranks tell whether the cell changed them."""
-    trained_back: list[str] = field(default_factory=list)
-    """Of ``on_ranks``, those whose trained parameters come back where they are a small part of the model (a LoRA
-    model's adapters: ``nbfsdp.engines.cell_results.ADAPTER_SHARE``); empty with ``--no-gather``."""
-    sources: dict[str, str] = field(default_factory=dict)
-    """Of ``materialize``, the models whose weights each rank reads from a Hugging Face checkpoint directory
-    (``nbfsdp.engines.checkpointing.load_pretrained``): only what the checkpoint lacks is initialized."""
     seed: int
     """The notebook's torch seed: meta-built models initialize under it."""
     control: str
@@ -241,6 +278,12 @@ class CellSpec:
     timeline: float = 0.0
     """``--timeline``: each rank captures its second step, the first after each live change, then one every
     this many seconds (``nbfsdp.engines.timeline``); 0, none."""
+
+    @property
+    def gathers(self) -> bool:
+        """Some model's weights come back whole where changed: the notebook's optimizers and schedulers the cell
+        read bring their state back too, and the names assigned refer to the notebook's own parameters."""
+        return any(route.returns in (Returns.CHANGED, Returns.ALL) for route in self.models.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +369,7 @@ class ShardAllocation:
     """Sent with a rank's first piece of a model's shards: the storage to allocate for them, once."""
 
     token: int
-    """The model's token (``CellSpec.model_tokens``): the cell checks it got this delivery."""
+    """The model's token (``ModelRoute.token``): the cell checks it got this delivery."""
     tensors: TensorLayout
     """Each shard's fqn, shape and dtype."""
     on_cpu: bool

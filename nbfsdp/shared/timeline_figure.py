@@ -113,8 +113,15 @@ def collectives_table(capture: dict[str, Any]) -> list[dict[str, Any]]:
             gathered.add(event["unit"])
         seconds = event["ms"] / 1000
         bus = event["bytes"] * (n - 1) / n / seconds if seconds and n > 1 else 0.0
-        rows.append({"kind": event["name"], "unit": event["unit"] or "(root)", "bytes": event["bytes"],
-                     "ms": event["ms"], "bus_gb_s": bus / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "kind": event["name"],
+                "unit": event["unit"] or "(root)",
+                "bytes": event["bytes"],
+                "ms": event["ms"],
+                "bus_gb_s": bus / 1e9,
+            }
+        )
     return rows
 
 

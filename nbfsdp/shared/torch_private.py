@@ -199,7 +199,7 @@ def set_mixed_precision(unit: FSDPModule, policy: MixedPrecisionPolicy) -> None:
             del param._unsharded_param
 
 
-def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
+def set_reshard_after_forward(unit: FSDPModule, *, reshard: bool) -> None:
     """Have ``unit`` alone free its gathered parameters after forward or keep them for backward, between steps.
 
     ``FSDPModule.set_reshard_after_forward(reshard, recurse=False)`` from torch 2.7; on 2.6, what it sets: the
@@ -214,7 +214,7 @@ def set_reshard_after_forward(unit: FSDPModule, reshard: bool) -> None:
         group.post_forward_mesh_info = group.mesh_info if reshard else None  # type: ignore[assignment]
 
 
-def set_unshard_async_op(model: nn.Module, async_op: bool) -> None:
+def set_unshard_async_op(model: nn.Module, *, async_op: bool) -> None:
     """Have every FSDP unit of ``model`` (an FSDP root) issue its all-gathers, its own and those it prefetches,
     with ``async_op``.
 
@@ -297,7 +297,7 @@ def shard_whole_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Seque
     return distribute_tensor(tensor, mesh, placements)
 
 
-def set_checkpointing(module: nn.Module, enabled: bool) -> None:
+def set_checkpointing(module: nn.Module, *, enabled: bool) -> None:
     """Switch composable ``checkpoint(module)``'s recomputation on or off: its state's ``enable_hook``."""
     checkpoint.state(module).enable_hook = enabled
 
@@ -319,7 +319,7 @@ _top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None | bool:
     """The (pack, unpack) hooks on top of this thread's stack, None if there are none, or False where torch
     cannot tell (before 2.8)."""
-    return False if _top is None else _top(False)
+    return False if _top is None else _top(False)  # noqa: FBT003 (torch's binding takes its flag positionally only)
 
 
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
@@ -390,13 +390,13 @@ def store_on(listening: socket.socket, world_size: int, timeout: datetime.timede
     torch 2.6's default libuv server refuses a listen fd ("does not support initialization with an listen
     fd") before it takes the socket; the legacy server, its ``use_libuv=False``, takes it then."""
     address, port = listening.getsockname()[:2]
-    descriptor = listening.detach()
+    settings: dict[str, Any] = dict(
+        is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listening.detach()
+    )
     try:
-        return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=descriptor)  # fmt: skip
+        return dist.TCPStore(address, port, world_size, **settings)
     except NotImplementedError:
-        return dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=descriptor, use_libuv=False)  # fmt: skip
+        return dist.TCPStore(address, port, world_size, **settings, use_libuv=False)
 
 
 def cpu_attention_flop_formulas() -> dict[Any, Callable[..., int]]:

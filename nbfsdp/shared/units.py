@@ -191,7 +191,7 @@ def split_by_dtype(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Mo
     return list(ordered.values()), notes
 
 
-def _trainable(module: nn.Module, recurse: bool = False) -> list[nn.Parameter]:
+def _trainable(module: nn.Module, *, recurse: bool = False) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=recurse) if p.requires_grad and p.is_floating_point()]
 
 
@@ -362,7 +362,8 @@ def init_function(root: nn.Module, name: str) -> Callable[[nn.Module], object] |
     if (method := root_method(root, "param_init_fn")) is not None:
         return method
     if (adapter := peft_private.lora_adapter(root, name)) is not None:
-        return peft_private.lora_init(*adapter)
+        which, how, rank = adapter
+        return peft_private.lora_init(which, how=how, rank=rank)
     parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):
         if (method := root_method(root.get_submodule(".".join(parts[:depth])), "_init_weights")) is not None:

@@ -66,7 +66,7 @@ def dropdown_width(description: str, options: tuple[str, ...]) -> str:
     return f"{DESCRIPTION_EM * len(description) + CHOICE_EM * longest + DROPDOWN_PADDING_EM:.1f}em"
 
 
-def _checkbox(description: str, value: bool) -> widgets.Checkbox:
+def _checkbox(description: str, *, value: bool) -> widgets.Checkbox:
     return widgets.Checkbox(
         value=value,
         description=description,
@@ -107,9 +107,9 @@ class SettingsControls:
                 "mixed precision", (*MIXED_PRECISIONS, *([CUSTOM_PRECISION] * custom)), shown["mixed_precision"]
             ),
             "backward_prefetch": _dropdown("backward prefetch", BACKWARD_PREFETCHES, shown["backward_prefetch"]),
-            "forward_prefetch": _checkbox("forward prefetch", shown["forward_prefetch"]),
-            "activation_checkpointing": _checkbox("activation checkpointing", shown["activation_checkpointing"]),
-            "cpu_offload": _checkbox("CPU offload", shown["cpu_offload"]),
+            "forward_prefetch": _checkbox("forward prefetch", value=shown["forward_prefetch"]),
+            "activation_checkpointing": _checkbox("activation checkpointing", value=shown["activation_checkpointing"]),
+            "cpu_offload": _checkbox("CPU offload", value=shown["cpu_offload"]),
             "device": _dropdown("device", DEVICE_CHOICES, shown["device"]),
             "memory_limit": widgets.Text(
                 value=shown["memory_limit"],

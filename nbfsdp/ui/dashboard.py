@@ -74,6 +74,7 @@ class LiveDashboard:
         self,
         world_size: int,
         devices: Devices,
+        *,
         predicted: list[dict[str, Any]] | None,
         settings: dict[str, Any],
         on_change: Callable[[dict[str, Any]], str],
@@ -191,7 +192,7 @@ class LiveDashboard:
             self._notes.append(html.escape(message))
             self._notes_area.value = "<br>".join(self._notes[-4:])
 
-    def write(self, text: str, stderr: bool) -> None:
+    def write(self, text: str, *, stderr: bool) -> None:
         """Ranks' output of a background run."""
         assert self.output is not None  # a background run's dashboard has one
         if stderr:
@@ -199,7 +200,7 @@ class LiveDashboard:
         else:
             self.output.append_stdout(text)
 
-    def progress(self, bar: str, text: str, ended: bool) -> None:
+    def progress(self, bar: str, text: str, *, ended: bool) -> None:
         """Rank 0's progress bar in a background run: one entry of the output, replaced as it moves."""
         entry = {"output_type": "display_data", "data": {"text/plain": text}, "metadata": {}}
         assert self.output is not None  # a background run's dashboard has one
@@ -220,7 +221,7 @@ class LiveDashboard:
         self.timeline.wait(FINAL_DRAWING_SECONDS)
         self.refresh(final=True)
 
-    def refresh(self, final: bool = False) -> None:
+    def refresh(self, *, final: bool = False) -> None:
         """Redraw once the last drawing has ended and its pause since it began has passed; at once for the
         first points; at the end waiting for it, so the cell's output holds its complete figure."""
         now = time.monotonic()

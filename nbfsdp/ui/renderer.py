@@ -11,6 +11,7 @@ ends when the kernel's end of its pipe closes, however the kernel ended.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -117,13 +118,15 @@ def render(
     predicted: list[dict[str, Any]] | None,
     records: list[dict[str, Any]],
     first: int,
+    *,
     final: bool = False,
 ) -> Future[tuple[bytes, float]]:
     """A PNG of dashboard ``key``'s figures with ``records`` added, and the CPU seconds it cost, drawn by the
     worker. ``records`` start at index ``first`` of the dashboard's records: 0 draws a new figure, more adds
     to the figure the worker kept (``drawing.LostFigure`` if it has no such figure). ``final``: every record, drawn
     whole with limits that fit them; the worker then drops the dashboard's figure."""
-    return _submit(drawing.draw, key, world_size, predicted, records, first, final)
+    # bound by keyword in a partial: the worker calls a request's function with its arguments positionally
+    return _submit(functools.partial(drawing.draw, final=final), key, world_size, predicted, records, first)
 
 
 def render_timeline(steps: list[list[dict[str, Any]]]) -> Future[bytes]:

@@ -190,9 +190,16 @@ def export(
         saved = opened.manifest.get("models", {}).get(name, {})
         saved_class = saved.get("class") if isinstance(saved, dict) else None
         return hf_export.export(
-            opened.path, opened.metadata, keys, name, saved_class, out, max_shard_size=max_shard_size, dtype=dtype,
+            opened.path,
+            opened.metadata,
+            keys,
+            name,
+            saved_class,
+            out,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
             overwrite=overwrite,
-        )  # fmt: skip
+        )
     if max_shard_size is not None or overwrite:
         raise UsageError("--max-shard-size and --overwrite go with --hf (a file of full weights is one file)")
     out = Path(out).expanduser()

@@ -80,8 +80,8 @@ def _model_dtype(module: nn.Module) -> torch.dtype:
 def save(
     session: Session,
     path: str | os.PathLike,
-    overwrite: bool,
     *,
+    overwrite: bool,
     on_every_rank: OnEveryRank,
     model: str | None = None,
     max_shard_size: str | int | None = None,
@@ -104,7 +104,7 @@ def save(
         raise _usage(error) from None
     final = Path(path).expanduser().resolve()  # the engines may run in another directory
     try:
-        hf_files.check_target(final, overwrite)
+        hf_files.check_target(final, overwrite=overwrite)
     except CheckpointError as error:
         raise _usage(error) from None
     request = HFSave(
@@ -163,7 +163,7 @@ def export(
         shard_bytes = hf_files.max_shard_bytes(max_shard_size)
         cast = hf_files.written_dtype(dtype)
         final = Path(out).expanduser().resolve()
-        hf_files.check_target(final, overwrite)
+        hf_files.check_target(final, overwrite=overwrite)
     except CheckpointError as error:
         raise _usage(error) from None
     module = _notebook_model(name, saved_class, namespace)
@@ -203,7 +203,7 @@ def export(
             safetensors.save_file(tensors, str(partial / file), metadata={"format": "pt"})
             del tensors, flat
         hf_files.write_text(partial, files)
-        hf_files.finish(partial, final, overwrite)
+        hf_files.finish(partial, final, overwrite=overwrite)
     except CheckpointError as error:
         raise _usage(error) from None
     finally:

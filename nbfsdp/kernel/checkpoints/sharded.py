@@ -14,6 +14,7 @@ back into the notebook's objects in place when it ends, as a cell's do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from nbfsdp.engines import checkpointing
+from nbfsdp.engines import checkpointing, loading
 from nbfsdp.kernel.checkpoints.pretrained import make_buffers
 from nbfsdp.kernel.cluster.rank_calls import RankDied, RankError, RankFailed, gather, submit
 from nbfsdp.kernel.cluster.world import RunningWorld
@@ -58,8 +59,8 @@ def _usage(error: CheckpointError) -> UsageError:
 # ------------------------------------------------------------------ save
 def save(
     path: str | os.PathLike,
-    overwrite: bool = False,
     *,
+    overwrite: bool = False,
     background: bool = False,
     hf: bool = False,
     max_shard_size: str | int | None = None,
@@ -82,7 +83,7 @@ def save(
     (``nbfsdp.kernel.checkpoints.hf_export``). Returns the directory.
     """
     hf_options = {"max_shard_size": max_shard_size, "model": model, "dtype": dtype}
-    return save_with(_session(), path, overwrite, background=background, hf=hf, **hf_options)
+    return save_with(_session(), path, overwrite=overwrite, background=background, hf=hf, **hf_options)
 
 
 def _resume_step() -> int | None:
@@ -127,8 +128,8 @@ def _left(partial: Path) -> str:
 def save_with(
     session: Session,
     path: str | os.PathLike,
-    overwrite: bool,
     *,
+    overwrite: bool,
     background: bool = False,
     hf: bool = False,
     **hf_options: Any,
@@ -149,10 +150,10 @@ def save_with(
     if hf:
         from nbfsdp.kernel.checkpoints import hf_export  # the --hf writer: imported only when used
 
-        return hf_export.save(session, path, overwrite, on_every_rank=_on_every_rank, **hf_options)
+        return hf_export.save(session, path, overwrite=overwrite, on_every_rank=_on_every_rank, **hf_options)
     final = Path(path).expanduser().resolve()  # the engines may run in another directory
     try:
-        fmt.check_target(final, overwrite)
+        fmt.check_target(final, overwrite=overwrite)
     except CheckpointError as error:
         raise _usage(error) from None
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -160,16 +161,17 @@ def save_with(
     namespace = session.shell.user_ns
     epochs = {name: session.loaders.epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
     if background:
-        args: tuple[Any, ...] = (world.generation, str(partial), str(final), _resume_step(), overwrite, epochs)
-        snapshot = checkpointing.save_in_background
+        args: tuple[Any, ...] = (world.generation, str(partial), str(final), _resume_step())
+        snapshot = functools.partial(checkpointing.save_in_background, overwrite=overwrite, epochs=epochs)
         skipped = _on_every_rank(session, world, snapshot, args, "taking a snapshot", partial)[0]
         _say_skipped(skipped)
         pending = PendingSave(session, world, path, partial)
         session.hold_save(pending)
         print(f"nbfsdp: saving {path} in the background (every rank has its snapshot); `%fsdp wait` for it")
         return pending
-    args = (world.generation, str(partial), str(final), _resume_step(), overwrite, checkpointing.ENGINES_INTACT, epochs)
-    text, skipped = _on_every_rank(session, world, checkpointing.save, args, "saving", partial)[0]
+    args = (world.generation, str(partial), str(final), _resume_step())
+    save = functools.partial(checkpointing.save, overwrite=overwrite, epochs=epochs)
+    text, skipped = _on_every_rank(session, world, save, args, "saving", partial)[0]
     manifest = Manifest.from_json(text)
     _report(path, manifest, skipped)
     return manifest
@@ -201,8 +203,8 @@ def _on_every_rank(
     """
     cluster = session.cluster
     engine_ids = dict(enumerate(world.engine_ids))
-    results = submit(cluster.client, engine_ids, function, dict.fromkeys(engine_ids, args))
     try:
+        results = submit(cluster.client, engine_ids, function, dict.fromkeys(engine_ids, args))
         return list(gather(results, cluster.dead_ranks).values())
     except RankDied as died:
         world.broken = True
@@ -411,7 +413,7 @@ def load_file_with(
     world = session.cluster.world
     assert world is not None  # the cell just ran in it
     client = session.cluster.client
-    read = [client[engine_id].apply_sync(checkpointing.bytes_read) for engine_id in world.engine_ids]
+    read = [client[engine_id].apply_sync(loading.bytes_read) for engine_id in world.engine_ids]
     tensors = {id(t): t for t in namespace[name].state_dict(keep_vars=True).values()}  # a tie counts once
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(
@@ -516,7 +518,7 @@ def _notebook_models(
                 ("not in the checkpoint", absent),
                 ("only in the checkpoint", extra),
                 ("shapes differ (checkpoint vs notebook)", shapes),
-            )  # fmt: skip
+            )
             if keys
         ]
         if problems:

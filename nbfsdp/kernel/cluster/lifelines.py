@@ -100,7 +100,7 @@ class Lifelines:
             return
         engine_id = int(line[1])
         keep_alive(connection, *KEEPALIVE_SECONDS)
-        connection.setblocking(False)
+        connection.setblocking(False)  # noqa: FBT003 (socket.setblocking takes its flag positionally only)
         self._selector.register(connection, selectors.EVENT_READ, engine_id)
         with self._lock:
             self._held[engine_id] = connection

@@ -49,8 +49,15 @@ class RankOutOfMemory(RankError):
     rank's bytes where it stopped (``CellOutcome.memory``); once ``report`` is written (the planner's view
     beside them, ``nbfsdp.kernel.diagnostics.out_of_memory``) it is what the notebook shows, with the cell's line."""
 
-    def __init__(self, rank: int, message: str, remote_traceback: str, others: str, host: str | None,
-                 memories: dict[int, dict[str, Any]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        remote_traceback: str,
+        others: str,
+        host: str | None,
+        memories: dict[int, dict[str, Any]],
+    ) -> None:
         super().__init__(rank, message, remote_traceback, others, host)
         self.memories = memories
         self.report = ""
@@ -88,7 +95,13 @@ def submit(
     function: Callable[..., Any],
     arguments: Mapping[int, tuple],
 ) -> dict[int, ipp.AsyncResult]:
-    """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id)."""
+    """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id); sent to none,
+    ``RankDied`` for the lowest rank whose engine the controller no longer has (it saw the engine die: ipyparallel
+    would refuse it with ``IndexError('No such engine')``)."""
+    registered = set(client.ids)  # the controller's notifications read first: an engine gone since is not here
+    for rank, engine_id in engine_ids.items():
+        if engine_id not in registered:
+            raise RankDied(rank, f"its engine ({engine_id}) is gone: the controller saw it end")
     return {rank: client[engine_id].apply_async(function, *arguments[rank]) for rank, engine_id in engine_ids.items()}
 
 
@@ -143,8 +156,8 @@ def set_up_every_rank(
             if engine_id not in registered
         }
 
-    results = submit(client, engine_ids, setup, arguments)
     try:
+        results = submit(client, engine_ids, setup, arguments)
         return gather(results, left, deadline=time.monotonic() + ENGINE_START_TIMEOUT)
     except RankDied as died:
         raise RankError(died.rank, died.how) from None

@@ -31,7 +31,7 @@ def units(cell: CellCode, name: str, model: nn.Module, config: FSDPConfig) -> li
     except ConfigError as error:
         if (tie := _TIE.match(str(error))) is None:
             return []  # another refusal (a container made a unit): the cell's own preparation says it
-        return [_tie_finding(cell, name, model, config, line, tie, str(error))]
+        return [_tie_finding(cell, name, model, config, line=line, tie=tie, message=str(error))]
     try:
         splits = dtype_splits(model, config)
     except ConfigError as error:
@@ -55,7 +55,7 @@ def units(cell: CellCode, name: str, model: nn.Module, config: FSDPConfig) -> li
 
 
 def _tie_finding(
-    cell: CellCode, name: str, model: nn.Module, config: FSDPConfig, line: int, tie: re.Match, message: str
+    cell: CellCode, name: str, model: nn.Module, config: FSDPConfig, *, line: int, tie: re.Match, message: str
 ) -> Finding:
     apart = [path.strip() for path in tie["apart"].split(",")]
     rule = wrap_rule(model, config)

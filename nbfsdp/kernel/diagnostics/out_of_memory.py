@@ -73,7 +73,7 @@ def explain(
     workload = workload_of_call(memory.get("batch"))
     if model is not None and workload is not None:
         try:
-            report.update(_planned(model, config, world_size, devices, workload, limit, memory))
+            report.update(_planned(model, config, world_size, devices, workload, limit=limit, memory=memory))
         except Exception as failure:  # the measured side still stands: say why the planner's is missing
             report["planner_error"] = f"{type(failure).__name__}: {failure}"
     report["text"] = error.report = _text(report, devices)
@@ -86,13 +86,14 @@ def _planned(
     world_size: int,
     devices: Devices,
     workload: peak.Workload,
+    *,
     limit: int,
     memory: dict[str, Any],
 ) -> dict[str, Any]:
     """The planner's side: its bytes where the step passes ``limit``, the step's peak, the fixes that fit."""
     first_step = memory["at_failure"]["optim"] == 0  # no optimizer state yet: the failure is in the first step
     cache = peak.TraceCache(most=SEARCH_RECORDINGS)  # the crossing's recording is the asked plan's too
-    crossed = peak.crossing(model, config, world_size, devices, workload, limit, first_step, cache)
+    crossed = peak.crossing(model, config, world_size, devices, workload, limit, first_step=first_step, cache=cache)
     share = MARGIN if devices.type == "cpu" else None
     planned = plan(
         model,
@@ -133,8 +134,10 @@ def _text(report: dict[str, Any], devices: Devices) -> str:
     measured = report["measured"]
     planned = report["planned"]
     header = "".join(f"{f'rank {rank}':>12}" for rank in measured)
-    lines.append(f"  {'bytes a rank':<14}{header}{'planned':>12}   (measured where each rank stopped; planned: "
-                 "the planner's trace where the step passes the limit)")  # fmt: skip
+    lines.append(
+        f"  {'bytes a rank':<14}{header}{'planned':>12}   (measured where each rank stopped; planned: "
+        "the planner's trace where the step passes the limit)"
+    )
     for key in (*peak.CATEGORIES, "total"):
         row = "".join(f"{size_text(sum(m.values()) if key == 'total' else m[key]):>12}" for m in measured.values())
         plan_cell = size_text(planned[key]) if planned is not None else "-"

@@ -283,7 +283,7 @@ class Ledger:
         self.pending_reduce = 0
 
     # -- FSDP2's gathers
-    def _gather(self, unit: Unit, prefetched: bool = False) -> None:
+    def _gather(self, unit: Unit, *, prefetched: bool = False) -> None:
         """All-gather ``unit``: its output buffer and the unsharded parameters copied out of it, both at once
         until the copy is done (a prefetched unit's buffer waits for its own pre-hook). In forward FSDP2 keeps
         the output until the next unit's copy-out is over (to overlap that copy with the next all-gather; its

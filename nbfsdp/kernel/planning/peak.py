@@ -121,20 +121,22 @@ class TraceCache:
                 return whole
         return record(transfer.meta_copy(model))  # the trace changes the modules it runs (hooks, dtypes)
 
-    def optimizer(self, others: list[Shape], layers: list[list[Shape]], foreach: bool) -> Split:
+    def optimizer(self, others: list[Shape], layers: list[list[Shape]], *, foreach: bool) -> Split:
         """AdamW's temporaries at their largest, on shards of ``others`` and of each layer's ``layers``: where the
         layers are alike, stepped on one, two and three of them and extrapolated (AdamW's work is per tensor, and
         what it keeps alive adds up over tensors: checked to grow by the same bytes each layer)."""
         key = (tuple(others), tuple(map(tuple, layers)), foreach)
         if key not in self._optimizer:
             if len(layers) > 3 and all(layer == layers[0] for layer in layers):
-                peaks = [optimizer_peak([*others, *layers[0] * copies], foreach) for copies in (1, 2, 3)]
+                peaks = [optimizer_peak([*others, *layers[0] * copies], foreach=foreach) for copies in (1, 2, 3)]
                 step = tuple(b - a for a, b in zip(peaks[0], peaks[1], strict=True))
                 if tuple(b - a for a, b in zip(peaks[1], peaks[2], strict=True)) == step:
                     more = len(layers) - 1
                     self._optimizer[key] = tuple(a + more * d for a, d in zip(peaks[0], step, strict=True))  # type: ignore[assignment]
             if key not in self._optimizer:
-                self._optimizer[key] = optimizer_peak([*others, *(s for layer in layers for s in layer)], foreach)
+                self._optimizer[key] = optimizer_peak(
+                    [*others, *(s for layer in layers for s in layer)], foreach=foreach
+                )
         return self._optimizer[key]
 
 
@@ -154,8 +156,8 @@ def _step(
     devices: Devices,
     workload: Workload,
     inputs: StepInputs,
-    cache: TraceCache,
     *,
+    cache: TraceCache,
     limit: int | None = None,
     first_step: bool = False,
 ) -> Ledger:
@@ -183,7 +185,7 @@ def _step(
     for (layer, _), unit in units.items():
         shapes = [(-(-p.shape[0] // shards), *p.shape[1:]) if p.dim() else () for p in unit.trained]
         others.extend(shapes) if layer < 0 else layers.setdefault(layer, []).extend(shapes)
-    temporaries = cache.optimizer(others, [layers[j] for j in sorted(layers)], devices.type == "cuda")
+    temporaries = cache.optimizer(others, [layers[j] for j in sorted(layers)], foreach=devices.type == "cuda")
     ledger.replay([*recording.events, *optimizer_events(temporaries, recording.end)])
     return ledger
 
@@ -216,15 +218,17 @@ def rank_peaks(
     recordings of earlier plans of the same model to reuse."""
     _, shards = config.mesh_shape(world_size)
     inputs = _inputs(workload, world_size)
-    ledger = _step(model, config, shards, devices, workload, inputs, cache or TraceCache())
+    ledger = _step(model, config, shards, devices, workload, inputs, cache=cache or TraceCache())
     traced = ledger.best
     assert traced is not None
     trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
     optim = optimizer_state(trained, shards)
     peaks = [dataclasses.replace(traced, optim=optim[rank % shards]) for rank in range(world_size)]
     if config.cpu_offload and devices.type == "cuda":  # shards, grads and optimizer state live in host memory
-        peaks = [dataclasses.replace(p, params=ledger.fixed - sum(u.shard for u in ledger.order), grads=0, optim=0)
-                 for p in peaks]  # fmt: skip
+        peaks = [
+            dataclasses.replace(p, params=ledger.fixed - sum(u.shard for u in ledger.order), grads=0, optim=0)
+            for p in peaks
+        ]
     return peaks, inputs
 
 
@@ -235,6 +239,7 @@ def crossing(
     devices: Devices,
     workload: Workload,
     limit: int,
+    *,
     first_step: bool,
     cache: TraceCache | None = None,
 ) -> Peak | None:
@@ -244,6 +249,14 @@ def crossing(
     _, shards = config.mesh_shape(world_size)
     inputs = _inputs(workload, world_size)
     ledger = _step(
-        model, config, shards, devices, workload, inputs, cache or TraceCache(), limit=limit, first_step=first_step
+        model,
+        config,
+        shards,
+        devices,
+        workload,
+        inputs,
+        cache=cache or TraceCache(),
+        limit=limit,
+        first_step=first_step,
     )
     return ledger.crossed

@@ -271,7 +271,7 @@ class Plan:
         on = {self.hosts[rank] for rank in group}
         return f"{on.pop()}: ranks {_ranges(group)}" if len(on) == 1 else f"ranks {_ranges(group)}"
 
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # noqa: FBT001 (IPython's pretty-printer protocol)
         printer.text(str(self))
 
 
@@ -312,7 +312,18 @@ def plan(
     with this ``workload``."""
     if workload is not None:
         predicted.remember(model, workload)
-    return _traced(model, config, world_size, hosts, devices, workload, memory, suggest, cache, progress)
+    return _traced(
+        model,
+        config,
+        world_size,
+        hosts,
+        devices,
+        workload,
+        memory=memory,
+        suggest=suggest,
+        cache=cache,
+        progress=progress,
+    )
 
 
 def _traced(
@@ -322,6 +333,7 @@ def _traced(
     hosts: list[str] | None,
     devices: Devices | None,
     workload: Workload | None,
+    *,
     memory: DeviceMemory | None,
     suggest: bool,
     cache: TraceCache | None = None,
@@ -350,7 +362,7 @@ def _traced(
         planned.searched = True
         planned.suggestions, planned.untried = fitting.suggest(
             planned,
-            functools.partial(_replan, model, config, world_size, hosts, workload, memory, cache),
+            functools.partial(_replan, model, config, world_size, hosts, workload, memory=memory, cache=cache),
             on_progress=progress.searched if progress is not None else None,
         )
         if progress is not None:
@@ -369,9 +381,10 @@ def _replan(
     world_size: int,
     hosts: list[str] | None,
     workload: Workload,
+    change: fitting.Change,
+    *,
     memory: DeviceMemory,
     cache: TraceCache,
-    change: fitting.Change,
 ) -> Plan | None:
     """The plan of ``change`` applied to ``config`` (None where the settings cannot be)."""
     settings = dict(change.settings)
@@ -382,7 +395,17 @@ def _replan(
     try:
         changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
         work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
-        return _traced(model, changed, size, hosts if size == world_size else None, devices, work, memory, False, cache)
+        return _traced(
+            model,
+            changed,
+            size,
+            hosts if size == world_size else None,
+            devices,
+            work,
+            memory=memory,
+            suggest=False,
+            cache=cache,
+        )
     except ConfigError:
         return None
     except RecordingsSpent as spent:

@@ -61,7 +61,7 @@ def workload_of_call(call: Any, loss: Any = None, autocast: torch.dtype | None =
 
 
 def cell_workload(
-    model: nn.Module, loaders: list[Any], per_rank_batches: bool, autocast: torch.dtype | None
+    model: nn.Module, loaders: list[Any], *, per_rank_batches: bool, autocast: torch.dtype | None
 ) -> Workload | None:
     """What a cell that trains ``model`` on ``loaders`` (the notebook DataLoaders it reads) runs a step on,
     under ``autocast`` (``cell_autocast``), or None where the kernel cannot know."""

@@ -34,7 +34,7 @@ class ProgressLine:
         elapsed = time.monotonic() - self._started
         self._show(f"{self._what}: {self.tried} settings traced in {elapsed:.1f} s", last=True)
 
-    def _show(self, text: str, last: bool = False) -> None:
+    def _show(self, text: str, *, last: bool = False) -> None:
         self.shown = text
         if self._in_kernel:
             if self._handle is None:

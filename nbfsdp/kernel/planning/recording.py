@@ -180,7 +180,7 @@ class Recorder:
         """Forward and backward of one micro-batch; the recording of what they did."""
         handles = list(self._hooks())
         try:
-            with self.live, device_attention(self.devices.type == "cuda", self.autocast):
+            with self.live, device_attention(on_gpu=self.devices.type == "cuda", autocast=self.autocast):
                 for tensor in tree_flatten((args, kwargs))[0]:
                     if isinstance(tensor, torch.Tensor):
                         self.live.count(tensor, "activations")
@@ -198,7 +198,7 @@ class Recorder:
         return Recording(self.events, self.split())
 
 
-def optimizer_peak(shapes: list[tuple[int, ...]], foreach: bool) -> Split:
+def optimizer_peak(shapes: list[tuple[int, ...]], *, foreach: bool) -> Split:
     """AdamW's step on fp32 shards of ``shapes`` (foreach on a GPU, as PyTorch picks there): the live bytes of its
     temporaries at their largest. Its state, made by a first step, and the shards are the ledger's."""
     largest: list[Split] = [(0, 0, 0)]

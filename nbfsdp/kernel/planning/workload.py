@@ -68,7 +68,7 @@ def _share(tensor: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.empty((-(-tensor.shape[0] // parts), *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
 
 
-def step_inputs(batch: Any, world_size: int, per_rank_batches: bool = False) -> StepInputs:
+def step_inputs(batch: Any, world_size: int, *, per_rank_batches: bool = False) -> StepInputs:
     """``batch`` (one step's global batch as one process would feed it: a tensor, a tuple or list, a dict of
     tensors, a DataLoader, or meta tensors for shapes alone) as one rank's share: each rank takes 1/N of
     every tensor's first dimension, as ``%%fsdp`` splits a notebook's DataLoader; with

@@ -14,13 +14,13 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch.nn as nn
 from IPython.core.interactiveshell import InteractiveShell
 
-from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
+from nbfsdp.kernel.cluster.rank_calls import RankError, RankOutOfMemory
 from nbfsdp.kernel.cluster.world import Cluster, RunningWorld
 from nbfsdp.kernel.diagnostics import out_of_memory
 from nbfsdp.kernel.diagnostics.hang_report import HangReporter
@@ -33,10 +33,10 @@ from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.runner import RankRun
-from nbfsdp.kernel.run.spec import Delivery, PreparedCell, RunOptions
+from nbfsdp.kernel.run.spec import CellModel, Delivery, PreparedCell, RunOptions
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
-from nbfsdp.shared.protocol import CellOutcome, CellSpec
+from nbfsdp.shared.protocol import CellOutcome, CellSpec, ModelRoute
 from nbfsdp.shared.units import wrap_rule, wrap_units
 from nbfsdp.ui.dashboard import LiveDashboard
 
@@ -45,31 +45,35 @@ from nbfsdp.ui.dashboard import LiveDashboard
 PREDICTION_WAIT_SECONDS = 2.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class CellRun:
-    """A cell submitted to the ranks, and what finishing it needs."""
+    """A cell submitted to the ranks, and what finishing it needs: built whole by ``submit``; only its
+    ``prediction`` (traced from the first call), ``thread`` and ``outcome`` change after."""
 
     ranks: RankRun
     record: history.RunRecord
     control: RunControl
     dashboard: LiveDashboard | None
-    models: dict[str, nn.Module]
+    models: dict[str, CellModel]
+    routes: dict[str, ModelRoute]
+    """Each model's route, as the ranks were told it (``CellSpec.models``)."""
     sent: dict[str, Any]
     """The notebook's own loaders, optimizers and schedulers the cell read: they take rank 0's state after."""
-    skeletons: dict[str, bytes]
-    tokens: dict[str, int]
     started: float
-    prediction: PeakPrediction | None = None
+    holder: tuple[int, int]
+    """The world the cell runs in: its generation and size."""
+    markers: str | None
+    """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
+    hang_reporter: HangReporter | None
+    """Says, once, where the ranks are when one waits in a collective too long (``--hang-report``)."""
+    prediction: PeakPrediction | None
     thread: threading.Thread | None = None
     outcome: list[CellOutcome] | BaseException | None = None
-    markers: str | None = None
-    """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
-    on_ranks: list[str] = field(default_factory=list)
-    """The models whose weights live on the ranks after the cell (``residence``)."""
-    holder: tuple[int, int] = (0, 0)
-    """The world the cell runs in: its generation and size."""
-    hang_reporter: HangReporter | None = None
-    """Says, once, where the ranks are when one waits in a collective too long (``--hang-report``)."""
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        """The cell's models themselves, by name."""
+        return {name: model.module for name, model in self.models.items()}
 
     def watch_in_background(self) -> None:
         try:
@@ -105,13 +109,14 @@ class CellRun:
 
 
 class SessionCallbacks(Protocol):
-    """What a cell's run needs of the session: its shell, and what a dashboard's controls call."""
+    """What a cell's run needs of the session: its shell, and what a dashboard's controls and the hang report
+    call."""
 
     shell: InteractiveShell
 
     def change_settings(self, settings: dict[str, Any]) -> str: ...
     def cancel(self) -> None: ...
-    def where(self) -> Any: ...
+    def where(self, seconds: float = ...) -> Any: ...
 
 
 #: The last dashboard's plan, and what it was made of (the first model's skeleton and settings, the world):
@@ -123,18 +128,19 @@ def live_dashboard(
     cluster: Cluster,
     world: RunningWorld,
     prepared: PreparedCell,
-    background: bool,
     session: SessionCallbacks,
+    *,
+    background: bool,
 ) -> LiveDashboard:
     """The cell's live dashboard: the plan's predicted memory, the controls wired to the session."""
     global _last_plan
     config, hosts = prepared.config, cluster.rank_hosts()
     planned = None
     if prepared.models:
-        first = next(iter(prepared.models))
-        (_, _, skeleton), settings_key = prepared.fingerprints[first]
+        first = next(iter(prepared.models.values()))
+        (_, _, skeleton), settings_key = first.fingerprint
         made_of = (
-            id(prepared.models[first]),
+            id(first.module),
             skeleton,
             settings_key,
             world.world_size,
@@ -142,16 +148,16 @@ def live_dashboard(
             str(world.devices),
         )
         if _last_plan is None or _last_plan[0] != made_of:
-            _last_plan = made_of, plan(prepared.models[first], config, world.world_size, hosts, world.devices)
+            _last_plan = made_of, plan(first.module, config, world.world_size, hosts, world.devices)
         planned = _last_plan[1]
     settings = {**dataclasses.asdict(config), "world_size": world.world_size}
     return LiveDashboard(
         world.world_size,
         world.devices,
-        planned.memory if planned else None,
-        settings,
-        session.change_settings,
-        session.cancel,
+        predicted=planned.memory if planned else None,
+        settings=settings,
+        on_change=session.change_settings,
+        on_stop=session.cancel,
         with_output=background,
         on_where=lambda: str(session.where()),
         hosts=hosts,
@@ -175,24 +181,49 @@ def submit(
     """The cell sent to every rank, with its dashboard and its predicted peak beside it. The ranks start first:
     a warm cell's dashboard (17 widgets, each a message to the frontend: 8 ms) is built while they run, and
     is displayed before their output, which ``watch`` streams only after."""
-    models, config, background = prepared.models, prepared.config, options.background
-    ranks = RankRun(cluster, spec, prepared.values, delivery.sending)
+    models, config, background = prepared.modules, prepared.config, options.background
+    try:
+        ranks = RankRun(cluster, spec, prepared.values, delivery.sending)
+    except RankError as error:  # an engine ended before the cell reached it: nothing ran
+        record.ok, record.error = False, str(error)
+        control.remove()
+        if spec.saves is not None:
+            shutil.rmtree(spec.saves.markers, ignore_errors=True)
+        raise
     dashboard = prediction = None
     try:
         if not prepared.internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
-            dashboard = live_dashboard(cluster, world, prepared, background, session)
+            dashboard = live_dashboard(cluster, world, prepared, session, background=background)
         if not prepared.internal:
             read = [prepared.sent[name] for name in prepared.plans]
             prediction = predict_peak(
-                models, read, prepared.per_rank_batches, prepared.code, config, world, record, dashboard
+                models,
+                read,
+                per_rank_batches=prepared.per_rank_batches,
+                cell=prepared.code,
+                config=config,
+                world=world,
+                record=record,
+                dashboard=dashboard,
             )
     except BaseException:  # a Ctrl-C while the dashboard is built: the ranks started already
         ranks.stop()
         raise
+    reporting = options.hang_report > 0 and not prepared.internal and not cluster.unsteerable()
     run = CellRun(
-        ranks, record, control, dashboard, models, prepared.sent, prepared.skeletons, delivery.tokens, started,
-        prediction,
-    )  # fmt: skip
+        ranks=ranks,
+        record=record,
+        control=control,
+        dashboard=dashboard,
+        models=prepared.models,
+        routes=delivery.routes,
+        sent=prepared.sent,
+        started=started,
+        holder=(world.generation, world.world_size),
+        markers=spec.saves.markers if spec.saves is not None else None,
+        hang_reporter=HangReporter(session.where, options.hang_report, dashboard).start() if reporting else None,
+        prediction=prediction,
+    )
     ranks.show_on(
         view=dashboard,
         sink=dashboard if background else None,
@@ -203,12 +234,12 @@ def submit(
         if prepared.internal
         else functools.partial(_predict_from_call, run, prepared.config, prepared.code, world),
     )
-    run.on_ranks, run.holder = prepared.on_ranks, (world.generation, world.world_size)
     if dashboard is not None:
-        for name in prepared.on_ranks:
-            dashboard.note(f"{name}: weights live on the ranks only (not gathered after the cell)")
-        for name, model in models.items():
-            if note := _frozen_note(name, model):
+        for name, model in prepared.models.items():
+            if model.on_ranks:
+                dashboard.note(f"{name}: weights live on the ranks only (not gathered after the cell)")
+        for name, module in models.items():
+            if note := _frozen_note(name, module):
                 dashboard.note(note)
     return run
 
@@ -230,7 +261,9 @@ def new_record(
     """The cell's run record, kept for ``last_run()`` (a user's cell), and its loaders' plans said."""
     record = history.RunRecord(
         world_size=world.world_size,
-        config=effective_settings(world, options.timeout, options.gather, prepared.config, prepared.models),
+        config=effective_settings(
+            world, prepared.config, prepared.modules, timeout=options.timeout, gather=options.gather
+        ),
         sent_bytes=sent_bytes,
     )
     if prepared.plans:
@@ -243,7 +276,7 @@ def new_record(
 
 
 def effective_settings(
-    world: RunningWorld, timeout: float, gather: bool, config: FSDPConfig, models: dict[str, nn.Module]
+    world: RunningWorld, config: FSDPConfig, models: dict[str, nn.Module], *, timeout: float, gather: bool
 ) -> dict[str, Any]:
     """What ``last_run().config`` shows: the world, then the FSDP settings in Composer's names (``why``: those
     nbfsdp chose for the device or runs otherwise than asked)."""
@@ -273,7 +306,7 @@ def _predict_from_call(run: CellRun, config: FSDPConfig, code: str, world: Runni
     workload = predicted.workload_of_call(call, autocast=predicted.cell_autocast(code, world.devices))
     if workload is None:
         return
-    run.prediction = _prediction(next(iter(run.models.values())), config, world, workload, run.record, run.dashboard)
+    run.prediction = _prediction(next(iter(run.modules.values())), config, world, workload, run.record, run.dashboard)
 
 
 def _prediction(
@@ -300,6 +333,7 @@ def _prediction(
 def predict_peak(
     models: dict[str, nn.Module],
     loaders: list[Any],
+    *,
     per_rank_batches: bool,
     cell: str,
     config: FSDPConfig,
@@ -313,7 +347,7 @@ def predict_peak(
     model = next(iter(models.values()))
     autocast = predicted.cell_autocast(cell, world.devices)
     try:
-        workload = predicted.cell_workload(model, loaders, per_rank_batches, autocast)
+        workload = predicted.cell_workload(model, loaders, per_rank_batches=per_rank_batches, autocast=autocast)
     except Exception:  # a loader that cannot give a batch fails on the ranks too, where the cell reports it
         return None
     if workload is None:
@@ -347,7 +381,7 @@ def finish(run: CellRun, shell: InteractiveShell, held: EngineHoldings, loaders:
     if isinstance(outcome, RankOutOfMemory):  # each rank's bytes beside the planner's, and what fits
         world = run.ranks.world
         record.out_of_memory = out_of_memory.explain(
-            outcome, run.models, run.ranks.config, world.world_size, world.devices
+            outcome, run.modules, run.ranks.config, world.world_size, world.devices
         )
         if run.dashboard:
             run.dashboard.note(record.out_of_memory["text"].splitlines()[0].removeprefix("nbfsdp: "))
@@ -400,21 +434,24 @@ def _apply_results(
 ) -> None:
     """Trained weights into the notebook's own model objects, then the names rank 0 sent."""
     first = outcomes[0]
-    for name, state in first.states.items():
-        if name in run.on_ranks:
-            continue  # nbfsdp.gather's: a copy of what the ranks keep (_keep_on_ranks)
-        model = run.models[name]
-        # in place, so other references see it too; a meta-built model takes the tensors as they are; only what
-        # some rank wrote came back (a LoRA cell's adapters, not its frozen base)
-        partial = len(state) < len(model.state_dict(keep_vars=True))
-        model.load_state_dict(transfer.tied_as(model, state), strict=not partial, assign=on_meta(model))
-    # a model that lives on the ranks may change form here (freed, or filled by nbfsdp.gather): its skeleton anew
-    reformed = {name for name in run.on_ranks if _keep_on_ranks(name, run.models[name], run.holder, first)}
+    reformed = set()  # models that live on the ranks and changed form here (freed, or filled): their skeletons anew
+    for name, model in run.models.items():
+        state = first.states.get(name)
+        if model.on_ranks:
+            world, written = run.holder, name in first.written
+            if residence.settle(model.module, world=world, written=written, state=state):
+                reformed.add(name)
+        elif state is not None:
+            # in place, so other references see it too; a meta-built model takes the tensors as they are; only what
+            # some rank wrote came back (a LoRA cell's adapters, not its frozen base)
+            partial = len(state) < len(model.module.state_dict(keep_vars=True))
+            tied = transfer.tied_as(model.module, state)
+            model.module.load_state_dict(tied, strict=not partial, assign=on_meta(model.module))
     for name, model in run.models.items():
         # what the engines hold now: these weights, under the settings in force at the end (live changes too)
         settings = first.settings[name]
-        skeleton = transfer.model_skeleton(model) if name in reformed else run.skeletons[name]
-        held.model_held(name, fingerprint(model, skeleton, settings), run.tokens[name], settings)
+        skeleton = transfer.model_skeleton(model.module) if name in reformed else model.skeleton
+        held.model_held(name, fingerprint(model.module, skeleton, settings), run.routes[name].token, settings)
     for name, state in first.in_place.items():
         run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
         held.object_held(name, run.sent[name])
@@ -422,27 +459,9 @@ def _apply_results(
         loaders.continue_after(run.sent[name], position)
     objects = dict(run.sent)
     for name, data in first.names.items():  # optimizers first: a scheduler the cell made refers to one
-        objects[name] = shell.user_ns[name] = transfer.load_result(data, run.models, objects, shell.user_ns)
+        objects[name] = shell.user_ns[name] = transfer.load_result(data, run.modules, objects, shell.user_ns)
         optimizers.track_steps(objects[name])
         held.object_held(name, objects[name])
     if first.skipped:
         reasons = "; ".join(f"{name} ({why})" for name, why in first.skipped.items())
         print(f"nbfsdp: kept on the engines only, not brought back: {reasons}", file=sys.stderr)
-
-
-def _keep_on_ranks(name: str, model: nn.Module, holder: tuple[int, int], outcome: CellOutcome) -> bool:
-    """The model's weights live on the ranks of ``holder``: the record says so, and the notebook's copy is freed;
-    or, for ``nbfsdp.gather``, the notebook's skeleton takes the weights rank 0 sent (the ranks keep theirs).
-    Whether the notebook's model changed form."""
-    record = residence.mark(model)
-    record.world = holder
-    record.written = record.written or name in outcome.written
-    if name in outcome.states:  # nbfsdp.gather's whole model, or a LoRA model's trained adapters
-        residence.fill(model, outcome.states[name])
-        if on_meta(model):  # some came back, the rest stays on the ranks
-            record.here = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-        return True
-    if not on_meta(model):
-        residence.to_meta(model)
-        return True
-    return False

@@ -19,9 +19,9 @@ from nbfsdp.kernel.cluster.world import Cluster, RunningWorld
 from nbfsdp.kernel.run import residence
 from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.inputs import on_meta
-from nbfsdp.kernel.run.spec import Delivery, PreparedCell
+from nbfsdp.kernel.run.spec import CellModel, Delivery, PreparedCell
 from nbfsdp.shared import transfer
-from nbfsdp.shared.protocol import ShardAllocation
+from nbfsdp.shared.protocol import Arrival, ModelRoute, ShardAllocation
 
 
 def deliver(
@@ -30,6 +30,7 @@ def deliver(
     models: dict[str, nn.Module],
     tokens: dict[str, int],
     shard_degree: int,
+    *,
     on_cpu: bool,
 ) -> list[int]:
     """Send every rank its shards of ``models``; the bytes each rank received, as it counted them.
@@ -70,8 +71,8 @@ def deliver(
             for rank, piece in sending.items()
         }
         engine_ids = {rank: world.engine_ids[rank] for rank in sending}
-        results = submit(cluster.client, engine_ids, engine.receive_shards, arguments)
         try:
+            results = submit(cluster.client, engine_ids, engine.receive_shards, arguments)
             for rank, count in gather(results, cluster.dead_ranks).items():
                 received[rank] += count
         except RankDied as died:
@@ -84,21 +85,29 @@ def deliver(
 
 
 def send_models(cluster: Cluster, world: RunningWorld, prepared: PreparedCell, held: EngineHoldings) -> Delivery:
-    """Deliver the shards of the cell's models the ranks do not hold as they are; what was sent."""
+    """Deliver the shards of the cell's models the ranks do not hold as they are; each model's route."""
     models = prepared.models
-    sending = [name for name in models if not held.holds(name, prepared.fingerprints[name])]
+    sending = [name for name, model in models.items() if not held.holds(name, model.fingerprint)]
     if sending:
         held.models_sent(prepared.kept)
-    tokens = held.tokens_for(models, sending)
-    materialize = [name for name in sending if on_meta(models[name])]
-    sources = {}
-    for name in materialize:
-        record = residence.of(models[name])
-        if record is not None and record.source is not None:
-            sources[name] = record.source
-    delivering = {name: models[name] for name in sending if name not in materialize}
+    tokens = held.tokens_for(list(models), sending)
+    routes = {name: _route(model, tokens[name], sent=name in sending) for name, model in models.items()}
+    delivering = {name: models[name].module for name, route in routes.items() if route.arrives is Arrival.DELIVERED}
     _, shard_degree = prepared.config.mesh_shape(world.world_size)
-    received = deliver(cluster, world, delivering, tokens, shard_degree, prepared.config.cpu_offload)
-    skeletons = {name: prepared.skeletons[name] for name in sending}
+    received = deliver(cluster, world, delivering, tokens, shard_degree, on_cpu=prepared.config.cpu_offload)
+    skeletons = {name: models[name].skeleton for name in sending}
     sent_bytes = [n + len(prepared.values) + sum(map(len, skeletons.values())) for n in received]
-    return Delivery(tokens, materialize, sources, skeletons, sent_bytes)
+    return Delivery(routes=routes, sending=skeletons, sent_bytes=sent_bytes)
+
+
+def _route(model: CellModel, token: int, *, sent: bool) -> ModelRoute:
+    """How ``model`` reaches the ranks: held there, its shards delivered, or, built on the meta device, initialized
+    there or read there from the checkpoint it lives on the ranks from."""
+    arrives, source = Arrival.HELD, None
+    if sent and not on_meta(model.module):
+        arrives = Arrival.DELIVERED
+    elif sent:
+        record = residence.of(model.module)
+        source = record.source if record is not None else None
+        arrives = Arrival.INITIALIZED if source is None else Arrival.READ
+    return ModelRoute(token=token, arrives=arrives, returns=model.returns, on_ranks=model.on_ranks, source=source)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import torch.nn as nn
@@ -62,7 +63,7 @@ class EngineHoldings:
         """The ranks hold model ``name`` as it is now: it need not be sent."""
         return self._models.get(name, (None,))[0] == model_fingerprint
 
-    def tokens_for(self, models: dict[str, nn.Module], sending: list[str]) -> dict[str, int]:
+    def tokens_for(self, models: Iterable[str], sending: list[str]) -> dict[str, int]:
         """Each model's token on the ranks: a new one for each model sent, its old one for the others."""
         return {name: next(self._tokens) if name in sending else self._models[name][1] for name in models}
 

@@ -52,7 +52,7 @@ class RunRecord:
     gathered_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes brought back into each notebook model after the cell: only the tensors some rank wrote (a LoRA
     cell's adapters, not its frozen base), a tie once; of a model that lives on the ranks, only its trained
-    adapters (``nbfsdp.engines.cell_results.ADAPTER_SHARE``), or what ``nbfsdp.gather`` asked for."""
+    adapters (``nbfsdp.kernel.run.spec.ADAPTER_SHARE``), or what ``nbfsdp.gather`` asked for."""
     hang_report: str = ""
     """What the cell printed by itself when a rank waited in one collective longer than ``--hang-report`` seconds
     (``%fsdp where``'s report); empty when none did."""

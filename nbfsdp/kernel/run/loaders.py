@@ -64,7 +64,7 @@ def _dataset_length(loader: DataLoader) -> int | None:
         return None
 
 
-def plan_split(name: str, loader: DataLoader, world_size: int, per_rank_batches: bool, epoch: int) -> LoaderPlan:
+def plan_split(name: str, loader: DataLoader, world_size: int, *, per_rank_batches: bool, epoch: int) -> LoaderPlan:
     """Check ``loader`` against the world size (``UsageError`` when it cannot be split) and plan its split.
 
     Runs in the notebook, before any engine is touched.
@@ -85,9 +85,13 @@ def plan_split(name: str, loader: DataLoader, world_size: int, per_rank_batches:
         dropped = 0 if batches is None else batches % world_size
         note = f"the last {dropped} batch(es) dropped: every rank takes as many steps" if dropped else ""
         return LoaderPlan(
-            mode="per_rank", batch_size=batch_size, per_rank=batch_size, steps_per_epoch=steps,
-            last_batch=note, epoch=epoch,
-        )  # fmt: skip
+            mode="per_rank",
+            batch_size=batch_size,
+            per_rank=batch_size,
+            steps_per_epoch=steps,
+            last_batch=note,
+            epoch=epoch,
+        )
     if batch_size % world_size:
         lower = batch_size - batch_size % world_size
         raise UsageError(
@@ -107,9 +111,13 @@ def plan_split(name: str, loader: DataLoader, world_size: int, per_rank_batches:
         elif kept != last:
             note = f"the last batch of {last} trimmed to {kept} ({kept // world_size} per rank)"
     return LoaderPlan(
-        mode="split", batch_size=batch_size, per_rank=batch_size // world_size, steps_per_epoch=steps,
-        last_batch=note, epoch=epoch,
-    )  # fmt: skip
+        mode="split",
+        batch_size=batch_size,
+        per_rank=batch_size // world_size,
+        steps_per_epoch=steps,
+        last_batch=note,
+        epoch=epoch,
+    )
 
 
 class NotebookLoaders:
@@ -123,7 +131,7 @@ class NotebookLoaders:
         self._epochs: weakref.WeakKeyDictionary[DataLoader, int] = weakref.WeakKeyDictionary()
         self._generators: weakref.WeakKeyDictionary[DataLoader, torch.Generator] = weakref.WeakKeyDictionary()
 
-    def plan(self, read: dict[str, Any], world_size: int, per_rank_batches: bool) -> dict[str, LoaderPlan]:
+    def plan(self, read: dict[str, Any], world_size: int, *, per_rank_batches: bool) -> dict[str, LoaderPlan]:
         """A plan for each DataLoader among the names a cell reads (``UsageError`` when one cannot be split).
 
         A loader under two names is planned once: on the ranks too they are one object.
@@ -133,7 +141,8 @@ class NotebookLoaders:
         for name, loader in read.items():
             if isinstance(loader, DataLoader) and all(loader is not other for other in seen):
                 seen.append(loader)
-                plans[name] = plan_split(name, loader, world_size, per_rank_batches, self._epochs.get(loader, 0) + 1)
+                epoch = self._epochs.get(loader, 0) + 1
+                plans[name] = plan_split(name, loader, world_size, per_rank_batches=per_rank_batches, epoch=epoch)
         return plans
 
     def shuffle_state(self, loader: DataLoader) -> torch.Tensor | None:

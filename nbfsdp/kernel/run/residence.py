@@ -71,6 +71,26 @@ class OnRanks:
         """A world that ends loses nothing: the ranks can read the weights again from ``source``."""
         return self.source is not None and not self.written
 
+    def read_from(self, source: str) -> None:
+        """The ranks are to read the weights from the checkpoint ``source`` at the next cell, whatever they held."""
+        self.source, self.world, self.written = source, None, False
+
+    def held_by(self, world: tuple[int, int], *, written: bool) -> None:
+        """A cell ran over the model in ``world`` (generation, size): its weights live there, changed by a cell
+        once one changed them."""
+        self.world = world
+        self.written = self.written or written
+
+    def read_again(self, name: str) -> None:
+        """The ranks read the weights from ``source`` again at the next cell (the world that held them ended, or
+        shards them anew), and that is said."""
+        print(f"nbfsdp: {name}: the ranks read its weights from {self.source} again", file=sys.stderr)
+        self.world = None
+
+    def trained_here(self, model: nn.Module) -> None:
+        """Some of the weights came back (a LoRA model's trained adapters): the notebook holds those too."""
+        self.here = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
 
 def of(model: nn.Module) -> OnRanks | None:
     """``model``'s record, when its weights live on the ranks."""
@@ -144,7 +164,7 @@ def mark(model: nn.Module, source: str | None = None) -> OnRanks:
         record = OnRanks(own_repr=type(model).extra_repr(model), nbytes=weights_bytes(model))
         model.__dict__[_REPR] = record
     if source is not None:
-        record.source, record.world, record.written = source, None, False
+        record.read_from(source)
     return record
 
 
@@ -178,6 +198,24 @@ def fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             torch.utils.swap_tensors(tensor, value)
 
 
+def settle(model: nn.Module, *, world: tuple[int, int], written: bool, state: dict[str, torch.Tensor] | None) -> bool:
+    """After a cell over ``model``, whose weights live on the ranks of ``world``: the record says so, and the
+    notebook's copy is freed; or the notebook's skeleton takes ``state``, what came back (``nbfsdp.gather``'s
+    whole model, or a LoRA model's trained adapters: the rest stays on the ranks). ``written``: the cell changed
+    them. Whether the notebook's model changed form (its skeleton is then new)."""
+    record = mark(model)
+    record.held_by(world, written=written)
+    if state is not None:
+        fill(model, state)
+        if any(p.is_meta for p in model.parameters()):  # some came back, the rest stays on the ranks
+            record.trained_here(model)
+        return True
+    if not any(p.is_meta for p in model.parameters()):
+        to_meta(model)
+        return True
+    return False
+
+
 def _each_once(model: nn.Module) -> list[torch.Tensor]:
     return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
 
@@ -186,6 +224,7 @@ def refuse_losing_weights(
     named: dict[str, Any],
     cell_models: set[str],
     reshaped: set[str],
+    *,
     running: int | None,
     reusing: bool,
     world_size: int,
@@ -208,8 +247,7 @@ def refuse_losing_weights(
             if not any(p.is_meta for p in model.parameters()):
                 continue  # gathered: the notebook's copy goes to the ranks with its new skeleton
             if record.replaceable:
-                print(f"nbfsdp: {name}: the ranks read its weights from {record.source} again", file=sys.stderr)
-                record.world = None
+                record.read_again(name)
                 continue
             raise UsageError(
                 f"{name} lives on the ranks, changed there by a cell, and since then its skeleton in the notebook (an "
@@ -219,8 +257,7 @@ def refuse_losing_weights(
             )
         if record.replaceable:
             if name in cell_models:
-                print(f"nbfsdp: {name}: the ranks read its weights from {record.source} again", file=sys.stderr)
-                record.world = None
+                record.read_again(name)
             continue
         if holder == running:
             raise UsageError(

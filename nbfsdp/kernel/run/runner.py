@@ -27,7 +27,7 @@ from IPython import get_ipython
 from IPython.display import DisplayHandle, display
 
 from nbfsdp.engines import engine
-from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankError, RankOutOfMemory, submit
+from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankDied, RankError, RankOutOfMemory, submit
 from nbfsdp.kernel.cluster.world import Cluster
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
@@ -67,9 +67,9 @@ def low_precision_hint(error: str, config: FSDPConfig) -> str:
 class OutputSink(Protocol):
     """Where ranks' output goes: the cell's own streams, or a widget for a background run."""
 
-    def write(self, text: str, stderr: bool) -> None: ...
+    def write(self, text: str, *, stderr: bool) -> None: ...
 
-    def progress(self, bar: str, text: str, ended: bool) -> None:
+    def progress(self, bar: str, text: str, *, ended: bool) -> None:
         """Rank 0's progress bar ``bar`` now reads ``text`` (``nbfsdp.engines.progress``); ``ended``: its last state."""
 
 
@@ -81,12 +81,12 @@ class CellStreams:
         self._in_kernel = getattr(get_ipython(), "kernel", None) is not None
         self._bars: dict[str, DisplayHandle] = {}
 
-    def write(self, text: str, stderr: bool) -> None:
+    def write(self, text: str, *, stderr: bool) -> None:
         stream = sys.stderr if stderr else sys.stdout
         stream.write(text)
         stream.flush()
 
-    def progress(self, bar: str, text: str, ended: bool) -> None:
+    def progress(self, bar: str, text: str, *, ended: bool) -> None:
         if not self._in_kernel:
             if ended and text:
                 self.write(f"{text}\n", stderr=True)
@@ -110,14 +110,14 @@ class _OutputStreamer:
     bars go to the sink's ``progress``, each bar's latest state once a look (other ranks draw none).
     ``quiet``: the profiler's own lines are left out (a cell that captures steps)."""
 
-    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink, quiet: bool = False) -> None:
+    def __init__(self, results: list[ipp.AsyncResult], sink: OutputSink, *, quiet: bool = False) -> None:
         self._results = results
         self._sink = sink
         self._quiet = quiet
         self._sent = {(rank, name): 0 for rank in range(len(results)) for name in ("stdout", "stderr")}
         self._bars: dict[str, tuple[str, bool]] = {}  # id -> the text last shown, whether it ended
 
-    def pump(self, final: bool = False) -> None:
+    def pump(self, *, final: bool = False) -> None:
         bars: dict[str, tuple[str, bool]] = {}
         for rank, result in enumerate(self._results):
             for name in ("stdout", "stderr"):
@@ -135,14 +135,14 @@ class _OutputStreamer:
                         if marker and rank == 0 and (drawing := BarDrawing.parse(drawn)):
                             bars[drawing.bar] = (drawing.text, drawing.ended)
                     if lines:
-                        self._sink.write("".join(lines), name == "stderr")
+                        self._sink.write("".join(lines), stderr=name == "stderr")
                     self._sent[rank, name] = end
         if final:  # a bar the cell left open (an error, a break) ends in its last state
             bars = {bar: (text, True) for bar, (text, _) in (self._bars | bars).items()}
         for bar, state in bars.items():
             if self._bars.get(bar) != state:
                 self._bars[bar] = state
-                self._sink.progress(bar, *state)
+                self._sink.progress(bar, state[0], ended=state[1])
 
 
 def _outcome(result: ipp.AsyncResult) -> CellOutcome:
@@ -157,7 +157,7 @@ def _outcome(result: ipp.AsyncResult) -> CellOutcome:
 class LiveView(Protocol):
     """What shows a cell while it runs (the dashboard): redrawn as records arrive, told of dead ranks."""
 
-    def refresh(self, final: bool = False) -> None: ...
+    def refresh(self, *, final: bool = False) -> None: ...
     def rank_state(self, rank: int, state: str) -> None: ...
 
 
@@ -204,7 +204,11 @@ class RankRun:
         self.config = spec.fsdp
         engine_ids = dict(enumerate(self.world.engine_ids))
         arguments = dict.fromkeys(engine_ids, (spec, values, skeletons))
-        self.results = list(submit(cluster.client, engine_ids, engine.run_cell, arguments).values())
+        try:
+            self.results = list(submit(cluster.client, engine_ids, engine.run_cell, arguments).values())
+        except RankDied as died:  # an engine ended since the world was checked: the next cell starts a new one
+            world.broken = True
+            raise RankError(died.rank, f"engine died before the cell started: {died.how}") from None
         self.view: LiveView | None = None
         self._captures = spec.timeline > 0
         self._streamer = _OutputStreamer(self.results, CellStreams(), quiet=self._captures)
@@ -331,7 +335,7 @@ def _lost(outcomes: dict[int, CellOutcome], rank: int) -> bool:
     return (outcome := outcomes.get(rank)) is not None and outcome.engine_lost
 
 
-def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], immediately: bool) -> None:
+def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], *, immediately: bool) -> None:
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
     results, cluster = run.results, run.cluster
     steps: list[tuple[signal.Signals | None, float]] = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]

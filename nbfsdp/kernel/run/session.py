@@ -21,7 +21,6 @@ from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.kernel.cluster.world import Cluster, RunningWorld, WorldPlan, plan_with
 from nbfsdp.kernel.diagnostics import check
-from nbfsdp.kernel.diagnostics.hang_report import HangReporter
 from nbfsdp.kernel.diagnostics.where import ANSWER_SECONDS, Where, where_of
 from nbfsdp.kernel.run import cell_run, residence
 from nbfsdp.kernel.run.cell_run import CellRun
@@ -84,21 +83,7 @@ class Session:
         if world.generation != self.held.generation:
             self.held.forget(world.generation)
             prepared = prepared.sent_to(world)  # it was to run in the running world (a rank died since)
-        delivery = send_models(self.cluster, world, prepared, self.held)
-        control = RunControl(self.cluster.private_dir, prepared.number, self.cluster.unsteerable())
-        saves = interval_saves(self.cluster.private_dir, prepared.number, options.checkpointing)
-        resume = self._resume_for(prepared.internal)
-        spec = cell_spec(
-            prepared, delivery, world, options.gather, control, saves, self.loaders, resume, timeline=options.timeline
-        )
-        record = cell_run.new_record(prepared, world, options, delivery.sent_bytes)
-        run = cell_run.submit(
-            prepared, delivery, cluster=self.cluster, spec=spec, world=world, record=record, control=control,
-            options=options, started=started, session=self,
-        )  # fmt: skip
-        run.markers = saves.markers if saves else None
-        if options.hang_report > 0 and not prepared.internal and not self.cluster.unsteerable():
-            run.hang_reporter = HangReporter(self.where, options.hang_report, run.dashboard).start()
+        run = _submitted(self, prepared, world, options, started)
         self.active = run
         if options.background:
             run.thread = KernelThread(target=run.watch_in_background, name="nbfsdp-async")
@@ -112,7 +97,7 @@ class Session:
             run.outcome = error
         self._finish(run)
 
-    def _resume_for(self, internal: bool) -> ResumePoint:
+    def resume_for(self, *, internal: bool) -> ResumePoint:
         """Where a checkpoint loaded since the last cell left the steps and the loaders: for the one user
         cell after it."""
         if internal:
@@ -172,15 +157,25 @@ class Session:
         world = self.cluster.world
         held = self.held if plan.reuses and world is not None and world.generation == self.held.generation else None
         prepared = prepare(
-            self.shell, next(self._cells), cell, config, plan.devices, held, self.loaders, world_size,
-            options.per_rank_batches, options.keep_on_ranks,
-        )  # fmt: skip
+            self.shell,
+            cell,
+            number=next(self._cells),
+            config=config,
+            devices=plan.devices,
+            held=held,
+            loaders=self.loaders,
+            options=options,
+        )
         running = world.generation if world is not None and not world.broken else None
         named = {name: self.shell.user_ns.get(name) for name in [*self.held.models(), *prepared.models]}
         reshaped = {
-            name for name in prepared.models if held is not None and not held.holds(name, prepared.fingerprints[name])
+            name
+            for name, model in prepared.models.items()
+            if held is not None and not held.holds(name, model.fingerprint)
         }
-        residence.refuse_losing_weights(named, set(prepared.models), reshaped, running, held is not None, world_size)
+        residence.refuse_losing_weights(
+            named, set(prepared.models), reshaped, running=running, reusing=held is not None, world_size=world_size
+        )
         if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, plan.devices, options.per_rank_batches, prepared.reads)
         return prepared, plan
@@ -336,6 +331,40 @@ class Session:
         self.held.forget()
         if failed is not None:
             raise failed
+
+
+def _submitted(
+    session: Session, prepared: PreparedCell, world: RunningWorld, options: RunOptions, started: float
+) -> CellRun:
+    """The cell's models delivered to ``world``, what every rank is to run made, and the cell sent to them with
+    its record and dashboard."""
+    cluster = session.cluster
+    delivery = send_models(cluster, world, prepared, session.held)
+    control = RunControl(cluster.private_dir, prepared.number, cluster.unsteerable())
+    saves = interval_saves(cluster.private_dir, prepared.number, options.checkpointing)
+    spec = cell_spec(
+        prepared,
+        delivery,
+        world=world,
+        control=control,
+        saves=saves,
+        loaders=session.loaders,
+        resume=session.resume_for(internal=prepared.internal),
+        timeline=options.timeline,
+    )
+    record = cell_run.new_record(prepared, world, options, delivery.sent_bytes)
+    return cell_run.submit(
+        prepared,
+        delivery,
+        cluster=cluster,
+        spec=spec,
+        world=world,
+        record=record,
+        control=control,
+        options=options,
+        started=started,
+        session=session,
+    )
 
 
 def current_session() -> Session:

@@ -1,8 +1,9 @@
 """What a cell is before it runs: how it is to run, its inputs read and pickled, then what every rank is told.
 
 ``RunOptions`` is what ``%%fsdp``'s flags (or nbfsdp's own request) ask; ``PreparedCell`` holds everything
-known before an engine is touched; ``Delivery`` what the ranks were sent of the models; ``cell_spec`` turns
-them, once the world is known, into the ``CellSpec`` the ranks receive. Each is made once and never changed.
+known before an engine is touched, each model read as one ``CellModel``; ``Delivery`` what the ranks were sent
+of the models, each with its ``ModelRoute``; ``cell_spec`` turns them, once the world is known, into the
+``CellSpec`` the ranks receive. Each is made once and never changed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
 from nbfsdp.shared.devices import Devices
-from nbfsdp.shared.protocol import CellSpec, GatherModel, InternalRequest, IntervalSaves, LoaderSplit, LoaderState
+from nbfsdp.shared.protocol import (
+    CellSpec,
+    GatherModel,
+    InternalRequest,
+    IntervalSaves,
+    LoaderSplit,
+    LoaderState,
+    ModelRoute,
+    Returns,
+)
 from nbfsdp.shared.units import ties_kept
 
 
@@ -57,6 +67,22 @@ class RunOptions:
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
+class CellModel:
+    """One of the notebook's models a cell reads, as the kernel knows it before an engine is touched."""
+
+    module: nn.Module
+    skeleton: bytes
+    """Its pickled skeleton (``transfer.model_skeleton``): what the ranks build it from when it is sent."""
+    fingerprint: Fingerprint
+    """What the ranks must hold for it to need no sending (``held.fingerprint``)."""
+    on_ranks: bool
+    """Its weights live on the ranks (``residence``), or will after this cell (``--keep-on-ranks``): never
+    gathered."""
+    returns: Returns
+    """What of it comes back after the cell (``returns_of``)."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
 class PreparedCell:
     """A cell parsed and its inputs read and pickled: everything known before an engine is touched."""
 
@@ -66,10 +92,8 @@ class PreparedCell:
     config: FSDPConfig
     devices: Devices
     assigned: list[str]
-    models: dict[str, nn.Module]
+    models: dict[str, CellModel]
     others: dict[str, Any]
-    skeletons: dict[str, bytes]
-    fingerprints: dict[str, Fingerprint]
     kept: set[str]
     """Optimizers and schedulers the running world holds as the notebook does: not sent."""
     values: bytes
@@ -78,9 +102,6 @@ class PreparedCell:
     per_rank_batches: bool
     request: InternalRequest | None = None
     """nbfsdp's own cell (``code`` is then empty)."""
-    on_ranks: list[str] = field(default_factory=list)
-    """The models whose weights live on the ranks (``residence``), or will after this cell (``--keep-on-ranks``):
-    never gathered."""
 
     @property
     def filename(self) -> str:
@@ -91,24 +112,26 @@ class PreparedCell:
         """nbfsdp's own cell: no dashboard, no run record (``last_run()`` stays the user's last cell)."""
         return self.request is not None
 
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        """The cell's models themselves, by name."""
+        return {name: model.module for name, model in self.models.items()}
+
     def sent_to(self, world: RunningWorld) -> PreparedCell:
         """The cell as a world that holds nothing of the notebook's receives it: everything sent, none kept."""
         if not self.kept:
             return self
-        values, sent = inputs.pack_inputs(self.others, self.models, set(), world.world_size)
+        values, sent = inputs.pack_inputs(self.others, self.modules, set(), world.world_size)
         return replace(self, kept=set(), values=values, sent=sent)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Delivery:
     """What the ranks were sent of the cell's models before it runs (``delivery.send_models``)."""
 
-    tokens: dict[str, int]
-    """Each model's token on the ranks (a new one for each model sent)."""
-    materialize: list[str]
-    """Models built on the meta device, sent as skeletons only: the ranks initialize their shards."""
-    sources: dict[str, str]
-    """Of ``materialize``, the models the ranks read from a checkpoint directory (``CellSpec.sources``)."""
+    routes: dict[str, ModelRoute]
+    """Each model's route, as every rank is told it (``CellSpec.models``): its token (a new one for each model
+    sent), how it arrives, what comes back."""
     sending: dict[str, bytes]
     """The skeletons of the models sent anew (their shards were delivered already)."""
     sent_bytes: list[int]
@@ -127,32 +150,38 @@ class ResumePoint:
 
 def prepare(
     shell: InteractiveShell,
-    number: int,
     cell: str | InternalRequest,
+    *,
+    number: int,
     config: FSDPConfig,
     devices: Devices,
     held: EngineHoldings | None,
     loaders: NotebookLoaders,
-    world_size: int,
-    per_rank_batches: bool,
-    keep_on_ranks: bool = False,
+    options: RunOptions,
 ) -> PreparedCell:
     """Parse the cell, read its inputs, pickle what the ranks do not hold (``held``: what the running world
-    holds, where the cell runs in it). ``keep_on_ranks``: the cell's models live on the ranks from now on."""
+    holds, where the cell runs in it), and decide each model's part in it."""
     if isinstance(cell, str):
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
         code, request = cell, None
     else:  # nbfsdp's own request: it reads the names it lists, and binds none
         reads, assigned, code, request = cell.reads(), [], "", cell
-    models, others = inputs.read_inputs(shell, reads)
-    skeletons = {name: transfer.model_skeleton(model) for name, model in models.items()}
-    for name, model in models.items():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
-        _say_ties_kept(name, model, config)
-    fingerprints = {name: fingerprint(model, skeletons[name], config) for name, model in models.items()}
-    kept = held.kept_objects(others, models, fingerprints) if held is not None else set()
-    values, sent = inputs.pack_inputs(others, models, kept, world_size)
-    plans = loaders.plan(sent, world_size, per_rank_batches)
-    on_ranks = [name for name, model in models.items() if keep_on_ranks or residence.of(model) is not None]
+    modules, others = inputs.read_inputs(shell, reads)
+    models = {}
+    for name, module in modules.items():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
+        _say_ties_kept(name, module, config)
+        skeleton = transfer.model_skeleton(module)
+        on_ranks = options.keep_on_ranks or residence.of(module) is not None
+        models[name] = CellModel(
+            module=module,
+            skeleton=skeleton,
+            fingerprint=fingerprint(module, skeleton, config),
+            on_ranks=on_ranks,
+            returns=returns_of(name, module, on_ranks=on_ranks, gather=options.gather, request=request),
+        )
+    fingerprints = {name: model.fingerprint for name, model in models.items()}
+    kept = held.kept_objects(others, modules, fingerprints) if held is not None else set()
+    values, sent = inputs.pack_inputs(others, modules, kept, options.world_size)
     return PreparedCell(
         code=code,
         number=number,
@@ -162,16 +191,39 @@ def prepare(
         assigned=assigned,
         models=models,
         others=others,
-        skeletons=skeletons,
-        fingerprints=fingerprints,
         kept=kept,
         values=values,
         sent=sent,
-        plans=plans,
-        per_rank_batches=per_rank_batches,
+        plans=loaders.plan(sent, options.world_size, per_rank_batches=options.per_rank_batches),
+        per_rank_batches=options.per_rank_batches,
         request=request,
-        on_ranks=on_ranks,
     )
+
+
+#: A model living on the ranks brings its trained parameters back after a cell where they are at most this share
+#: of its parameters' bytes: adapters (LoRA's are well under 1%) on a frozen base, which stays on the ranks.
+ADAPTER_SHARE = 0.1
+
+
+def returns_of(
+    name: str, model: nn.Module, *, on_ranks: bool, gather: bool, request: InternalRequest | None
+) -> Returns:
+    """What of ``model`` comes back after the cell, the one place this is decided: nothing under ``--no-gather``;
+    all of it for ``nbfsdp.gather``; what changed of a model that lives in the notebook; of one that lives on the
+    ranks, after a user's cell, its trained adapters where its trainable parameters are a small part of it
+    (``ADAPTER_SHARE``: a LoRA model), else nothing."""
+    if not gather:
+        return Returns.NOTHING
+    if isinstance(request, GatherModel):
+        return Returns.ALL if name == request.model else Returns.NOTHING
+    if not on_ranks:
+        return Returns.CHANGED
+    if request is not None:
+        return Returns.NOTHING
+    params = list({id(p): p for p in model.parameters()}.values())
+    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in params)
+    return Returns.ADAPTERS if 0 < trained <= ADAPTER_SHARE * total else Returns.NOTHING
 
 
 #: The models whose kept ties were said, by id and the lines said: once each, not at every cell.
@@ -205,24 +257,15 @@ def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSetti
     )
 
 
-def _gathered(prepared: PreparedCell) -> list[str]:
-    """The models whose weights come back after the cell: those that live in the notebook; one that lives on
-    the ranks only when ``nbfsdp.gather`` asks for it."""
-    if isinstance(prepared.request, GatherModel):
-        return [prepared.request.model]
-    return sorted(set(prepared.models) - set(prepared.on_ranks))
-
-
 def cell_spec(
     prepared: PreparedCell,
     delivery: Delivery,
+    *,
     world: RunningWorld,
-    gather: bool,
     control: RunControl,
     saves: IntervalSaves | None,
     loaders: NotebookLoaders,
     resume: ResumePoint,
-    *,
     timeline: float = 0.0,
 ) -> CellSpec:
     """What every rank is told to run. ``resume``: where a checkpoint loaded since the last cell left the steps
@@ -236,15 +279,9 @@ def cell_spec(
         request=prepared.request,
         filename=prepared.filename,
         generation=world.generation,
-        models=list(prepared.models),
-        model_tokens=delivery.tokens,
+        models=delivery.routes,
         assigned=prepared.assigned,
-        gather=_gathered(prepared) if gather else [],
         fsdp=prepared.config,
-        materialize=delivery.materialize,
-        sources=delivery.sources,
-        on_ranks=prepared.on_ranks,
-        trained_back=prepared.on_ranks if gather and prepared.request is None else [],
         seed=torch.initial_seed() % 2**63,
         control=control.for_ranks,
         cwd=os.getcwd(),
