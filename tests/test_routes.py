@@ -206,3 +206,21 @@ def test_the_cells_journey_is_built_by_keyword():
         for name, (function, _) in seams.items()
     }
     assert {name: names for name, names in positional.items() if len(names) > seams[name][1]} == {}
+
+
+def test_a_cell_run_is_built_whole():
+    """Only what happens to a run after it starts is set on it (its late prediction, its thread, its outcome):
+    nothing the run is made of is filled in after ``CellRun(...)``."""
+    later = {"prediction", "thread", "outcome"}
+    made_of = {f.name for f in dataclasses.fields(cell_run.CellRun)} - later
+    assigned = {
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: .{target.attr}"
+        for path in sorted((PACKAGE / "kernel").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        for target in [t for part in node.targets for t in (part.elts if isinstance(part, ast.Tuple) else [part])]
+        if isinstance(target, ast.Attribute)
+        and target.attr in made_of
+        and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+    }
+    assert assigned == set()
