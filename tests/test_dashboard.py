@@ -24,7 +24,7 @@ from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices, on_gpus
 from nbfsdp.ui import dashboard as dashboard_module
 from nbfsdp.ui import renderer
-from nbfsdp.ui.dashboard import LiveDashboard
+from nbfsdp.ui.dashboard import DashboardCalls, LiveDashboard, RankHosts
 from tests.test_kernel import Kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -35,6 +35,9 @@ DOCS_IMAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "images" 
 IMAGE_PARTS_KEY = "nbfsdp:parts"
 #: The picture's last part: the timeline panel (issue 56), which a dashboard shows once a step was captured.
 TIMELINE_PART = "timeline panel"
+
+#: A dashboard's controls wired to nothing: these tests drive the figures, not the session.
+QUIET_CALLS = DashboardCalls(on_change=lambda change: "", on_stop=lambda: None)
 
 
 def image_parts(path: pathlib.Path = DOCS_IMAGE) -> list[str] | None:
@@ -185,9 +188,7 @@ def test_the_stop_button_ends_the_cell_at_a_step_boundary(kernel):
 def _dashboard(predicted: list[dict[str, int]] | None = None) -> LiveDashboard:
     """A 2-rank CPU dashboard with default settings, fed by hand."""
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 2))), "world_size": 2}
-    return LiveDashboard(
-        2, Devices("cpu", 2), predicted=predicted, settings=settings, on_change=lambda change: "", on_stop=lambda: None
-    )
+    return LiveDashboard(Devices("cpu", 2), settings=settings, calls=QUIET_CALLS, predicted=predicted)
 
 
 def test_mid_run_changes_are_marked_on_the_figures_next_to_predicted_comm_buffers(shell):
@@ -251,14 +252,11 @@ def test_ranks_on_two_hosts_show_their_host_and_what_crosses_between_hosts(shell
     plan = nbfsdp.explain(model, world_size=4, hosts=["a", "a", "b", "b"], wrap_cls="Linear")
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 4))), "world_size": 4}
     dashboard = LiveDashboard(
-        4,
         Devices("cpu", 4),
-        predicted=plan.memory,
         settings=settings,
-        on_change=lambda change: "",
-        on_stop=lambda: None,
-        hosts=plan.hosts,
-        across_hosts=plan.hosts_lines(),
+        calls=QUIET_CALLS,
+        predicted=plan.memory,
+        hosts=RankHosts(each=plan.hosts, across=plan.hosts_lines()),
     )
     table = dashboard._status.value
     assert "<th>rank</th><th>host</th>" in table
@@ -379,10 +377,13 @@ def test_figures_are_drawn_by_a_process_of_the_lowest_cpu_priority_in_a_session_
     dashboard.add([{"rank": r, "step": s, "step_time": 0.01, "loss": 1.0} for s in range(200) for r in (0, 1)])
     dashboard.refresh()
     assert dashboard.redraws == 0 and not dashboard._figure.value  # the caller went on without drawing
-    deadline = time.monotonic() + 30
+    idle_before, deadline = psutil.cpu_times().idle, time.monotonic() + 30
     while not dashboard.redraws and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert dashboard.redraws == 1 and bytes(dashboard._figure.value).startswith(b"\x89PNG")
+    if dashboard.redraws or psutil.cpu_times().idle - idle_before >= 1.0:
+        assert dashboard.redraws == 1 and bytes(dashboard._figure.value).startswith(b"\x89PNG")
+    else:  # every core was busy for 30 s (a loaded machine): the worker rightly took none of it
+        print("no idle CPU in 30 s: the worker drew nothing, as it should")
     worker = psutil.Process(renderer.worker_pid())
     assert worker.nice() == 19 and os.getpriority(os.PRIO_PROCESS, 0) == 0  # the kernel's own: untouched
     assert os.sched_getscheduler(worker.pid) == os.SCHED_IDLE != os.sched_getscheduler(0)
@@ -498,9 +499,7 @@ def test_drawings_keep_to_a_hundredth_of_a_core_while_every_core_is_busy(shell):
 
 def test_ranks_that_share_a_gpu_are_said_to_share_it_above_their_rows(shell):
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), on_gpus(4, 1))), "world_size": 4}
-    dashboard = LiveDashboard(
-        4, on_gpus(4, 1), predicted=None, settings=settings, on_change=lambda change: "", on_stop=lambda: None
-    )
+    dashboard = LiveDashboard(on_gpus(4, 1), settings=settings, calls=QUIET_CALLS)
     table = dashboard._status.value
     assert "<div>4 ranks on 1 GPU (shared)</div>" in table
     assert all(f"<tr><td>{rank}</td><td></td><td></td><td>cuda:0</td>" in table for rank in range(4)), table

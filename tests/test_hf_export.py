@@ -127,8 +127,8 @@ def test_a_tie_is_written_once_and_reloads_tied_from_either_writer(shell, tmp_pa
     lm.save_pretrained(tmp_path / "reference", max_shard_size=SHARD)
     session = nbfsdp._magics.session
     capsys.readouterr()
-    hf_export.save(session, tmp_path / "rank0", overwrite=False, on_every_rank=sharded._on_every_rank,
-                   max_shard_size=SHARD, writer="rank0")  # fmt: skip
+    hf_export.save(session, tmp_path / "rank0", hf_export.HFOptions(max_shard_size=SHARD), overwrite=False,
+                   on_every_rank=sharded._on_every_rank, writer="rank0")  # fmt: skip
     assert "written by rank 0 one file at a time" in capsys.readouterr().out
     run_ok(shell, f"%fsdp save {tmp_path / 'default'} --hf --max-shard-size {SHARD}")
     default = "every rank, joined on disk" if hf_saving.dcp_writer_usable() else "rank 0 one file at a time"

@@ -82,7 +82,7 @@ def test_removing_a_run_leaves_another_runs_files(tmp_path):
 
 
 def test_a_failed_outcome_has_the_failed_shape():
-    failed = CellOutcome.failed("RuntimeError: boom", traceback="tb", secondary=True, metrics=[{"step": 1}])
+    failed = CellOutcome(ok=False, error="RuntimeError: boom", traceback="tb", secondary=True, metrics=[{"step": 1}])
     assert (failed.ok, failed.error, failed.traceback, failed.secondary, failed.engine_lost) == (
         False,
         "RuntimeError: boom",

@@ -193,7 +193,7 @@ def test_the_cells_journey_is_built_by_keyword():
         "cell_spec": (spec.cell_spec, 2),
         "submit": (cell_run.submit, 2),
         "predict_peak": (cell_run.predict_peak, 2),
-        "LiveDashboard": (LiveDashboard.__init__, 3),
+        "LiveDashboard": (LiveDashboard.__init__, 2),
         "CellRun": (cell_run.CellRun, 0),
         "PreparedCell": (spec.PreparedCell, 0),
     }

@@ -69,8 +69,9 @@ def _peaks(model: nn.Module, cache: peak.TraceCache, device: str, micro_batches:
         ids = torch.empty(8, 32, dtype=torch.long, device="meta")
         batch = {"input_ids": ids, "labels": ids}
     workload = Workload(batch=batch, micro_batches=micro_batches)
-    peaks, _ = peak.rank_peaks(model, config, 4, devices, workload, cache)
-    crossed = peak.crossing(model, config, 4, devices, workload, peaks[0].total * 3 // 4, first_step=False, cache=cache)
+    peaks, _ = peak.rank_peaks(model, config, devices, workload, cache)
+    failure = peak.Failure(limit=peaks[0].total * 3 // 4, first_step=False)
+    crossed = peak.crossing(model, config, devices, workload, failure, cache=cache)
     return [(p.as_dict(), p.at) for p in peaks] + [(crossed.as_dict(), crossed.at)]
 
 
@@ -149,7 +150,7 @@ def test_a_search_with_a_budget_of_recordings_tries_what_they_replay_and_the_sam
     """The out-of-memory report's search: at most N recordings of the step, so the fixes it offers do not depend
     on how fast the machine traces (a budget in seconds found PURE on one machine and not on another)."""
     from nbfsdp.kernel.planning import fitting
-    from nbfsdp.kernel.planning.plans import plan
+    from nbfsdp.kernel.planning.plans import StepTrace, plan
 
     model = _llama(26)
     ids = torch.empty(16, 32, dtype=torch.long, device="meta")
@@ -159,8 +160,8 @@ def test_a_search_with_a_budget_of_recordings_tries_what_they_replay_and_the_sam
     memory = fitting.device_memory(None, "783MiB")
 
     def searched() -> tuple[list[str], int]:
-        planned = plan(model, config, 4, devices=devices, workload=workload, memory=memory, suggest=True,
-                       cache=peak.TraceCache(most=2))  # fmt: skip
+        trace = StepTrace(workload=workload, memory=memory, suggest=True, cache=peak.TraceCache(most=2))
+        planned = plan(model, config, 4, devices=devices, trace=trace)
         return [s.change for s in planned.suggestions], planned.untried
 
     changes, untried = searched()

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 import nbfsdp
 from nbfsdp.shared.config import FSDPConfig, for_device
 from nbfsdp.shared.devices import Devices
-from nbfsdp.ui.dashboard import LiveDashboard
+from nbfsdp.ui.dashboard import DashboardCalls, LiveDashboard
 from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(240)
@@ -106,15 +106,12 @@ def test_where_and_interrupt_without_a_run_say_so(shell, capsys):
 def test_the_dashboard_asks_where_the_ranks_are_from_a_button(shell):
     settings = {**dataclasses.asdict(for_device(FSDPConfig(), Devices("cpu", 2))), "world_size": 2}
     asked = []
-    dashboard = LiveDashboard(
-        2,
-        Devices("cpu", 2),
-        predicted=None,
-        settings=settings,
+    calls = DashboardCalls(
         on_change=lambda change: "",
         on_stop=lambda: None,
         on_where=lambda: asked.append(1) or "rank 0: waiting in all_reduce #2 <here>",
     )
+    dashboard = LiveDashboard(Devices("cpu", 2), settings=settings, calls=calls)
     dashboard._where.click()
     assert asked == [1] and "rank 0: waiting in all_reduce #2 &lt;here&gt;" in dashboard._where_text.value
     dashboard.finish([], "done")

@@ -29,23 +29,16 @@ from nbfsdp.shared.protocol import CellOutcome, CellSpec, GatherModel, Returns
 def outcome(
     world: World,
     spec: CellSpec,
+    result: CellOutcome,
     *,
     read: dict[str, Any],
     split_loaders: dict[str, loaders.SplitLoader],
-    records: list[dict[str, Any]],
-    captures: list[dict[str, Any]],
-    cancelled: bool,
 ) -> CellOutcome:
-    """The cell's outcome on this rank (rank 0's carries what goes back), every unit of its models resharded."""
+    """``result``, the cell's outcome on this rank as its run left it (its records, captures, whether it was
+    cancelled), completed with what goes back (rank 0's), every unit of its models resharded."""
     for name in spec.models:  # see _reshard_all
         _reshard_all(world.models[name][1])
-    result = CellOutcome(
-        ok=True,
-        cancelled=cancelled,
-        metrics=records,
-        settings={name: world.models[name][1].config for name in spec.models},
-        timeline=captures,
-    )
+    result.settings = {name: world.models[name][1].config for name in spec.models}
     _names_back(world, spec, read, result)
     states, written = _models_back(world, spec)
     if world.rank == 0:

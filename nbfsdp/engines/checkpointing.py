@@ -24,49 +24,36 @@ from nbfsdp.engines.rank_state import Snapshot, class_name, manifest_fields, tak
 from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
-
-#: What a full disk during ``%fsdp save`` leaves: the engines are untouched by a failed write.
-ENGINES_INTACT = "the engines still hold the trained state (free some space, or save somewhere else)"
+from nbfsdp.shared.protocol import SaveTarget
 
 
-def _write(
-    snapshot: Snapshot | Future, partial: str, rank: int, group: dist.ProcessGroup | None, disk_full_then: str
-) -> None:
+def _write(snapshot: Snapshot | Future, target: SaveTarget, rank: int, group: dist.ProcessGroup | None) -> None:
     """DCP's save of this rank's shards (or the end of a background one), every rank failing together.
 
     A write error on any rank reaches every rank through DCP's own collectives, so they fail together and
     the world stays usable. A full disk (``ENOSPC``) is a ``CheckpointError`` on every rank saying so and
-    ``disk_full_then`` (what is still there), and the partial directory is removed.
+    ``target.disk_full_then`` (what is still there), and the partial directory is removed.
     """
     try:
         if isinstance(snapshot, Future):
             snapshot.result()
         else:
-            dcp.save(snapshot.state, storage_writer=FileSystemWriter(partial))
+            dcp.save(snapshot.state, storage_writer=FileSystemWriter(target.partial))
     except CheckpointException as error:  # DCP hands every rank the failures of all: they fail together
         # each rank looks at the file system it wrote to, before anything is removed; they decide together
-        full = torch.tensor([int(checkpoints.is_disk_full(error, Path(partial).parent))])
+        full = torch.tensor([int(checkpoints.is_disk_full(error, Path(target.partial).parent))])
         dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
         if not full.item():
             raise
         # every rank is past its writes and its look: rank 0 frees what they wrote
-        raise checkpoints.disk_full(partial, disk_full_then, remove=rank == 0) from None
+        raise checkpoints.disk_full(target.partial, target.disk_full_then, remove=rank == 0) from None
     dist.barrier(group=group)  # every rank's files are written and synced: only now may the checkpoint complete
 
 
-def _complete(
-    world: World,
-    snapshot: Snapshot,
-    partial: str,
-    final: str,
-    *,
-    step: int | None,
-    overwrite: bool,
-    disk_full_then: str,
-) -> tuple[str, dict]:
-    """Rank 0, once every rank has written: the manifest, and the checkpoint complete under ``final``."""
+def _complete(world: World, snapshot: Snapshot, target: SaveTarget) -> tuple[str, dict]:
+    """Rank 0, once every rank has written: the manifest, and the checkpoint complete under ``target.final``."""
     manifest = Manifest(
-        step=step,
+        step=target.step,
         world_size=world.world_size,
         created=checkpoints.now(),
         torch=torch.__version__,
@@ -82,39 +69,30 @@ def _complete(
         optimizers={name: owner for name, (_, owner) in snapshot.optimizers.items()},
         schedulers={name: optimizer for name, (_, optimizer) in snapshot.schedulers.items()},
         loaders=snapshot.loaders,
-        bytes_per_rank=checkpoints.bytes_per_rank(partial, world.world_size),
+        bytes_per_rank=checkpoints.bytes_per_rank(target.partial, world.world_size),
     )
     try:
-        checkpoints.finish(partial, final, manifest, overwrite=overwrite)
+        checkpoints.finish(target.partial, target.final, manifest, overwrite=target.overwrite)
     except OSError as error:  # the manifest itself did not fit: the checkpoint never became complete
-        if not checkpoints.is_disk_full(error, Path(partial).parent):
+        if not checkpoints.is_disk_full(error, Path(target.partial).parent):
             raise
-        raise checkpoints.disk_full(partial, disk_full_then, remove=True) from None
+        raise checkpoints.disk_full(target.partial, target.disk_full_then, remove=True) from None
     return manifest.to_json(), snapshot.skipped
 
 
-def save(
-    generation: int,
-    partial: str,
-    final: str,
-    step: int | None,
-    *,
-    overwrite: bool,
-    disk_full_then: str = ENGINES_INTACT,
-    epochs: dict[str, int] | None = None,
-) -> tuple[str, dict] | None:
-    """On every rank at once: write this rank's shards into ``partial``; rank 0 then completes the checkpoint
-    as ``final``. Rank 0 returns the manifest (JSON) and the names left out, with why.
+def save(generation: int, target: SaveTarget, *, epochs: dict[str, int] | None = None) -> tuple[str, dict] | None:
+    """On every rank at once: write this rank's shards into ``target.partial``; rank 0 then completes the
+    checkpoint as ``target.final``. Rank 0 returns the manifest (JSON) and the names left out, with why.
 
     Nothing complete is left by a failed write (``_write``). ``epochs``: the kernel's count of epochs each
     loader began, for a save between cells.
     """
     world = worlds.of_generation(generation)
     snapshot = take_snapshot(world, epochs)
-    _write(snapshot, partial, world.rank, None, disk_full_then)
+    _write(snapshot, target, world.rank, None)
     if world.rank != 0:
         return None
-    return _complete(world, snapshot, partial, final, step=step, overwrite=overwrite, disk_full_then=disk_full_then)
+    return _complete(world, snapshot, target)
 
 
 class BackgroundSave:
@@ -129,18 +107,17 @@ class BackgroundSave:
     ``result`` waits for it and raises its error.
     """
 
-    def __init__(self, world: World, partial: str, final: str, *, step: int | None, overwrite: bool) -> None:
-        self._world, self._partial, self._final = world, partial, final
-        self._step, self._overwrite = step, overwrite
+    def __init__(self, world: World, target: SaveTarget) -> None:
+        self._world, self._target = world, target
         self._outcome: tuple[str, dict] | BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, snapshot: Snapshot) -> None:
         group = _save_group(self._world)
         if self._world.device.type == "cuda":  # DCP's stager copies GPU tensors into CPU memory: what is wanted
-            state, writer = snapshot.state, FileSystemWriter(self._partial)
+            state, writer = snapshot.state, FileSystemWriter(self._target.partial)
         else:
-            state, writer = _copied(snapshot.state), SnapshotWriter(self._partial)
+            state, writer = _copied(snapshot.state), SnapshotWriter(self._target.partial)
         future = dcp.async_save(state, storage_writer=writer, process_group=group)
         if not isinstance(future, Future):  # torch's newer response: staging done, the write still going
             future = future.upload_completion
@@ -151,17 +128,9 @@ class BackgroundSave:
 
     def _finish(self, snapshot: Snapshot, future: Future, group: dist.ProcessGroup) -> None:
         try:
-            _write(future, self._partial, self._world.rank, group, ENGINES_INTACT)
+            _write(future, self._target, self._world.rank, group)
             if self._world.rank == 0:
-                self._outcome = _complete(
-                    self._world,
-                    snapshot,
-                    self._partial,
-                    self._final,
-                    step=self._step,
-                    overwrite=self._overwrite,
-                    disk_full_then=ENGINES_INTACT,
-                )
+                self._outcome = _complete(self._world, snapshot, self._target)
         except BaseException as error:  # raised by ``result``, at the kernel's next wait, stop or save
             self._outcome = error
 
@@ -206,15 +175,7 @@ def _copied(state: Any) -> Any:
     return state
 
 
-def save_in_background(
-    generation: int,
-    partial: str,
-    final: str,
-    step: int | None,
-    *,
-    overwrite: bool,
-    epochs: dict[str, int] | None = None,
-) -> dict | None:
+def save_in_background(generation: int, target: SaveTarget, *, epochs: dict[str, int] | None = None) -> dict | None:
     """On every rank at once: take this rank's snapshot and write it in the background; returns once the
     snapshot is taken (rank 0: the names left out, with why). ``wait_background_save`` ends it."""
     global _background
@@ -222,7 +183,7 @@ def save_in_background(
     if _background is not None:
         raise CheckpointError("a background save is still to be waited for: `%fsdp wait` first")
     snapshot = take_snapshot(world, epochs)
-    saving = BackgroundSave(world, partial, final, step=step, overwrite=overwrite)
+    saving = BackgroundSave(world, target)
     saving.start(snapshot)
     _background = saving
     return snapshot.skipped if world.rank == 0 else None

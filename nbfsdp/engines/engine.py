@@ -282,15 +282,8 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
         cell = _enter(world, spec, values, skeletons)
         cancelled = _execute(world, spec, cell)
         assert cell.recorder is not None  # _execute made it
-        return cell_results.outcome(
-            world,
-            spec,
-            read=cell.read,
-            split_loaders=cell.split_loaders,
-            records=cell.recorder.records,
-            captures=cell.timeline.captures,
-            cancelled=cancelled,
-        )
+        ran = CellOutcome(ok=True, cancelled=cancelled, metrics=cell.recorder.records, timeline=cell.timeline.captures)
+        return cell_results.outcome(world, spec, ran, read=cell.read, split_loaders=cell.split_loaders)
     except BaseException as error:  # KeyboardInterrupt included: the world is broken either way
         return _failed(error, cell)
 
@@ -341,14 +334,7 @@ def _enter(world: World, spec: CellSpec, values: bytes, skeletons: dict[str, byt
         code=compile(spec.code, spec.filename, "exec"),
         control=RankControl(spec.control, lambda settings: _apply_live(cell_models, settings)),
         saver=IntervalSaver(spec.saves, world) if spec.saves else None,
-        timeline=StepTimeline(
-            every_seconds=spec.timeline,
-            rank=world.rank,
-            device=world.device,
-            models=cell_models,
-            publish=publish_data,
-            clock_offset_ns=world.clock_offset_ns,
-        ),
+        timeline=StepTimeline(world, cell_models, every_seconds=spec.timeline, publish=publish_data),
     )
 
 
@@ -393,12 +379,11 @@ def _instrument(world: World, spec: CellSpec, cell: _Cell, meter: metrics.Memory
     recorder.on_step = timeline.logged
     timeline.on_allocated = lambda step, allocated: recorder.captured_peak(step, meter.held() + allocated)
     cell.rank_memory = RankMemory(
-        world.rank,
-        world.device,
+        world,
         modules,
-        spec.fsdp.memory_limit,
         meter,
-        spec.ranks_per_gpu,
+        limit=spec.fsdp.memory_limit,
+        ranks_per_gpu=spec.ranks_per_gpu,
         on_first_call=(lambda call: publish_data({"first_call": call})) if world.rank == 0 else None,
     )
     return StepBoundaries(
@@ -413,12 +398,13 @@ def _failed(error: BaseException, cell: _Cell | None) -> CellOutcome:
     if dist.is_initialized():
         dist.destroy_process_group()
     worlds.current = None
-    return CellOutcome.failed(
-        message,
+    return CellOutcome(
+        ok=False,
+        error=message,
         traceback=_user_traceback(error),
         # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
         secondary=isinstance(error, (KeyboardInterrupt, PeerEnded)) or any(m in message for m in _PEER_FAILURE_MARKERS),
         metrics=cell.recorder.records if cell is not None and cell.recorder else [],
         memory=cell.rank_memory.report() if cell is not None and cell.rank_memory else None,
-        timeline=cell.timeline.captures if cell is not None else None,
+        timeline=cell.timeline.captures if cell is not None else [],
     )

@@ -14,7 +14,7 @@ from nbfsdp.engines.control import SaveAgreement
 from nbfsdp.engines.loader_positions import PositionedBatches
 from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints
-from nbfsdp.shared.protocol import IntervalSaves
+from nbfsdp.shared.protocol import IntervalSaves, SaveTarget
 
 
 class IntervalSaver:
@@ -51,9 +51,10 @@ class IntervalSaver:
         partial = folder / f".{name}.partial-{self._tag}"
         # a later run into the same folder replaces its own step's checkpoint: never a half-written one
         earlier = "the earlier checkpoints in it stay complete; this cell stops here"
-        result = save(
-            self._world.generation, str(partial), str(folder / name), step + 1, overwrite=True, disk_full_then=earlier
+        target = SaveTarget(
+            partial=str(partial), final=str(folder / name), step=step + 1, overwrite=True, disk_full_then=earlier
         )
+        result = save(self._world.generation, target)
         if result is not None:
             removed = checkpoints.keep_latest(folder, self._saves.keep) if self._saves.keep > 0 else []
             gone = f"; removed {', '.join(Path(p).name for p in removed)}" if removed else ""

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from nbfsdp.engines.metrics import MemoryMeter
+from nbfsdp.engines.world import World
 from nbfsdp.shared.protocol import TensorShape
 from nbfsdp.shared.torch_private import limited_memory_tracker, tree_map
 
@@ -43,18 +44,17 @@ class RankMemory:
 
     def __init__(
         self,
-        rank: int,
-        device: torch.device,
+        world: World,
         models: list[nn.Module],
-        limit: int | None,
         meter: MemoryMeter,
-        ranks_per_gpu: int = 1,
         *,
+        limit: int | None,
+        ranks_per_gpu: int = 1,
         on_first_call: Callable[[Any], None] | None = None,
     ) -> None:
         """``on_first_call``: the shapes of the model's first call, as soon as it is made (the kernel traces the
         step's predicted peak with them: ``nbfsdp.kernel.planning.predicted``)."""
-        self.rank, self.device, self.limit, self.meter = rank, device, limit, meter
+        self.rank, self.device, self.limit, self.meter = world.rank, world.device, limit, meter
         self.ranks_per_gpu = ranks_per_gpu
         self._on_first_call = on_first_call
         self.cap = limit

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from nbfsdp.engines.sharding import ShardedModel
+from nbfsdp.engines.world import World
 from nbfsdp.shared.timeline import exposure, union
 from nbfsdp.shared.torch_private import (
     profiled_allocation_peak,
@@ -100,22 +101,20 @@ class StepTimeline:
 
     def __init__(
         self,
+        world: World,
+        models: list[ShardedModel],
         *,
         every_seconds: float,
-        rank: int,
-        device: torch.device,
-        models: list[ShardedModel],
         publish: Callable[[dict], None] | None,
-        clock_offset_ns: int = 0,
         on_allocated: Callable[[int, int], None] | None = None,
     ) -> None:
         """``on_allocated(step, bytes)``: on the CPU, the most bytes a captured step allocated at once above what it
         began with (the memory meter then counts the step's true peak)."""
-        self.every_seconds, self.rank, self.device = every_seconds, rank, device
+        self.every_seconds, self.rank, self.device = every_seconds, world.rank, world.device
         self._models = models
         self._sizes: dict[str, tuple[int, int]] | None = None  # at the first capture: --timeline 0 never needs them
         self._publish = publish
-        self._offset = clock_offset_ns
+        self._offset = world.clock_offset_ns  # this rank's clock against rank 0's, over several hosts
         self.on_allocated = on_allocated
         self.captures: list[dict[str, Any]] = []
         self._profiler: profile | None = None

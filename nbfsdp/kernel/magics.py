@@ -22,7 +22,7 @@ from nbfsdp.kernel.checkpoints.export_script import export_script
 from nbfsdp.kernel.cluster.local import FSDPCluster
 from nbfsdp.kernel.diagnostics import check
 from nbfsdp.kernel.planning import fitting
-from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.planning.plans import StepTrace, plan
 from nbfsdp.kernel.planning.progress import ProgressLine
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.run.spec import RunOptions
@@ -179,17 +179,12 @@ def _explain(magics: FSDPMagics, rest: str) -> None:
             "--suggest needs --gpu NAME, --device-memory SIZE or --memory-limit SIZE: what the settings must fit"
         )
     progress = ProgressLine("nbfsdp: --suggest") if args.suggest else None
-    planned = plan(
-        model,
-        settings,
-        world_size,
-        hosts,
-        devices,
-        workload=workload,
-        memory=memory,
-        suggest=args.suggest,
-        progress=progress,
+    trace = (
+        None
+        if workload is None
+        else StepTrace(workload=workload, memory=memory, suggest=args.suggest, progress=progress)
     )
+    planned = plan(model, settings, world_size, hosts, devices, trace=trace)
     print(planned.code if args.code else planned, end="" if args.code else "\n")
 
 

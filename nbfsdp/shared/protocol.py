@@ -11,6 +11,7 @@ finds here everything that crosses the line:
 - ``EngineInfo``: an engine once it joined the world;
 - ``ShardAllocation``: how a rank allocates the shards ``nbfsdp.kernel.run.delivery`` sends it;
 - ``ControlRequest`` and its files: live changes and cancel, read by the ranks at step boundaries;
+- ``SaveTarget``: where every rank saves a checkpoint (``%fsdp save``'s, or an interval save's);
 - ``BarDrawing``: rank 0's progress-bar lines on stderr, turned into displays by the kernel.
 
 The objects travel by cloudpickle through ipyparallel; classes of an importable module go by
@@ -340,28 +341,28 @@ class CellOutcome:
     """This rank's captured steps (``nbfsdp.shared.timeline``), also those of a failed cell up to its error."""
 
     @classmethod
-    def failed(
-        cls,
-        error: str,
-        *,
-        traceback: str = "",
-        secondary: bool = False,
-        engine_lost: bool = False,
-        metrics: list[dict[str, Any]] | None = None,
-        memory: dict[str, Any] | None = None,
-        timeline: list[dict[str, Any]] | None = None,
-    ) -> CellOutcome:
-        """A failed rank, as the rank reports it or as the kernel records a rank that gave no answer."""
-        return cls(
-            ok=False,
-            error=error,
-            traceback=traceback,
-            secondary=secondary,
-            engine_lost=engine_lost,
-            metrics=metrics or [],
-            memory=memory,
-            timeline=timeline or [],
-        )
+    def failed(cls, error: str, *, secondary: bool = False, engine_lost: bool = False) -> CellOutcome:
+        """A failed rank with nothing recorded: as the kernel records a rank that gave no answer. A rank whose
+        cell failed builds its own ``CellOutcome(ok=False, ...)`` with its traceback and what it recorded."""
+        return cls(ok=False, error=error, secondary=secondary, engine_lost=engine_lost)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SaveTarget:
+    """Where every rank saves one checkpoint (``nbfsdp.engines.checkpointing.save``), in one record: the
+    kernel's ``%fsdp save`` and a rank's ``--save-interval`` name a save alike, and it reaches each rank whole."""
+
+    partial: str
+    """The hidden directory the ranks write into; nothing complete is there until rank 0 completes it."""
+    final: str
+    """Where the checkpoint appears, complete, once every rank has written."""
+    step: int | None
+    """The step training resumes at, for the manifest; None when no step was logged."""
+    overwrite: bool
+    """A complete checkpoint already at ``final`` is replaced."""
+    disk_full_then: str = "the engines still hold the trained state (free some space, or save somewhere else)"
+    """What a full disk leaves, said in its error: by default (``%fsdp save``) the engines, untouched by a
+    failed write."""
 
 
 @dataclass(kw_only=True, slots=True)

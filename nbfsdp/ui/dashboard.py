@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as widgets
@@ -63,6 +64,25 @@ def _html(value: str = "") -> widgets.HTML:
     return widgets.HTML(value, layout=shared(widgets.Layout), style=shared(HTMLStyle))
 
 
+@dataclass(frozen=True, kw_only=True)
+class DashboardCalls:
+    """What the dashboard's controls call: a settings change (what to say of it comes back), Stop, and Where?
+    (None: the button stays disabled)."""
+
+    on_change: Callable[[dict[str, Any]], str]
+    on_stop: Callable[[], None]
+    on_where: Callable[[], str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankHosts:
+    """Where ranks run on several hosts: each rank's host (a column of the ranks' table) and the plan's lines on
+    the mesh over those hosts and what crosses between them (``Plan.hosts_lines``), shown above the ranks."""
+
+    each: list[str]
+    across: list[str]
+
+
 class LiveDashboard:
     """One cell's dashboard; ``add`` records as they stream in, ``refresh`` redraws when due.
 
@@ -72,24 +92,19 @@ class LiveDashboard:
 
     def __init__(
         self,
-        world_size: int,
         devices: Devices,
         *,
-        predicted: list[dict[str, Any]] | None,
         settings: dict[str, Any],
-        on_change: Callable[[dict[str, Any]], str],
-        on_stop: Callable[[], None],
+        calls: DashboardCalls,
+        predicted: list[dict[str, Any]] | None = None,
         with_output: bool = False,
-        on_where: Callable[[], str] | None = None,
-        hosts: list[str] | None = None,
-        across_hosts: list[str] | None = None,
+        hosts: RankHosts | None = None,
     ) -> None:
         """``devices``: where the ranks run, said above them ("4 ranks on 1 GPU (shared)") and per rank;
-        ``hosts``: each rank's host, a column where there are several; ``across_hosts``: the plan's lines on
-        the mesh over those hosts and what crosses between them (``Plan.hosts_lines``), shown above the ranks."""
-        self.world_size = world_size
-        self._hosts = hosts if hosts and len(set(hosts)) > 1 else None
-        self._across_hosts = across_hosts or []
+        ``predicted``: the plan's memory of each rank; ``with_output``: a background run's output goes here."""
+        self.world_size = world_size = devices.world_size
+        self._hosts = hosts.each if hosts and len(set(hosts.each)) > 1 else None
+        self._across_hosts = hosts.across if hosts else []
         self.predicted = predicted
         self.records: list[dict[str, Any]] = []
         self.redraws = 0
@@ -107,7 +122,7 @@ class LiveDashboard:
         self._marked: set[int] = set()  # ranks a hang report named: their state in bold
         self._notes: list[str] = []
         self._devices = devices
-        self.controls = SettingsControls(settings, lambda change: self.note(on_change(change)))
+        self.controls = SettingsControls(settings, lambda change: self.note(calls.on_change(change)))
         self._stop = widgets.Button(
             description="Stop",
             button_style="danger",
@@ -115,7 +130,7 @@ class LiveDashboard:
             layout=shared(widgets.Layout, margin=GAP),
             style=shared(widgets.ButtonStyle),
         )
-        self._stop.on_click(lambda _: on_stop())
+        self._stop.on_click(lambda _: calls.on_stop())
         # each rank's stack and collectives, and which rank left the others waiting (%fsdp where)
         self._where = widgets.Button(
             description="Where?",
@@ -124,8 +139,8 @@ class LiveDashboard:
             style=shared(widgets.ButtonStyle),
         )
         self._where_text = _html()
-        self._where.on_click(lambda _: self._show_where(on_where))
-        self._where.disabled = on_where is None
+        self._where.on_click(lambda _: self._show_where(calls.on_where))
+        self._where.disabled = calls.on_where is None
         self._notes_area = _html()
         self._status = _html(self._status_table())
         self._figure = widgets.Image(format="png", layout=shared(widgets.Layout, max_width="100%"))

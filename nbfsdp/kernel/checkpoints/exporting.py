@@ -158,7 +158,7 @@ def _listed(found: list[str]) -> str:
 
 
 @as_usage_errors
-def export(
+def export(  # noqa: PLR0913 (public API: nbfsdp.export's keywords are %fsdp export's flags)
     checkpoint: str | Path,
     out: str | Path,
     *,
@@ -187,19 +187,15 @@ def export(
         opened = _open(checkpoint)
         name = _model_name(opened, model)
         keys = {str(p[2]): key for key, p in opened.paths.items() if p[:2] == ("models", name) and len(p) == 3}
-        saved = opened.manifest.get("models", {}).get(name, {})
-        saved_class = saved.get("class") if isinstance(saved, dict) else None
-        return hf_export.export(
-            opened.path,
-            opened.metadata,
-            keys,
-            name,
-            saved_class,
-            out,
-            max_shard_size=max_shard_size,
-            dtype=dtype,
-            overwrite=overwrite,
+        listed = opened.manifest.get("models", {}).get(name, {})
+        saved = hf_export.SavedModel(
+            checkpoint=opened.path,
+            metadata=opened.metadata,
+            keys=keys,
+            name=name,
+            saved_class=listed.get("class") if isinstance(listed, dict) else None,
         )
+        return hf_export.export(saved, out, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite)
     if max_shard_size is not None or overwrite:
         raise UsageError("--max-shard-size and --overwrite go with --hf (a file of full weights is one file)")
     out = Path(out).expanduser()

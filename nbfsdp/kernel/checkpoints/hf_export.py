@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,31 @@ from nbfsdp.shared.weights_files import import_safetensors
 
 #: ``sharded._on_every_rank``'s shape: (session, world, function, args, doing, partial) -> results by rank.
 OnEveryRank = Callable[[Session, RunningWorld, Any, tuple, str, Path], list]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFOptions:
+    """``%fsdp save --hf``'s own flags, together from ``sharded.save_with`` (which refuses them without ``--hf``)
+    to ``save``: the model, the files' largest size, the dtype written."""
+
+    model: str | None = None
+    max_shard_size: str | int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedModel:
+    """One model of an nbfsdp checkpoint as ``exporting`` opened it: what ``export`` reads from, with no second
+    look at the manifest or DCP's metadata."""
+
+    checkpoint: Path
+    metadata: Metadata
+    """DCP's metadata of the checkpoint: each key's shape and dtype."""
+    keys: dict[str, str]
+    """The model's names (its FQNs) -> their DCP keys."""
+    name: str
+    saved_class: str | None
+    """The class the manifest says the model was, to compare with the notebook's; None where it says none."""
 
 
 def _usage(error: CheckpointError) -> UsageError:
@@ -80,26 +106,24 @@ def _model_dtype(module: nn.Module) -> torch.dtype:
 def save(
     session: Session,
     path: str | os.PathLike,
+    options: HFOptions,
     *,
     overwrite: bool,
     on_every_rank: OnEveryRank,
-    model: str | None = None,
-    max_shard_size: str | int | None = None,
-    dtype: str | None = None,
     writer: hf_saving.Writer | None = None,
 ) -> Path:
-    """``%fsdp save OUT --hf``: the ranks' model ``model`` (default: the only one they hold) into ``path`` as
-    ``save_pretrained`` writes it; returns the directory. ``writer`` ("dcp", "rank0"): how the ranks write
+    """``%fsdp save OUT --hf``: the ranks' model ``options.model`` (default: the only one they hold) into ``path``
+    as ``save_pretrained`` writes it; returns the directory. ``writer`` ("dcp", "rank0"): how the ranks write
     (``hf_saving.save``), by default DCP's HF writer where torch has it."""
     world = session.cluster.world
     assert world is not None  # save_with checked it runs and holds models
-    name = _one_model(session.engine_models(), model, "the engines hold")
+    name = _one_model(session.engine_models(), options.model, "the engines hold")
     module = session.shell.user_ns.get(name)
     if not isinstance(module, nn.Module):
         raise UsageError(f"the notebook has no model {name!r} any more: --hf reads its .config from it")
     try:
-        shard_bytes = hf_files.max_shard_bytes(max_shard_size)
-        written = hf_files.written_dtype(dtype)
+        shard_bytes = hf_files.max_shard_bytes(options.max_shard_size)
+        written = hf_files.written_dtype(options.dtype)
     except CheckpointError as error:
         raise _usage(error) from None
     final = Path(path).expanduser().resolve()  # the engines may run in another directory
@@ -114,7 +138,7 @@ def save(
         final=str(final),
         overwrite=overwrite,
         max_shard_bytes=shard_bytes,
-        dtype=dtype,
+        dtype=options.dtype,
         extra_files=config_files(module, name, written or _model_dtype(module)),
     )
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -143,11 +167,7 @@ def _one_model(names: list[str], model: str | None, where: str) -> str:
 
 
 def export(
-    checkpoint: Path,
-    metadata: Metadata,
-    keys: dict[str, str],
-    name: str,
-    saved_class: str | None,
+    saved: SavedModel,
     out: str | os.PathLike,
     *,
     max_shard_size: str | int | None = None,
@@ -155,9 +175,10 @@ def export(
     overwrite: bool = False,
     namespace: dict[str, Any] | None = None,
 ) -> Path:
-    """``%fsdp export CKPT OUT --hf``: model ``name`` of the checkpoint (``keys``: its names -> DCP keys)
-    into the directory ``out``, one file's tensors in memory at a time; the config and the names to write
-    (a tie once) from the notebook's model ``name``. Returns the directory."""
+    """``%fsdp export CKPT OUT --hf``: the checkpoint's model ``saved`` into the directory ``out``, one file's
+    tensors in memory at a time; the config and the names to write (a tie once) from the notebook's model of
+    its name. Returns the directory."""
+    name, keys = saved.name, saved.keys
     safetensors = import_safetensors()
     try:
         shard_bytes = hf_files.max_shard_bytes(max_shard_size)
@@ -166,8 +187,8 @@ def export(
         hf_files.check_target(final, overwrite=overwrite)
     except CheckpointError as error:
         raise _usage(error) from None
-    module = _notebook_model(name, saved_class, namespace)
-    stored = {n: metadata.state_dict_metadata[key] for n, key in keys.items()}
+    module = _notebook_model(name, saved.saved_class, namespace)
+    stored = {n: saved.metadata.state_dict_metadata[key] for n, key in keys.items()}
     names = hf_files.kept_names(module)
     missing = [n for n in names if not isinstance(stored.get(n), TensorStorageMetadata)]
     if missing:
@@ -193,7 +214,7 @@ def export(
     partial = hf_files.partial_path(final)
     partial.mkdir()
     try:
-        reader = dcp.FileSystemReader(str(checkpoint))
+        reader = dcp.FileSystemReader(str(saved.checkpoint))
         for file, file_names in sorted(by_file.items()):
             flat = {
                 keys[n]: torch.empty(_meta(stored[n]).size, dtype=_meta(stored[n]).properties.dtype) for n in file_names

@@ -39,7 +39,7 @@ from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS, world_size_error
-from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile
+from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile, SaveTarget
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader, hugging_face_checkpoint, match_names
 
@@ -57,7 +57,7 @@ def _usage(error: CheckpointError) -> UsageError:
 
 
 # ------------------------------------------------------------------ save
-def save(
+def save(  # noqa: PLR0913 (public API: nbfsdp.save's keywords are %fsdp save's flags)
     path: str | os.PathLike,
     *,
     overwrite: bool = False,
@@ -150,7 +150,8 @@ def save_with(
     if hf:
         from nbfsdp.kernel.checkpoints import hf_export  # the --hf writer: imported only when used
 
-        return hf_export.save(session, path, overwrite=overwrite, on_every_rank=_on_every_rank, **hf_options)
+        options = hf_export.HFOptions(**hf_options)
+        return hf_export.save(session, path, options, overwrite=overwrite, on_every_rank=_on_every_rank)
     final = Path(path).expanduser().resolve()  # the engines may run in another directory
     try:
         fmt.check_target(final, overwrite=overwrite)
@@ -160,17 +161,17 @@ def save_with(
     partial = fmt.partial_path(final)
     namespace = session.shell.user_ns
     epochs = {name: session.loaders.epochs(value) for name, value in namespace.items() if isinstance(value, DataLoader)}
+    target = SaveTarget(partial=str(partial), final=str(final), step=_resume_step(), overwrite=overwrite)
+    args = (world.generation, target)
     if background:
-        args: tuple[Any, ...] = (world.generation, str(partial), str(final), _resume_step())
-        snapshot = functools.partial(checkpointing.save_in_background, overwrite=overwrite, epochs=epochs)
+        snapshot = functools.partial(checkpointing.save_in_background, epochs=epochs)
         skipped = _on_every_rank(session, world, snapshot, args, "taking a snapshot", partial)[0]
         _say_skipped(skipped)
         pending = PendingSave(session, world, path, partial)
         session.hold_save(pending)
         print(f"nbfsdp: saving {path} in the background (every rank has its snapshot); `%fsdp wait` for it")
         return pending
-    args = (world.generation, str(partial), str(final), _resume_step())
-    save = functools.partial(checkpointing.save, overwrite=overwrite, epochs=epochs)
+    save = functools.partial(checkpointing.save, epochs=epochs)
     text, skipped = _on_every_rank(session, world, save, args, "saving", partial)[0]
     manifest = Manifest.from_json(text)
     _report(path, manifest, skipped)
@@ -219,7 +220,7 @@ def _on_every_rank(
 
 
 # ------------------------------------------------------------------ load
-def load(
+def load(  # noqa: PLR0913 (public API: nbfsdp.load's parameters are %fsdp load's and load(into=...)'s)
     path: str | os.PathLike,
     world_size: int | None = None,
     load_ignore_keys: list[str] | str | None = None,
@@ -258,20 +259,27 @@ def load(
     return load_with(_session(), path, world_size, load_ignore_keys, model=model)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NextCell:
+    """The settings of the cell a load runs just before (``--load-path``, ``--autoresume``), together: the load
+    starts the world and shards the models under them, so that cell finds both as the load left them."""
+
+    config: FSDPConfig
+    timeout: float
+
+
 def load_with(
     session: Session,
     path: str | os.PathLike,
     world_size: int | None,
     ignore: list[str] | str | None,
     *,
-    config: FSDPConfig | None = None,
-    timeout: float | None = None,
+    cell: NextCell | None = None,
     model: str | None = None,
 ) -> Manifest | list[int]:
-    """``config`` and ``timeout``: the settings of the cell the load runs before (``--load-path``,
-    ``--autoresume``), so that cell finds the world and the sharded models as the load left them; by
-    default the checkpoint's settings and the running world's timeout. A full-weights file instead of a
-    checkpoint: ``load_file_with``, into the notebook's model ``model``."""
+    """``cell``: the cell the load runs before, whose settings it takes; by default the checkpoint's settings
+    and the running world's timeout. A full-weights file instead of a checkpoint: ``load_file_with``, into the
+    notebook's model ``model``."""
     if session.active is not None:
         raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then load")
     session.wait_for_save()  # a load may read what it writes, or start another world
@@ -279,7 +287,7 @@ def load_with(
     if full_weights or (Path(path).suffix in SUFFIXES and not Path(path).expanduser().is_dir()):
         if ignore:
             raise UsageError("--load-ignore-keys applies to checkpoints; full weights load whole into one model")
-        return load_file_with(session, path, world_size, model, config=config, timeout=timeout)
+        return load_file_with(session, path, world_size, model, cell=cell)
     if model is not None:
         raise UsageError(
             "--model names the notebook's model for a .pt or .safetensors file or a Hugging Face checkpoint "
@@ -311,10 +319,13 @@ def load_with(
             f"nbfsdp: saved at world size {manifest.world_size}, loading at {world_size}: RNG states and data "
             "positions do not carry over (models, optimizers and schedulers do)"
         )
-    if config is None:  # the saved settings, on the device the running world has (any, with none running)
+    if cell is not None:
+        config, timeout = cell.config, cell.timeout
+    else:  # the saved settings, on the device the running world has (any, with none running), and its timeout
         first = next(iter(manifest.models.values()))
         fsdp = {**first["fsdp"], "wrap_cls": tuple(first["fsdp"]["wrap_cls"]), "device": None}
         config = _on_running_device(FSDPConfig(**fsdp), running)
+        timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
     request = LoadCheckpoint(
         directory=str(directory),
         models=list(models),
@@ -323,8 +334,6 @@ def load_with(
         ignore=patterns,
         restore_rng=same,
     )
-    if timeout is None:
-        timeout = running.timeout if running and not running.broken else DEFAULT_TIMEOUT_SECONDS
     if patterns or any(p.is_meta for model in models.values() for p in model.parameters()):
         # part of a checkpoint, or a model with no storage yet: the notebook takes what the ranks loaded
         session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=True))
@@ -367,8 +376,7 @@ def load_file_with(
     world_size: int | None,
     model: str | None,
     *,
-    config: FSDPConfig | None = None,
-    timeout: float | None = None,
+    cell: NextCell | None = None,
 ) -> list[int]:
     """A ``.pt`` or ``.safetensors`` file of full weights, or a Hugging Face checkpoint directory (or its
     index file), into the notebook's model ``model``, sharded.
@@ -394,8 +402,6 @@ def load_file_with(
         world_size = alive.world_size if alive else (session.panel_world_size or session.cluster.default_world_size())
     if refused := world_size_error(world_size):
         raise UsageError(refused)
-    if timeout is None:
-        timeout = alive.timeout if alive else DEFAULT_TIMEOUT_SECONDS
     target = namespace[name]
     on_meta = any(p.is_meta for p in target.parameters())
     if on_meta:  # its weights are read by the ranks as they shard it, and then live there (residence)
@@ -404,11 +410,14 @@ def load_file_with(
         residence.mark(target, source=str(file))
         session.held.forget_model(name)
     request = LoadWeightsFile(path=str(file), model=name, read_when_sharded=on_meta)
-    if config is None:  # the settings the next cell takes by default: the panel's, else the defaults
+    if cell is not None:
+        config, timeout = cell.config, cell.timeout
+    else:  # the settings the next cell takes by default (the panel's, else the defaults), the running world's timeout
         try:
             config = _on_running_device(resolve_settings(None, {}, session.panel), alive)
         except ConfigError as error:
             raise UsageError(str(error)) from None
+        timeout = alive.timeout if alive else DEFAULT_TIMEOUT_SECONDS
     session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=True))
     world = session.cluster.world
     assert world is not None  # the cell just ran in it
@@ -487,7 +496,7 @@ def load_before_cell(
     path = path if path is not None else settings.load_path
     if path is None:
         return  # resume_step stays what it was: 0, or the step of a %fsdp load since the last cell
-    load_with(session, path, world_size, settings.load_ignore_keys, config=config, timeout=timeout)
+    load_with(session, path, world_size, settings.load_ignore_keys, cell=NextCell(config=config, timeout=timeout))
 
 
 def _notebook_models(

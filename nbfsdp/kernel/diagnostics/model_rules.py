@@ -31,7 +31,7 @@ def units(cell: CellCode, name: str, model: nn.Module, config: FSDPConfig) -> li
     except ConfigError as error:
         if (tie := _TIE.match(str(error))) is None:
             return []  # another refusal (a container made a unit): the cell's own preparation says it
-        return [_tie_finding(cell, name, model, config, line=line, tie=tie, message=str(error))]
+        return [_tie_finding(cell, name, model, config, line=line, tie=tie)]
     try:
         splits = dtype_splits(model, config)
     except ConfigError as error:
@@ -55,8 +55,9 @@ def units(cell: CellCode, name: str, model: nn.Module, config: FSDPConfig) -> li
 
 
 def _tie_finding(
-    cell: CellCode, name: str, model: nn.Module, config: FSDPConfig, *, line: int, tie: re.Match, message: str
+    cell: CellCode, name: str, model: nn.Module, config: FSDPConfig, *, line: int, tie: re.Match
 ) -> Finding:
+    """The refusal ``tie`` matched (its ``string``: the whole message), as a finding with its fix."""
     apart = [path.strip() for path in tie["apart"].split(",")]
     rule = wrap_rule(model, config)
     if "wrap_cls" in rule.sources:
@@ -74,7 +75,7 @@ def _tie_finding(
         what=f"{name}: {tie['names']} are one tied parameter, and the rule ({rule}) makes {', '.join(apart)} a "
         "unit of its own, apart from the tie's other name: the cell is refused before it runs",
         why="FSDP2 shards each parameter in exactly one unit, so a tie must stay inside one unit (the common "
-        f"parent's, {message.rpartition('stays in ')[2] or 'the root'})",
+        f"parent's, {tie.string.rpartition('stays in ')[2] or 'the root'})",
         fix=fix,
     )
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from nbfsdp.kernel.cluster.rank_calls import RankOutOfMemory
 from nbfsdp.kernel.planning import peak
 from nbfsdp.kernel.planning.fitting import DeviceMemory
-from nbfsdp.kernel.planning.plans import plan
+from nbfsdp.kernel.planning.plans import StepTrace, plan
 from nbfsdp.kernel.planning.predicted import workload_of_call
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import FSDPConfig
@@ -73,7 +73,7 @@ def explain(
     workload = workload_of_call(memory.get("batch"))
     if model is not None and workload is not None:
         try:
-            report.update(_planned(model, config, world_size, devices, workload, limit=limit, memory=memory))
+            report.update(_planned(model, config, world_size, devices, workload, memory=memory))
         except Exception as failure:  # the measured side still stands: say why the planner's is missing
             report["planner_error"] = f"{type(failure).__name__}: {failure}"
     report["text"] = error.report = _text(report, devices)
@@ -87,24 +87,19 @@ def _planned(
     devices: Devices,
     workload: peak.Workload,
     *,
-    limit: int,
     memory: dict[str, Any],
 ) -> dict[str, Any]:
-    """The planner's side: its bytes where the step passes ``limit``, the step's peak, the fixes that fit."""
+    """The planner's side, of the failed rank's ``memory``: its bytes where the step passes the rank's limit, the
+    step's peak, the fixes that fit."""
+    limit: int = memory["limit"]
     first_step = memory["at_failure"]["optim"] == 0  # no optimizer state yet: the failure is in the first step
     cache = peak.TraceCache(most=SEARCH_RECORDINGS)  # the crossing's recording is the asked plan's too
-    crossed = peak.crossing(model, config, world_size, devices, workload, limit, first_step=first_step, cache=cache)
+    failure = peak.Failure(limit=limit, first_step=first_step)
+    crossed = peak.crossing(model, config, devices, workload, failure, cache=cache)
     share = MARGIN if devices.type == "cpu" else None
-    planned = plan(
-        model,
-        config,
-        world_size,
-        devices=devices,
-        workload=workload,
-        memory=DeviceMemory(f"{size_text(limit)} a rank", limit, step_share=share),
-        suggest=True,
-        cache=cache,
-    )
+    limited = DeviceMemory(f"{size_text(limit)} a rank", limit, step_share=share)
+    trace = StepTrace(workload=workload, memory=limited, suggest=True, cache=cache)
+    planned = plan(model, config, world_size, devices=devices, trace=trace)
     return {
         "untried": planned.untried,
         "planned": crossed.as_dict() if crossed is not None else None,

@@ -19,7 +19,7 @@ from nbfsdp.shared import torch_private
 _FLASH_ON_GPU = (torch.bfloat16, torch.float16)
 
 
-def device_sdpa(  # noqa: PLR0917 (mirrors F.scaled_dot_product_attention, which models call positionally)
+def device_sdpa(  # noqa: PLR0913, PLR0917 (mirrors F.scaled_dot_product_attention, which models call positionally)
     query,
     key,
     value,

@@ -165,18 +165,17 @@ class Ledger:
         optim: int,
         accumulating: bool,
         limit: int | None = None,
-        async_gathers: bool = False,
     ) -> None:
-        """``fixed``: the shards and buffers, always held; ``optim``: AdamW's state; ``accumulating``: a micro-batch
-        after the first, whose sharded gradients add into those held; ``limit``: ``crossed`` is the first moment
-        past it, found allocation by allocation; ``async_gathers``: FSDP2 gathers asynchronously (CPU ranks:
-        ``torch_private.set_unshard_async_op``)."""
+        """``config``: validated, its ``device`` the one chosen; ``fixed``: the shards and buffers, always held;
+        ``optim``: AdamW's state; ``accumulating``: a micro-batch after the first, whose sharded gradients add into
+        those held; ``limit``: ``crossed`` is the first moment past it, found allocation by allocation."""
         self.units, self.order = units, list(units.values())
         self.fixed, self.optim, self.accumulating, self.limit = fixed, optim, accumulating, limit
         self.prefetch_forward = config.forward_prefetch
         self.prefetch_backward = config.effective_backward_prefetch != "NONE"
-        # FSDP2 keeps a forward gather's output past its copy-out only when it gathered synchronously
-        self.defer_forward_output = not async_gathers
+        # FSDP2 keeps a forward gather's output past its copy-out only when it gathered synchronously: CPU ranks
+        # gather asynchronously, as nbfsdp has them (engines/sharding.py: ``torch_private.set_unshard_async_op``)
+        self.defer_forward_output = config.device != "cpu"
         self.grads = sum(u.shard for u in self.order if u.trained) if accumulating else 0
         self.gathered = self.in_flight = self.deferred = self.pending_reduce = self.post_forward = 0
         self.split: Split = (0, 0, 0)

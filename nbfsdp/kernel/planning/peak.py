@@ -22,6 +22,7 @@ Runs in the notebook's kernel; allocates nothing but Python objects.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.torch_private import tree_flatten
 from nbfsdp.shared.units import activation_modules, wrap_key, wrap_units
 
-__all__ = ["CATEGORIES", "Peak", "RecordingsSpent", "TraceCache", "crossing", "rank_peaks"]
+__all__ = ["CATEGORIES", "Failure", "Peak", "RecordingsSpent", "TraceCache", "crossing", "rank_peaks"]
 
 
 class RecordingsSpent(Exception):
@@ -152,16 +153,16 @@ def _shapes(inputs: StepInputs) -> tuple:
 def _step(
     model: nn.Module,
     config: FSDPConfig,
-    shards: int,
     devices: Devices,
     workload: Workload,
-    inputs: StepInputs,
     *,
     cache: TraceCache,
-    limit: int | None = None,
-    first_step: bool = False,
-) -> Ledger:
-    """Rank 0's step replayed under ``config`` on ``shards`` shards: its ledger, whose ``best`` is the peak."""
+    failure: Failure | None = None,
+) -> tuple[Ledger, StepInputs]:
+    """Rank 0's step replayed under ``config`` on ``devices``: its ledger, whose ``best`` is the peak (with a
+    ``failure``, whose ``crossed`` is where it passes the limit), and the rank's inputs it replayed."""
+    _, shards = config.mesh_shape(devices.world_size)
+    inputs = _inputs(workload, devices.world_size)
     recording, ref = cache.recording(model, config, devices, workload, inputs)
     units = ledger_units(model, config, shards, ref, cache.units(model, config)[0])
     buffer_dtype = config.dtypes()[2]
@@ -170,15 +171,14 @@ def _step(
         for b in model.buffers()
     )
     trained = [p for unit in units.values() for p in unit.trained]
-    optim = 0 if first_step else optimizer_state(trained, shards)[0]
+    optim = 0 if failure is not None and failure.first_step else optimizer_state(trained, shards)[0]
     ledger = Ledger(
         units,
         config,
         fixed=sum(u.shard for u in units.values()) + buffers,
         optim=optim,
         accumulating=workload.micro_batches > 1,
-        limit=limit,
-        async_gathers=devices.type == "cpu",  # as nbfsdp has CPU ranks gather (engines/sharding.py)
+        limit=failure.limit if failure is not None else None,
     )
     others: list[Shape] = []
     layers: dict[int, list[Shape]] = {}
@@ -187,7 +187,7 @@ def _step(
         others.extend(shapes) if layer < 0 else layers.setdefault(layer, []).extend(shapes)
     temporaries = cache.optimizer(others, [layers[j] for j in sorted(layers)], foreach=devices.type == "cuda")
     ledger.replay([*recording.events, *optimizer_events(temporaries, recording.end)])
-    return ledger
+    return ledger, inputs
 
 
 def _inputs(workload: Workload, world_size: int) -> StepInputs:
@@ -208,22 +208,20 @@ def _inputs(workload: Workload, world_size: int) -> StepInputs:
 def rank_peaks(
     model: nn.Module,
     config: FSDPConfig,
-    world_size: int,
     devices: Devices,
     workload: Workload,
     cache: TraceCache | None = None,
 ) -> tuple[list[Peak], StepInputs]:
-    """Each rank's peak in a training step of ``model`` on ``workload`` under ``config`` (validated),
-    traced on the meta device; the rank's inputs it traced with (one micro-batch of them). ``cache``: the
-    recordings of earlier plans of the same model to reuse."""
-    _, shards = config.mesh_shape(world_size)
-    inputs = _inputs(workload, world_size)
-    ledger = _step(model, config, shards, devices, workload, inputs, cache=cache or TraceCache())
+    """Each rank's peak in a training step of ``model`` on ``workload`` under ``config`` (validated), on each of
+    ``devices``' ranks, traced on the meta device; the rank's inputs it traced with (one micro-batch of them).
+    ``cache``: the recordings of earlier plans of the same model to reuse."""
+    _, shards = config.mesh_shape(devices.world_size)
+    ledger, inputs = _step(model, config, devices, workload, cache=cache or TraceCache())
     traced = ledger.best
     assert traced is not None
     trained = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
     optim = optimizer_state(trained, shards)
-    peaks = [dataclasses.replace(traced, optim=optim[rank % shards]) for rank in range(world_size)]
+    peaks = [dataclasses.replace(traced, optim=optim[rank % shards]) for rank in range(devices.world_size)]
     if config.cpu_offload and devices.type == "cuda":  # shards, grads and optimizer state live in host memory
         peaks = [
             dataclasses.replace(p, params=ledger.fixed - sum(u.shard for u in ledger.order), grads=0, optim=0)
@@ -232,31 +230,28 @@ def rank_peaks(
     return peaks, inputs
 
 
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """Where a rank ran out of memory, as ``crossing`` replays it: the two come from the failed rank's report
+    together, and only the out-of-memory report asks for them."""
+
+    limit: int
+    """The rank's bytes it could not pass."""
+    first_step: bool
+    """It failed in the first step: the optimizer's state does not exist yet."""
+
+
 def crossing(
     model: nn.Module,
     config: FSDPConfig,
-    world_size: int,
     devices: Devices,
     workload: Workload,
-    limit: int,
+    failure: Failure,
     *,
-    first_step: bool,
     cache: TraceCache | None = None,
 ) -> Peak | None:
-    """The first moment of a training step at which rank 0's bytes pass ``limit``, by category, and where in
-    the step it falls (None: the step stays within it): what the planner says of a rank that ran out of
-    memory there. ``first_step``: the optimizer's state does not exist yet."""
-    _, shards = config.mesh_shape(world_size)
-    inputs = _inputs(workload, world_size)
-    ledger = _step(
-        model,
-        config,
-        shards,
-        devices,
-        workload,
-        inputs,
-        cache=cache or TraceCache(),
-        limit=limit,
-        first_step=first_step,
-    )
+    """The first moment of a training step at which rank 0's bytes pass ``failure.limit``, by category, and
+    where in the step it falls (None: the step stays within it): what the planner says of a rank that ran out of
+    memory there."""
+    ledger, _ = _step(model, config, devices, workload, cache=cache or TraceCache(), failure=failure)
     return ledger.crossed

@@ -129,7 +129,7 @@ class Plan:
     searched: bool = False
     """Suggestions were asked for (an empty list then means none fits)."""
     untried: int = 0
-    """Changes the search left untried when its time ran out (``plan``'s ``search_seconds``)."""
+    """Changes the search left untried when its budget of recordings ran out (``StepTrace.cache``)."""
     traced: int = 0
     """With a batch: the step's recordings this plan and its search made (each a forward and backward on the
     meta device, of the whole model or of its stack cut short; settings the trace does not see replay one)."""
@@ -290,6 +290,23 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepTrace:
+    """The training step a plan traces each rank's peak in, and what that peak is held to: a device's memory,
+    and with ``suggest`` the search for settings that fit. They travel together from ``plan`` into the plan of
+    each suggestion (``_replan``: its micro-batches changed, no search of its own)."""
+
+    workload: Workload
+    memory: DeviceMemory | None = None
+    """With it, ``Plan.fits``."""
+    suggest: bool = False
+    """With ``memory``, ``Plan.suggestions``: the settings that fit."""
+    cache: TraceCache | None = None
+    """Recordings to reuse, and a budget of them (a change that needs one more is left untried); None: a new one."""
+    progress: ProgressLine | None = None
+    """Says how far the search is."""
+
+
 def plan(
     model: nn.Module,
     config: FSDPConfig,
@@ -297,33 +314,16 @@ def plan(
     hosts: list[str] | None = None,
     devices: Devices | None = None,
     *,
-    workload: Workload | None = None,
-    memory: DeviceMemory | None = None,
-    suggest: bool = False,
-    cache: TraceCache | None = None,
-    progress: ProgressLine | None = None,
+    trace: StepTrace | None = None,
 ) -> Plan:
     """The plan of ``config`` (validated for ``devices``); ``hosts`` names each rank's host, to say which
     collectives cross between hosts. ``devices`` not given: those of ``config.device`` on this machine, or
-    planned for GPUs it does not have. With a ``workload``, each rank's peak in a training step, traced
-    (``peak``); with a device's ``memory`` too, whether it fits; with ``suggest``, the settings that fit
-    (``progress`` says how far the search is). ``cache``: recordings to reuse, and a budget of them (a change
-    that needs one more is left untried). A cell that trains ``model`` on no loader of its own predicts its peak
-    with this ``workload``."""
-    if workload is not None:
-        predicted.remember(model, workload)
-    return _traced(
-        model,
-        config,
-        world_size,
-        hosts,
-        devices,
-        workload,
-        memory=memory,
-        suggest=suggest,
-        cache=cache,
-        progress=progress,
-    )
+    planned for GPUs it does not have. With a ``trace``, each rank's peak in its training step, traced
+    (``peak``), and what ``StepTrace`` asks of it. A cell that trains ``model`` on no loader of its own predicts
+    its peak with the trace's workload."""
+    if trace is not None:
+        predicted.remember(model, trace.workload)
+    return _traced(model, config, world_size, hosts, devices, trace)
 
 
 def _traced(
@@ -332,22 +332,18 @@ def _traced(
     world_size: int,
     hosts: list[str] | None,
     devices: Devices | None,
-    workload: Workload | None,
-    *,
-    memory: DeviceMemory | None,
-    suggest: bool,
-    cache: TraceCache | None = None,
-    progress: ProgressLine | None = None,
+    trace: StepTrace | None,
 ) -> Plan:
     planned = _plan(model, config, world_size, hosts, devices)
-    if workload is None:
+    if trace is None:
         return planned
-    cache = cache or TraceCache()  # the suggestions' plans reuse its recordings
-    peaks, inputs = rank_peaks(model, config, world_size, _devices_of(planned, devices, config), workload, cache)
+    cache = trace.cache or TraceCache()  # the suggestions' plans reuse its recordings
+    peaks, inputs = rank_peaks(model, config, _devices_of(planned, devices, config), trace.workload, cache)
     planned.peak = [p.as_dict() for p in peaks]
     planned.peak_at = peaks[0].at
     planned.batch = inputs.described
-    planned.tokens = inputs.tokens * workload.micro_batches
+    planned.tokens = inputs.tokens * trace.workload.micro_batches
+    memory = trace.memory
     if memory is not None:
         if config.device == "cuda":
             memory = dataclasses.replace(memory, nccl_groups=fitting.nccl_groups(planned))
@@ -358,11 +354,13 @@ def _traced(
             "nccl": memory.nccl_bytes,
         }
         planned.fits = fitting.fits(planned, memory)
-    if suggest and memory is not None:
+    if trace.suggest and memory is not None:
         planned.searched = True
+        progress = trace.progress
+        asked = dataclasses.replace(trace, memory=memory, cache=cache)
         planned.suggestions, planned.untried = fitting.suggest(
             planned,
-            functools.partial(_replan, model, config, world_size, hosts, workload, memory=memory, cache=cache),
+            functools.partial(_replan, model, config, world_size, hosts, asked),
             on_progress=progress.searched if progress is not None else None,
         )
         if progress is not None:
@@ -380,13 +378,11 @@ def _replan(
     config: FSDPConfig,
     world_size: int,
     hosts: list[str] | None,
-    workload: Workload,
+    trace: StepTrace,
     change: fitting.Change,
-    *,
-    memory: DeviceMemory,
-    cache: TraceCache,
 ) -> Plan | None:
-    """The plan of ``change`` applied to ``config`` (None where the settings cannot be)."""
+    """The plan of ``change`` applied to ``config`` (None where the settings cannot be), traced as ``trace``
+    asks but for a search of its own."""
     settings = dict(change.settings)
     size = settings.pop("world_size", world_size)
     micro = settings.pop("micro_batches", 1)
@@ -394,18 +390,9 @@ def _replan(
     devices = planned_devices(size, config.device)
     try:
         changed = validate(dataclasses.replace(changed, why={}), size, devices, quiet=True)
-        work = dataclasses.replace(workload, micro_batches=workload.micro_batches * micro)
-        return _traced(
-            model,
-            changed,
-            size,
-            hosts if size == world_size else None,
-            devices,
-            work,
-            memory=memory,
-            suggest=False,
-            cache=cache,
-        )
+        work = dataclasses.replace(trace.workload, micro_batches=trace.workload.micro_batches * micro)
+        traced = dataclasses.replace(trace, workload=work, suggest=False, progress=None)
+        return _traced(model, changed, size, hosts if size == world_size else None, devices, traced)
     except ConfigError:
         return None
     except RecordingsSpent as spent:
@@ -633,7 +620,7 @@ def _dtype_name(dtype: torch.dtype | None, tensors: Sequence[torch.Tensor]) -> s
 
 
 @as_usage_errors
-def explain(
+def explain(  # noqa: PLR0913 (public API: nbfsdp.explain's keywords are %fsdp explain's flags)
     model: nn.Module,
     world_size: int = 2,
     hosts: list[str] | None = None,
@@ -675,15 +662,8 @@ def explain(
     if memory is not None and memory.capability is not None and devices.type == "cuda" and devices.planned:
         devices = dataclasses.replace(devices, capability=memory.capability)  # a T4's plan computes in fp16
     validated = validate(config, world_size, devices, quiet=True)
-    progress = ProgressLine("nbfsdp: --suggest") if suggest and memory is not None and workload is not None else None
-    return plan(
-        model,
-        validated,
-        world_size,
-        hosts,
-        devices,
-        workload=workload,
-        memory=memory,
-        suggest=suggest,
-        progress=progress,
-    )
+    if workload is None:
+        return plan(model, validated, world_size, hosts, devices)
+    progress = ProgressLine("nbfsdp: --suggest") if suggest and memory is not None else None
+    trace = StepTrace(workload=workload, memory=memory, suggest=suggest, progress=progress)
+    return plan(model, validated, world_size, hosts, devices, trace=trace)

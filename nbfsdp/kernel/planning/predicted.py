@@ -105,7 +105,6 @@ class PeakPrediction:
         self,
         model: nn.Module,
         config: FSDPConfig,
-        world_size: int,
         devices: Devices,
         workload: Workload,
         done: Callable[[list[int], str], None],
@@ -124,7 +123,7 @@ class PeakPrediction:
                 meta = transfer.meta_copy(model)
             finally:
                 self._copied.set()
-            return peak.rank_peaks(meta, config, world_size, devices, workload)
+            return peak.rank_peaks(meta, config, devices, workload)
 
         self._thread = KernelThread(target=self._run, args=(trace, done), name="nbfsdp-predicted-peak")
         self._thread.start()

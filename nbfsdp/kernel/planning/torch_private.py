@@ -17,7 +17,7 @@ def flash_attention(query, key, value, dropout_p: float, *, is_causal: bool, sca
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 
-def efficient_attention(
+def efficient_attention(  # noqa: PLR0913 (mirrors aten._scaled_dot_product_efficient_attention)
     query, key, value, attn_mask, dropout_p: float, *, is_causal: bool, scale: float | None
 ) -> torch.Tensor:
     """The GPU's memory-efficient kernel (``aten._scaled_dot_product_efficient_attention``), its
@@ -35,7 +35,7 @@ def efficient_attention(
     )[0]
 
 
-def cpu_flash_attention(
+def cpu_flash_attention(  # noqa: PLR0913 (mirrors aten._scaled_dot_product_flash_attention_for_cpu)
     query, key, value, attn_mask, dropout_p: float, *, is_causal: bool, scale: float | None
 ) -> torch.Tensor:
     """The CPU's flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``)."""
@@ -44,7 +44,7 @@ def cpu_flash_attention(
     )[0]
 
 
-def math_attention(
+def math_attention(  # noqa: PLR0913 (mirrors aten._scaled_dot_product_attention_math)
     query, key, value, attn_mask, dropout_p: float, *, is_causal: bool, scale: float | None
 ) -> torch.Tensor:
     """The math path (``aten._scaled_dot_product_attention_math``): it keeps the ``s x s`` scores."""

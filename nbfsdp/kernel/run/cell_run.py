@@ -10,7 +10,6 @@ import ctypes
 import dataclasses
 import functools
 import gc
-import shutil
 import sys
 import threading
 import time
@@ -28,17 +27,16 @@ from nbfsdp.kernel.planning import predicted
 from nbfsdp.kernel.planning.plans import Plan, plan
 from nbfsdp.kernel.planning.predicted import PeakPrediction
 from nbfsdp.kernel.run import history, residence
-from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.held import EngineHoldings, fingerprint
 from nbfsdp.kernel.run.inputs import on_meta
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.runner import RankRun
-from nbfsdp.kernel.run.spec import CellModel, Delivery, PreparedCell, RunOptions
+from nbfsdp.kernel.run.spec import CellModel, Delivery, PreparedCell, RunFiles
 from nbfsdp.shared import optimizers, transfer
 from nbfsdp.shared.config import LIVE_SETTINGS, LIVE_STRATEGIES, FSDPConfig
 from nbfsdp.shared.protocol import CellOutcome, CellSpec, ModelRoute
 from nbfsdp.shared.units import wrap_rule, wrap_units
-from nbfsdp.ui.dashboard import LiveDashboard
+from nbfsdp.ui.dashboard import DashboardCalls, LiveDashboard, RankHosts
 
 #: At a cell's end, how long its predicted peak's trace may still take before the final figure is drawn
 #: without it (it still reaches ``last_run().predicted_peak`` when done).
@@ -52,7 +50,7 @@ class CellRun:
 
     ranks: RankRun
     record: history.RunRecord
-    control: RunControl
+    files: RunFiles
     dashboard: LiveDashboard | None
     models: dict[str, CellModel]
     routes: dict[str, ModelRoute]
@@ -62,8 +60,6 @@ class CellRun:
     started: float
     holder: tuple[int, int]
     """The world the cell runs in: its generation and size."""
-    markers: str | None
-    """``--save-interval``: the directory the ranks agree on each save in, removed when the run ends."""
     hang_reporter: HangReporter | None
     """Says, once, where the ranks are when one waits in a collective too long (``--hang-report``)."""
     prediction: PeakPrediction | None
@@ -90,7 +86,7 @@ class CellRun:
             live.pop("sharding_strategy")  # another mesh: only a new cell can shard that way
         later = sorted(asked - set(live))
         if live:
-            self.control.change(live)
+            self.files.control.change(live)
         words = ", ".join(f"{key}={value}" for key, value in live.items())
         message = f"requested {words} (from the next step)" if live else ""
         if later:
@@ -100,19 +96,20 @@ class CellRun:
     def clean_up(self) -> None:
         """The run's files for the ranks go: its control file, its interval saves' markers; its hang report, if
         one was printed, goes into its record."""
-        self.control.remove()
+        self.files.remove()
         if self.hang_reporter is not None:
             self.hang_reporter.stop()
             self.record.hang_report, self.record.hang_report_after = self.hang_reporter.report, self.hang_reporter.after
-        if self.markers is not None:
-            shutil.rmtree(self.markers, ignore_errors=True)
 
 
 class SessionCallbacks(Protocol):
-    """What a cell's run needs of the session: its shell, and what a dashboard's controls and the hang report
-    call."""
+    """What a cell's run needs of the session: its shell and cluster, and what a dashboard's controls and the
+    hang report call."""
 
     shell: InteractiveShell
+
+    @property
+    def cluster(self) -> Cluster: ...
 
     def change_settings(self, settings: dict[str, Any]) -> str: ...
     def cancel(self) -> None: ...
@@ -125,12 +122,7 @@ _last_plan: tuple[tuple, Plan] | None = None
 
 
 def live_dashboard(
-    cluster: Cluster,
-    world: RunningWorld,
-    prepared: PreparedCell,
-    session: SessionCallbacks,
-    *,
-    background: bool,
+    cluster: Cluster, world: RunningWorld, prepared: PreparedCell, session: SessionCallbacks
 ) -> LiveDashboard:
     """The cell's live dashboard: the plan's predicted memory, the controls wired to the session."""
     global _last_plan
@@ -152,16 +144,14 @@ def live_dashboard(
         planned = _last_plan[1]
     settings = {**dataclasses.asdict(config), "world_size": world.world_size}
     return LiveDashboard(
-        world.world_size,
         world.devices,
-        predicted=planned.memory if planned else None,
         settings=settings,
-        on_change=session.change_settings,
-        on_stop=session.cancel,
-        with_output=background,
-        on_where=lambda: str(session.where()),
-        hosts=hosts,
-        across_hosts=planned.hosts_lines() if planned else None,
+        calls=DashboardCalls(
+            on_change=session.change_settings, on_stop=session.cancel, on_where=lambda: str(session.where())
+        ),
+        predicted=planned.memory if planned else None,
+        with_output=prepared.options.background,
+        hosts=RankHosts(each=hosts, across=planned.hosts_lines() if planned else []),
     )
 
 
@@ -169,43 +159,31 @@ def submit(
     prepared: PreparedCell,
     delivery: Delivery,
     *,
-    cluster: Cluster,
     spec: CellSpec,
-    world: RunningWorld,
-    record: history.RunRecord,
-    control: RunControl,
-    options: RunOptions,
+    files: RunFiles,
     started: float,
     session: SessionCallbacks,
 ) -> CellRun:
-    """The cell sent to every rank, with its dashboard and its predicted peak beside it. The ranks start first:
-    a warm cell's dashboard (17 widgets, each a message to the frontend: 8 ms) is built while they run, and
-    is displayed before their output, which ``watch`` streams only after."""
-    models, config, background = prepared.modules, prepared.config, options.background
+    """The cell sent to every rank of the session's running world, with its run record, its dashboard and its
+    predicted peak beside it. The ranks start first: a warm cell's dashboard (17 widgets, each a message to the
+    frontend: 8 ms) is built while they run, and is displayed before their output, which ``watch`` streams only
+    after."""
+    cluster, options = session.cluster, prepared.options
+    world = cluster.world
+    assert world is not None  # the session ensured the cell's world before it delivered the models
+    record = new_record(prepared, world, delivery.sent_bytes)
     try:
         ranks = RankRun(cluster, spec, prepared.values, delivery.sending)
     except RankError as error:  # an engine ended before the cell reached it: nothing ran
         record.ok, record.error = False, str(error)
-        control.remove()
-        if spec.saves is not None:
-            shutil.rmtree(spec.saves.markers, ignore_errors=True)
+        files.remove()
         raise
     dashboard = prediction = None
     try:
         if not prepared.internal and getattr(session.shell, "kernel", None) is not None:  # a frontend can show one
-            dashboard = live_dashboard(cluster, world, prepared, session, background=background)
+            dashboard = live_dashboard(cluster, world, prepared, session)
         if not prepared.internal:
-            read = [prepared.sent[name] for name in prepared.plans]
-            prediction = predict_peak(
-                models,
-                read,
-                per_rank_batches=prepared.per_rank_batches,
-                cell=prepared.code,
-                config=config,
-                world=world,
-                record=record,
-                dashboard=dashboard,
-            )
+            prediction = predict_peak(prepared, world=world, record=record, dashboard=dashboard)
     except BaseException:  # a Ctrl-C while the dashboard is built: the ranks started already
         ranks.stop()
         raise
@@ -213,20 +191,19 @@ def submit(
     run = CellRun(
         ranks=ranks,
         record=record,
-        control=control,
+        files=files,
         dashboard=dashboard,
         models=prepared.models,
         routes=delivery.routes,
         sent=prepared.sent,
         started=started,
         holder=(world.generation, world.world_size),
-        markers=spec.saves.markers if spec.saves is not None else None,
         hang_reporter=HangReporter(session.where, options.hang_report, dashboard).start() if reporting else None,
         prediction=prediction,
     )
     ranks.show_on(
         view=dashboard,
-        sink=dashboard if background else None,
+        sink=dashboard if options.background else None,
         on_records=functools.partial(stream_into, record, dashboard),
         on_capture=functools.partial(capture_into, record, dashboard),
         # not ``prepared``: its pickled inputs (a loader's dataset) must not outlive the cell with the run
@@ -238,7 +215,7 @@ def submit(
         for name, model in prepared.models.items():
             if model.on_ranks:
                 dashboard.note(f"{name}: weights live on the ranks only (not gathered after the cell)")
-        for name, module in models.items():
+        for name, module in prepared.modules.items():
             if note := _frozen_note(name, module):
                 dashboard.note(note)
     return run
@@ -255,14 +232,12 @@ def _frozen_note(name: str, model: nn.Module) -> str:
     return f"{name}: {trained:,} parameters train; {frozen:,} frozen have no gradient or optimizer state"
 
 
-def new_record(
-    prepared: PreparedCell, world: RunningWorld, options: RunOptions, sent_bytes: list[int]
-) -> history.RunRecord:
+def new_record(prepared: PreparedCell, world: RunningWorld, sent_bytes: list[int]) -> history.RunRecord:
     """The cell's run record, kept for ``last_run()`` (a user's cell), and its loaders' plans said."""
     record = history.RunRecord(
         world_size=world.world_size,
         config=effective_settings(
-            world, prepared.config, prepared.modules, timeout=options.timeout, gather=options.gather
+            world, prepared.config, prepared.modules, timeout=prepared.options.timeout, gather=prepared.options.gather
         ),
         sent_bytes=sent_bytes,
     )
@@ -326,33 +301,27 @@ def _prediction(
         if dashboard is not None:
             dashboard.predict_peaks(peaks, described, prediction.parts if prediction is not None else None)
 
-    prediction = PeakPrediction(model, config, world.world_size, world.devices, workload, done)
+    prediction = PeakPrediction(model, config, world.devices, workload, done)
     return prediction
 
 
 def predict_peak(
-    models: dict[str, nn.Module],
-    loaders: list[Any],
-    *,
-    per_rank_batches: bool,
-    cell: str,
-    config: FSDPConfig,
-    world: RunningWorld,
-    record: history.RunRecord,
-    dashboard: LiveDashboard | None,
+    prepared: PreparedCell, *, world: RunningWorld, record: history.RunRecord, dashboard: LiveDashboard | None
 ) -> PeakPrediction | None:
     """The cell's first model's peak, traced beside the cell where its batch is known (``predicted``)."""
-    if not models:
+    if not prepared.models:
         return None
-    model = next(iter(models.values()))
-    autocast = predicted.cell_autocast(cell, world.devices)
+    model = next(iter(prepared.modules.values()))
+    autocast = predicted.cell_autocast(prepared.code, world.devices)
+    loaders = [prepared.sent[name] for name in prepared.plans]
+    per_rank_batches = prepared.options.per_rank_batches
     try:
         workload = predicted.cell_workload(model, loaders, per_rank_batches=per_rank_batches, autocast=autocast)
     except Exception:  # a loader that cannot give a batch fails on the ranks too, where the cell reports it
         return None
     if workload is None:
         return None
-    return _prediction(model, config, world, workload, record, dashboard)
+    return _prediction(model, prepared.config, world, workload, record, dashboard)
 
 
 def stream_into(record: history.RunRecord, dashboard: LiveDashboard | None, records: list[dict[str, Any]]) -> None:

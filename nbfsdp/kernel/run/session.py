@@ -24,12 +24,11 @@ from nbfsdp.kernel.diagnostics import check
 from nbfsdp.kernel.diagnostics.where import ANSWER_SECONDS, Where, where_of
 from nbfsdp.kernel.run import cell_run, residence
 from nbfsdp.kernel.run.cell_run import CellRun
-from nbfsdp.kernel.run.control import RunControl
 from nbfsdp.kernel.run.delivery import send_models
 from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
-from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, interval_saves, prepare
+from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, prepare, run_files
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
 from nbfsdp.shared.protocol import InternalRequest
 from nbfsdp.ui.widget_events import pending_events
@@ -83,7 +82,7 @@ class Session:
         if world.generation != self.held.generation:
             self.held.forget(world.generation)
             prepared = prepared.sent_to(world)  # it was to run in the running world (a rank died since)
-        run = _submitted(self, prepared, world, options, started)
+        run = _submitted(self, prepared, world, started)
         self.active = run
         if options.background:
             run.thread = KernelThread(target=run.watch_in_background, name="nbfsdp-async")
@@ -155,26 +154,19 @@ class Session:
         config = validate(config, world_size, plan.devices)
         check.before_cell(cell, self.shell.user_ns, config, world_size, plan.devices)  # said, never refused
         world = self.cluster.world
-        held = self.held if plan.reuses and world is not None and world.generation == self.held.generation else None
+        in_running_world = plan.reuses and world is not None and world.generation == self.held.generation
         prepared = prepare(
-            self.shell,
-            cell,
-            number=next(self._cells),
-            config=config,
-            devices=plan.devices,
-            held=held,
-            loaders=self.loaders,
-            options=options,
+            self, cell, number=next(self._cells), config=config, options=options, in_running_world=in_running_world
         )
         running = world.generation if world is not None and not world.broken else None
         named = {name: self.shell.user_ns.get(name) for name in [*self.held.models(), *prepared.models]}
         reshaped = {
             name
             for name, model in prepared.models.items()
-            if held is not None and not held.holds(name, model.fingerprint)
+            if in_running_world and not self.held.holds(name, model.fingerprint)
         }
         residence.refuse_losing_weights(
-            named, set(prepared.models), reshaped, running=running, reusing=held is not None, world_size=world_size
+            named, set(prepared.models), reshaped, running=running, reusing=in_running_world, world_size=world_size
         )
         if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, plan.devices, options.per_rank_batches, prepared.reads)
@@ -241,7 +233,7 @@ class Session:
         if self.active is None:
             print("nbfsdp: nothing is running")
             return
-        self.active.control.cancel()
+        self.active.files.control.cancel()
         if self.active.dashboard is not None:
             self.active.dashboard.note("stop requested: the ranks end before their next forward")
 
@@ -333,38 +325,15 @@ class Session:
             raise failed
 
 
-def _submitted(
-    session: Session, prepared: PreparedCell, world: RunningWorld, options: RunOptions, started: float
-) -> CellRun:
+def _submitted(session: Session, prepared: PreparedCell, world: RunningWorld, started: float) -> CellRun:
     """The cell's models delivered to ``world``, what every rank is to run made, and the cell sent to them with
     its record and dashboard."""
     cluster = session.cluster
     delivery = send_models(cluster, world, prepared, session.held)
-    control = RunControl(cluster.private_dir, prepared.number, cluster.unsteerable())
-    saves = interval_saves(cluster.private_dir, prepared.number, options.checkpointing)
-    spec = cell_spec(
-        prepared,
-        delivery,
-        world=world,
-        control=control,
-        saves=saves,
-        loaders=session.loaders,
-        resume=session.resume_for(internal=prepared.internal),
-        timeline=options.timeline,
-    )
-    record = cell_run.new_record(prepared, world, options, delivery.sent_bytes)
-    return cell_run.submit(
-        prepared,
-        delivery,
-        cluster=cluster,
-        spec=spec,
-        world=world,
-        record=record,
-        control=control,
-        options=options,
-        started=started,
-        session=session,
-    )
+    files = run_files(cluster.private_dir, prepared, unsteerable=cluster.unsteerable())
+    resume = session.resume_for(internal=prepared.internal)
+    spec = cell_spec(prepared, delivery, world=world, files=files, loaders=session.loaders, resume=resume)
+    return cell_run.submit(prepared, delivery, spec=spec, files=files, started=started, session=session)
 
 
 def current_session() -> Session:

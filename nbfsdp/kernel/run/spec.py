@@ -11,11 +11,12 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,6 @@ from nbfsdp.kernel.run.held import EngineHoldings, Fingerprint, fingerprint
 from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
 from nbfsdp.shared import transfer
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig
-from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.protocol import (
     CellSpec,
     GatherModel,
@@ -90,7 +90,7 @@ class PreparedCell:
     number: int
     reads: list[str]
     config: FSDPConfig
-    devices: Devices
+    options: RunOptions
     assigned: list[str]
     models: dict[str, CellModel]
     others: dict[str, Any]
@@ -99,7 +99,6 @@ class PreparedCell:
     values: bytes
     sent: dict[str, Any]
     plans: dict[str, LoaderPlan]
-    per_rank_batches: bool
     request: InternalRequest | None = None
     """nbfsdp's own cell (``code`` is then empty)."""
 
@@ -148,25 +147,33 @@ class ResumePoint:
     """Loaders the checkpoint saved part-way through an epoch: the cell's ranks resume them there."""
 
 
+class Notebook(Protocol):
+    """What preparing a cell reads of the session: the notebook's names, what the running world holds of them,
+    and its loaders' bookkeeping."""
+
+    shell: InteractiveShell
+    held: EngineHoldings
+    loaders: NotebookLoaders
+
+
 def prepare(
-    shell: InteractiveShell,
+    notebook: Notebook,
     cell: str | InternalRequest,
     *,
     number: int,
     config: FSDPConfig,
-    devices: Devices,
-    held: EngineHoldings | None,
-    loaders: NotebookLoaders,
     options: RunOptions,
+    in_running_world: bool,
 ) -> PreparedCell:
-    """Parse the cell, read its inputs, pickle what the ranks do not hold (``held``: what the running world
-    holds, where the cell runs in it), and decide each model's part in it."""
+    """Parse the cell, read its inputs, pickle what the ranks do not hold (what the running world holds counts
+    only ``in_running_world``), and decide each model's part in it."""
+    held = notebook.held if in_running_world else None
     if isinstance(cell, str):
         reads, assigned = transfer.analyze_cell(ast.parse(cell, filename=f"<fsdp-cell-{number}>"))
         code, request = cell, None
     else:  # nbfsdp's own request: it reads the names it lists, and binds none
         reads, assigned, code, request = cell.reads(), [], "", cell
-    modules, others = inputs.read_inputs(shell, reads)
+    modules, others = inputs.read_inputs(notebook.shell, reads)
     models = {}
     for name, module in modules.items():  # a rule FSDP2 would refuse (a split tie) fails here, before any engine
         _say_ties_kept(name, module, config)
@@ -187,15 +194,14 @@ def prepare(
         number=number,
         reads=reads,
         config=config,
-        devices=devices,
+        options=options,
         assigned=assigned,
         models=models,
         others=others,
         kept=kept,
         values=values,
         sent=sent,
-        plans=loaders.plan(sent, options.world_size, per_rank_batches=options.per_rank_batches),
-        per_rank_batches=options.per_rank_batches,
+        plans=notebook.loaders.plan(sent, options.world_size, per_rank_batches=options.per_rank_batches),
         request=request,
     )
 
@@ -240,6 +246,26 @@ def _say_ties_kept(name: str, model: nn.Module, config: FSDPConfig) -> None:
             print(f"nbfsdp: {name}: {line}", file=sys.stderr)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunFiles:
+    """What a run keeps for its ranks in the cluster's private directory, removed when it ends: its live-control
+    request file, and with ``--save-interval`` the directory the ranks agree on each save in."""
+
+    control: RunControl
+    saves: IntervalSaves | None
+
+    def remove(self) -> None:
+        self.control.remove()
+        if self.saves is not None:
+            shutil.rmtree(self.saves.markers, ignore_errors=True)
+
+
+def run_files(private_dir: str, prepared: PreparedCell, *, unsteerable: str | None) -> RunFiles:
+    """The run's files (``unsteerable``: why its ranks cannot all see the directory; then none steers it)."""
+    saves = interval_saves(private_dir, prepared.number, prepared.options.checkpointing)
+    return RunFiles(control=RunControl(private_dir, prepared.number, unsteerable), saves=saves)
+
+
 def interval_saves(private_dir: str, number: int, checkpointing: CheckpointSettings | None) -> IntervalSaves | None:
     """``--save-interval``: where the ranks save, and the directory they agree on each save in."""
     if checkpointing is None or checkpointing.save_interval is None:
@@ -262,16 +288,14 @@ def cell_spec(
     delivery: Delivery,
     *,
     world: RunningWorld,
-    control: RunControl,
-    saves: IntervalSaves | None,
+    files: RunFiles,
     loaders: NotebookLoaders,
     resume: ResumePoint,
-    timeline: float = 0.0,
 ) -> CellSpec:
     """What every rank is told to run. ``resume``: where a checkpoint loaded since the last cell left the steps
-    and the loaders; ``timeline``: seconds between captured steps (``--timeline``), none for a cell that runs a
-    profiler of its own (two cannot run at once)."""
-    plans, sent = prepared.plans, prepared.sent
+    and the loaders. No step is captured (``--timeline``) in a cell that runs a profiler of its own (two cannot
+    run at once)."""
+    plans, sent, saves = prepared.plans, prepared.sent, files.saves
     # with saves on, every loader also carries the epochs it began before, for the saves' count
     epochs = {name: LoaderState(epochs=loaders.epochs(sent[name]), generators=[]) for name in plans}
     return CellSpec(
@@ -283,10 +307,10 @@ def cell_spec(
         assigned=prepared.assigned,
         fsdp=prepared.config,
         seed=torch.initial_seed() % 2**63,
-        control=control.for_ranks,
+        control=files.control.for_ranks,
         cwd=os.getcwd(),
         loaders={
-            name: LoaderSplit(per_rank=prepared.per_rank_batches, seed_state=loaders.shuffle_state(sent[name]))
+            name: LoaderSplit(per_rank=prepared.options.per_rank_batches, seed_state=loaders.shuffle_state(sent[name]))
             for name in plans
         },
         resume_step=resume.step,
@@ -297,7 +321,7 @@ def cell_spec(
             **(epochs if saves is not None else {}),
             **{name: state for name, state in resume.loaders.items() if name in plans},
         },
-        timeline=0.0 if prepared.request is not None or profiles_itself(prepared.code) else timeline,
+        timeline=0.0 if prepared.request is not None or profiles_itself(prepared.code) else prepared.options.timeline,
     )
 
 
