@@ -179,8 +179,8 @@ class _RecordStream:
     def pump(self) -> None:
         if self._handlers:
             for result, seen in zip(self._results, self._seen, strict=True):
-                data = result.data
-                for key in [k for k in data if k not in seen]:
+                data = result.data  # ipyparallel's client thread adds to it as the ranks publish
+                for key in [k for k in tuple(data) if k not in seen]:  # tuple(): copied at once, under the GIL
                     seen.add(key)
                     handler = next((h for prefix, h in self._handlers.items() if key.startswith(prefix)), None)
                     if handler is not None:
