@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -421,16 +422,38 @@ def _records(steps: range, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
 def _wait_for_drawing(dashboard: LiveDashboard, redraws: int) -> None:
     """Until the dashboard has ``redraws`` drawings. The worker draws with CPU time nothing else wants (the
     priority test holds that); these tests check what it draws, so on a machine with no idle CPU its current
-    process is given a share like any other's while it is waited for (as root; else it waits as it is)."""
+    process is given a share like any other's while it is waited for (as root; else it waits as it is), and its
+    own priority back after."""
     worker = renderer._worker
-    if worker is not None and worker.alive:
-        with contextlib.suppress(OSError):  # not root, or the worker just ended
-            os.sched_setscheduler(worker.process.pid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, worker.process.pid, 0)
-            pathlib.Path(f"/proc/{worker.process.pid}/autogroup").write_text("0")  # its session's share, where any
-    deadline = time.monotonic() + 30
-    while (dashboard.redraws < redraws or not dashboard._drawing.done()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    pid = worker.process.pid if worker is not None and worker.alive else None
+    with _normal_share(pid):
+        deadline = time.monotonic() + 30
+        while (dashboard.redraws < redraws or not dashboard._drawing.done()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _normal_share(pid: int | None) -> Iterator[None]:
+    autogroup = pathlib.Path(f"/proc/{pid}/autogroup")
+    policy = nice = 0
+    try:
+        if pid:
+            policy, nice = os.sched_getscheduler(pid), os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:  # the worker just ended
+        pid = None
+    if pid:
+        with contextlib.suppress(OSError):  # not root, or the worker ended meanwhile
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
+            autogroup.write_text("0")  # its session's share, where autogroup governs
+    try:
+        yield
+    finally:
+        if pid:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(pid, policy, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+                autogroup.write_text(str(nice))
 
 
 def test_live_drawings_add_new_records_to_the_workers_figure_and_start_afresh_when_it_was_lost(shell):
