@@ -66,7 +66,7 @@ def _plan(net: Net, world_size: int = 8, **settings):
 
 def test_a_collective_runs_at_nvlinks_bus_bandwidth_inside_a_node_and_the_nics_between_nodes(net):
     inside = _plan(net)
-    seconds = fitting.collective_seconds(inside)
+    seconds = fitting.collective_seconds(inside, latency=False)
     assert seconds["all_gather"] == inside.wire["all_gather"]["sent"] / fitting.NODE_BUS_BANDWIDTH
     # 16 ranks on 2 nodes of 8: a ring leaves each node once, what one rank sends, over the NICs together
     hosts = [f"n{r // 8}" for r in range(16)]
@@ -74,27 +74,37 @@ def test_a_collective_runs_at_nvlinks_bus_bandwidth_inside_a_node_and_the_nics_b
     out = max(spread.cross_host["all_gather"].values())
     assert out == spread.wire["all_gather"]["sent"]
     expected = max(out / fitting.NETWORK_BANDWIDTH, spread.wire["all_gather"]["sent"] / fitting.NODE_BUS_BANDWIDTH)
-    assert fitting.collective_seconds(spread)["all_gather"] == expected
+    assert fitting.collective_seconds(spread, latency=False)["all_gather"] == expected
     # not one NIC's 50 GB/s: the whole ring's bytes at the node's 340 GB/s
-    assert fitting.collective_seconds(spread)["all_gather"] < spread.wire["all_gather"]["sent"] / 50e9 / 5
+    assert (
+        fitting.collective_seconds(spread, latency=False)["all_gather"] < spread.wire["all_gather"]["sent"] / 50e9 / 5
+    )
     # a plan without hosts is placed 8 ranks to a node: the same seconds as naming them
-    assert fitting.collective_seconds(_plan(net, 16)) == fitting.collective_seconds(spread)
+    assert fitting.collective_seconds(_plan(net, 16), latency=False) == fitting.collective_seconds(
+        spread, latency=False
+    )
     # HSDP over 2 x 8: the replica groups' all-reduce crosses, S of them out of each node at once
     hsdp = _plan(net, 16, hosts=hosts, sharding_strategy="HYBRID_SHARD", replicas=2)
     crossing = max(hsdp.cross_host["all_reduce"].values())
     assert crossing == 8 * hsdp.wire["all_reduce"]["sent"]
-    assert fitting.collective_seconds(hsdp)["all_reduce"] == crossing / fitting.NETWORK_BANDWIDTH
+    assert fitting.collective_seconds(hsdp, latency=False)["all_reduce"] == crossing / fitting.NETWORK_BANDWIDTH
     assert (
-        fitting.collective_seconds(hsdp)["all_gather"] == hsdp.wire["all_gather"]["sent"] / fitting.NODE_BUS_BANDWIDTH
+        fitting.collective_seconds(hsdp, latency=False)["all_gather"]
+        == hsdp.wire["all_gather"]["sent"] / fitting.NODE_BUS_BANDWIDTH
     )
 
 
 def test_communication_counts_only_where_compute_cannot_hide_it(net):
     many = _plan(net, batch=_batch(8, 65536))  # a rank's units compute far longer than they gather
     few = _plan(net, batch=_batch(8, 16))
-    seconds = fitting.collective_seconds(many)
-    gather = [u.gathered_bytes * seconds["all_gather"] / many.wire["all_gather"]["tensor"] for u in many.units]
-    reduction = [seconds["reduce_scatter"] * u.params / sum(u.params for u in many.units) for u in many.units]
+    seconds = fitting.collective_seconds(many, latency=False)
+    per_gather, per_reduction = (fitting.call_latency(many, kind) for kind in ("all_gather", "reduce_scatter"))
+    gather = [
+        u.gathered_bytes * seconds["all_gather"] / many.wire["all_gather"]["tensor"] + per_gather for u in many.units
+    ]
+    reduction = [
+        seconds["reduce_scatter"] * u.params / sum(u.params for u in many.units) + per_reduction for u in many.units
+    ]
     root_forward = 2 * many.units[0].params * many.tokens / fitting.FLOPS
     hidden = fitting.step_time(many)
     # all hidden but the first gather of each pass (the root's in forward, the last block's in backward), what the
@@ -102,12 +112,67 @@ def test_communication_counts_only_where_compute_cannot_hide_it(net):
     # before it; in backward, after), and the root's own reduction at backward's end
     first_block = gather[1] - root_forward + reduction[1] - 2 * root_forward
     assert hidden.exposed == pytest.approx(gather[0] + gather[-1] + first_block + reduction[0])
-    assert hidden.exposed < 0.1 * sum(seconds.values())
+    assert hidden.exposed < 0.1 * sum(fitting.collective_seconds(many).values())
     assert hidden.compute == pytest.approx(6 * sum(u.params for u in many.units) * many.tokens / fitting.FLOPS)
     # at 16 tokens a rank compute hides almost nothing: the step is the collectives, in sequence
     exposed = fitting.step_time(few)
     assert exposed.exposed > 0.9 * sum(fitting.collective_seconds(few).values())
     assert exposed.exposed > 10 * exposed.compute
+
+
+def test_each_collective_pays_nccls_latency_a_ring_step_longer_between_nodes():
+    """NCCL's tuner model (tuning.cc, Simple): 8.4 us to start, 3.4 us a step on NVLink, 14 us a step between
+    nodes; a tree all-reduce where that is shorter. Its figure for a flat ring over 128 x 8 ranks: about 4.8 ms."""
+    assert fitting.collective_latency("all_gather", 8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert fitting.collective_latency("reduce_scatter", 1024, 128) == pytest.approx(
+        8.4e-6 + (1023 - 127) * 3.4e-6 + 127 * 14e-6
+    )
+    assert 4.7e-3 < fitting.collective_latency("all_gather", 1024, 128) < 4.9e-3
+    assert fitting.collective_latency("all_gather", 1, 1) == 0.0
+    # an all-reduce over one rank a node (HSDP's replica groups): the tree's 2 log2(n) hops, not the ring's 2n
+    tree = 2 * 7 * 28e-6
+    assert fitting.collective_latency("all_reduce", 128, 128) == pytest.approx(tree)
+    assert fitting.collective_latency("all_reduce", 8, 1) == pytest.approx(8.4e-6 + 14 * 3.4e-6)  # the ring's
+
+
+def test_a_plan_pays_the_latency_once_a_call_in_groups_of_the_nodes_they_span(net):
+    plan = _plan(net)  # 8 ranks, one node: 9 units, 17 gathers (the root stays gathered for backward), 9 reductions
+    assert fitting.collective_calls(plan) == {"all_gather": 17, "reduce_scatter": 9, "all_reduce": 0}
+    with_latency, without = fitting.collective_seconds(plan), fitting.collective_seconds(plan, latency=False)
+    assert with_latency["all_gather"] - without["all_gather"] == pytest.approx(17 * (8.4e-6 + 7 * 3.4e-6))
+    assert with_latency["all_reduce"] == without["all_reduce"] == 0.0
+    # HSDP over 2 x 8: gathers inside a node, all-reduces over one rank a node
+    hsdp = _plan(net, 16, sharding_strategy="HYBRID_SHARD", replicas=2)
+    assert fitting.group_nodes(hsdp, "all_gather") == 1 and fitting.group_nodes(hsdp, "all_reduce") == 2
+    assert fitting.call_latency(hsdp, "all_reduce") == fitting.collective_latency("all_reduce", 2, 2)
+    # a flat group over 64 nodes pays its hops once a call: a small unit's step is latency-bound
+    wide = _plan(net, 512)
+    assert fitting.call_latency(wide, "all_gather") == fitting.collective_latency("all_gather", 512, 64)
+    assert fitting.call_latency(wide, "all_gather") > 70 * fitting.call_latency(plan, "all_gather")  # 2.4 ms, 32 us
+    assert (
+        fitting.step_time(_plan(net, 512, batch=_batch(512, 4096))).exposed
+        > fitting.step_time(_plan(net, 8, batch=_batch(8, 4096))).exposed
+    )
+
+
+def test_the_tokens_that_hide_a_unit_are_taken_phase_by_phase_and_grow_with_n_and_as_the_unit_shrinks():
+    """Backward binds: a bf16 gather and an fp32 reduce-scatter (6 bytes a parameter) against 4 FLOPs a parameter
+    a token, 1.5 (N-1)/N F/B tokens before latency; forward's 2 bytes against 2 FLOPs, (N-1)/N F/B."""
+    layer = 202_383_360  # a Llama-7B layer
+    f_over_b = fitting.FLOPS / fitting.NODE_BUS_BANDWIDTH
+    node = fitting.hiding_tokens(layer, 8)
+    latency = {k: fitting.collective_latency(k, 8, 1) for k in ("all_gather", "reduce_scatter")}
+    assert node["forward"] == pytest.approx(7 / 8 * f_over_b + latency["all_gather"] * fitting.FLOPS / (2 * layer))
+    assert node["backward"] == pytest.approx(
+        1.5 * 7 / 8 * f_over_b + sum(latency.values()) * fitting.FLOPS / (4 * layer)
+    )
+    assert node["backward"] > node["forward"]
+    # a smaller unit needs more tokens (the latency is per call); more ranks over more nodes, many more
+    assert fitting.hiding_tokens(layer // 8, 8)["backward"] > node["backward"]
+    flat = fitting.hiding_tokens(layer, 1024, 128)
+    assert flat["backward"] > 4096 > fitting.hiding_tokens(layer, 1024, 128, bandwidth=1e30)["backward"] - 4096
+    assert fitting.hiding_tokens(layer, 8, strategy="SHARD_GRAD_OP")["backward"] < node["backward"]
+    assert fitting.hiding_tokens(layer, 8, strategy="NO_SHARD")["forward"] == 0.0
 
 
 def test_micro_batches_repeat_the_gathers_and_the_reductions(net):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -59,12 +62,38 @@ def test_notebooks_name_only_notebooks_that_exist():
         assert named <= set(NAMES), (path.name, named - set(NAMES))
 
 
-def test_the_course_page_says_what_ran_on_a_gpu_for_every_notebook():
-    """docs/course.md's GPU record: a row per notebook, saying when it last ran on GPU ranks or that it never did."""
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def _names_in_history(name: str) -> set[str]:
+    """Every name the notebook had: ``git log --follow`` through renames, down to a 30% match (merges)."""
+    log = _git("log", "--follow", "-M30%", "--name-only", "--format=", "--", f"notebooks/{name}.ipynb")
+    return {Path(line).stem for line in log.split()}
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the repository's history")
+def test_the_course_page_says_what_ran_on_a_gpu_for_every_notebook_keyed_by_content():
+    """docs/course.md's GPU record: a row per notebook; a notebook that ran on a GPU names the file it was at the
+    recorded run's commit, one of its own earlier names (a number now worn by other content is not it); a
+    notebook that never ran had no earlier name in the course at that commit."""
     course = (ROOT / "docs/course.md").read_text()
     record = course.split("## What has run on a GPU", 1)[1]
-    rows = {line.split("|")[1].strip().strip("`"): line for line in record.splitlines() if line.startswith("| `")}
+    commit = re.search(r"run 2, `([0-9a-f]{7,})`", record).group(1)
+    assert "GPU run 2" in _git("log", "-1", "--format=%s", commit)
+    then = {Path(path).stem for path in _git("ls-tree", "--name-only", commit, "notebooks/").split()}
+    table = [line.split("|") for line in record.splitlines() if line.startswith("| `")]
+    rows = {cells[1].strip().strip("`"): cells for cells in table}
     assert sorted(rows) == NAMES, sorted(set(NAMES) ^ set(rows))
     for name, row in rows.items():
-        last = row.split("|")[2].strip()
-        assert last == "never" or re.match(r"\d{4}-\d\d-\d\d, ", last), (name, last)
+        earlier = _names_in_history(name) & then
+        ran_as = set(REFERENCE.findall(row[2]))
+        if row[2].strip() == "never":
+            assert not earlier, (name, earlier)
+        else:
+            assert earlier and earlier <= ran_as <= then, (name, ran_as, earlier)
+            for merged in ran_as - earlier:  # deleted by a commit that made this notebook: merged into it
+                deleted = _git("log", "--diff-filter=D", "--format=%h", "--", f"notebooks/{merged}.ipynb").split()
+                made = _git("log", "--follow", "--format=%h", "--", f"notebooks/{name}.ipynb").split()
+                assert set(deleted) & set(made), (name, merged)
+    assert "12-composing-compile-and-tp" not in then  # today's 12 is not the 12 that ran

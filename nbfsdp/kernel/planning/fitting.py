@@ -17,25 +17,29 @@ collectives on (``nccl_groups``: 1 for a mesh of one dimension, 3 for HSDP's two
 The cost model (``step_time``), per step and rank on GPUs at stated rates: compute at ``FLOPS`` (2 FLOPs per
 parameter and token forward, 4 backward, 2 more for each recomputed parameter); collectives at NCCL's bus
 bandwidth (``collective_seconds``: ``NODE_BUS_BANDWIDTH`` inside a node, the node's NICs together,
-``NETWORK_BANDWIDTH``, for what leaves it), of which only what compute cannot hide counts: each unit's gather
-runs during the previous unit's compute, its reductions during the next unit's backward, and the first gather
-and the last reduction of a pass wait whole. Micro-batches repeat the passes, each with its gathers and its
-gradient reductions; CPU offload copies each rank's fp32 shard up before every gather and its gradient down
-once over ``PCIE``, and steps AdamW on the CPU (16 bytes a parameter at ``CPU_BANDWIDTH``). A suggestion's cost
+``NETWORK_BANDWIDTH``, for what leaves it) plus NCCL's own latency for each call (``collective_latency``: a
+fixed start and a hop a ring step, longer where the step crosses nodes), of which only what compute cannot
+hide counts: each unit's gather runs during the previous unit's compute, its reductions during the next
+unit's backward, and the first gather and the last reduction of a pass wait whole. ``hiding_tokens`` is the
+same arithmetic for one unit, phase by phase: the tokens a rank needs for compute to hide it. Micro-batches
+repeat the passes, each with its gathers and its gradient reductions; CPU offload copies each rank's fp32
+shard up before every gather and its gradient down once over ``PCIE``, and steps AdamW on the CPU (16 bytes a
+parameter at ``CPU_BANDWIDTH``). A suggestion's cost
 is its step's time less the asked-for step's. More ranks cost GPUs, not time: they come last. Not counted:
 attention's score FLOPs (they grow with the sequence; recomputing attention costs more than its parameters
-say), kernel launch and collective latency, and contention between the gathers' and the reductions' streams.
+say), kernel launch latency, and contention between the gathers' and the reductions' streams.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nbfsdp.kernel.planning.placement import cross_host
+from nbfsdp.kernel.planning.placement import cross_host, replicate_groups, shard_groups
 from nbfsdp.shared.config import ConfigError, size_bytes
 
 if TYPE_CHECKING:
@@ -87,6 +91,17 @@ NODE_BUS_BANDWIDTH = 360e9
 NETWORK_BANDWIDTH = 340e9
 #: GPUs a node holds, where a plan names no hosts: ranks fill nodes in order, as torchrun and Slurm place them.
 GPUS_PER_NODE = 8
+#: NCCL's latency model, as its tuner weighs algorithms (NVIDIA/nccl ``src/graph/tuning.cc``,
+#: ``ncclTopoTuneModel``; the Simple protocol, which carries FSDP's megabyte collectives): a ring collective
+#: starts in ``baseLat`` (8.4 us), then each of its steps costs a hop, ``hwLat``: 3.4 us over NVLink, 14 us
+#: where the step crosses the network. An all-gather or reduce-scatter over N ranks on n nodes takes N - 1 steps,
+#: n - 1 of them between nodes; an all-reduce 2(N - 1), 2n of them between nodes.
+RING_START_SECONDS = 8.4e-6
+NVLINK_HOP_SECONDS = 3.4e-6
+NETWORK_HOP_SECONDS = 14e-6
+#: A tree all-reduce (``hwLat`` Tree, Simple: 28 us a hop on NVLink and network alike, no start) climbs
+#: 2 (N/n - 1 + log2 n) hops: NCCL picks it over the ring for an all-reduce over many nodes.
+TREE_HOP_SECONDS = 28e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,16 +247,89 @@ def node_hosts(world_size: int) -> list[str]:
     return [f"node{rank // GPUS_PER_NODE}" for rank in range(world_size)]
 
 
-def collective_seconds(plan: Plan) -> dict[str, float]:
-    """Seconds each collective of a step takes at NCCL's bus bandwidth: the bytes a rank sends over
+def collective_latency(kind: str, ranks: int, nodes: int) -> float:
+    """NCCL's latency for one collective of ``kind`` over ``ranks`` spread on ``nodes``: a ring's start and hops
+    (``RING_START_SECONDS``...); an all-reduce the lower of the ring's and the tree's, as NCCL's tuner would pick
+    for a latency-bound size. Nothing for a group of one."""
+    if ranks <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        steps, between = 2 * (ranks - 1), (2 * nodes if nodes > 1 else 0)
+    else:
+        steps, between = ranks - 1, nodes - 1
+    ring = RING_START_SECONDS + (steps - between) * NVLINK_HOP_SECONDS + between * NETWORK_HOP_SECONDS
+    if kind != "all_reduce":
+        return ring
+    return min(ring, 2 * (ranks / nodes - 1 + math.log2(nodes)) * TREE_HOP_SECONDS)
+
+
+def _hosts(plan: Plan) -> list[str]:
+    return plan.hosts or node_hosts(plan.world_size)
+
+
+def group_nodes(plan: Plan, kind: str) -> int:
+    """The nodes one group of ``kind``'s collective spans (rank 0's: the mesh's row for gathers and reduce-scatters,
+    its column for all-reduces)."""
+    replicas, shards = plan.mesh
+    groups = replicate_groups(replicas, shards) if kind == "all_reduce" else shard_groups(replicas, shards)
+    hosts = _hosts(plan)
+    return len({hosts[rank] for rank in groups[0]})
+
+
+def call_latency(plan: Plan, kind: str) -> float:
+    """NCCL's latency for one of ``plan``'s collectives of ``kind`` (``collective_latency`` over its group)."""
+    return collective_latency(kind, plan.wire[kind]["group"], group_nodes(plan, kind))
+
+
+def collective_calls(plan: Plan) -> dict[str, int]:
+    """The collectives of each kind a rank issues a step: a gather per unit in forward and per re-gathered unit in
+    backward (FULL_SHARD: all but the root), a reduce-scatter (and under HSDP an all-reduce) per unit that trains."""
+    trained = sum(1 for u in plan.units if u.params > u.frozen)
+    regathered = plan.config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
+    holding = [index for index, u in enumerate(plan.units) if u.params]  # a unit with no parameters gathers nothing
+    gathers = len(holding) + (sum(1 for index in holding if index) if regathered else 0)
+    counts = {"all_gather": gathers, "reduce_scatter": trained, "all_reduce": trained}
+    return {kind: counts[kind] if plan.wire[kind]["tensor"] else 0 for kind in plan.wire}
+
+
+def collective_seconds(plan: Plan, *, latency: bool = True) -> dict[str, float]:
+    """Seconds each collective of a step takes: at NCCL's bus bandwidth, the bytes a rank sends over
     ``NODE_BUS_BANDWIDTH`` inside a node, or, where its groups cross nodes, the bytes the busiest node sends
-    out over ``NETWORK_BANDWIDTH``, whichever is longer. A plan without hosts is placed ``GPUS_PER_NODE``
-    ranks to a node."""
-    out = plan.cross_host or cross_host(plan.wire, plan.mesh, node_hosts(plan.world_size))
+    out over ``NETWORK_BANDWIDTH``, whichever is longer; and (``latency``) NCCL's latency for each call
+    (``collective_calls``, ``call_latency``). A plan without hosts is placed ``GPUS_PER_NODE`` ranks to a node."""
+    out = plan.cross_host or cross_host(plan.wire, plan.mesh, _hosts(plan))
+    calls = collective_calls(plan)
     return {
         kind: max(w["sent"] / NODE_BUS_BANDWIDTH, max(out.get(kind, {}).values(), default=0) / NETWORK_BANDWIDTH)
+        + (calls[kind] * call_latency(plan, kind) if latency else 0.0)
         for kind, w in plan.wire.items()
     }
+
+
+def hiding_tokens(
+    params: int, ranks: int, nodes: int = 1, *, strategy: str = "FULL_SHARD", bandwidth: float | None = None
+) -> dict[str, float]:
+    """Tokens a rank must compute, phase by phase, for a unit of ``params`` parameters to hide the collectives
+    beside it under ``strategy`` at DEFAULT precision (bf16 gathers, fp32 reductions), over ``ranks`` on ``nodes``
+    at ``bandwidth`` (default: NVLink's inside one node, the NICs' across): forward's 2 FLOPs a parameter a token
+    against the next unit's gather; backward's 4 against the next gather (FULL_SHARD) and this unit's
+    reduction. Each is (N-1)/N bytes over the bandwidth plus NCCL's latency, so the tokens grow as the unit
+    shrinks and the latency grows with N."""
+    rate = bandwidth or (NODE_BUS_BANDWIDTH if nodes == 1 else NETWORK_BANDWIDTH)
+    share = (ranks - 1) / ranks
+
+    def seconds(kind: str, bytes_per_param: int) -> float:
+        return bytes_per_param * params * (2 if kind == "all_reduce" else 1) * share / rate + collective_latency(
+            kind, ranks, nodes
+        )
+
+    if strategy == "NO_SHARD":
+        forward, backward = 0.0, seconds("all_reduce", 4)
+    else:
+        gather = seconds("all_gather", 2)
+        forward = gather
+        backward = (gather if strategy == "FULL_SHARD" else 0.0) + seconds("reduce_scatter", 4)
+    return {"forward": forward * FLOPS / (2 * params), "backward": backward * FLOPS / (4 * params)}
 
 
 def nccl_groups(plan: Plan) -> int:
@@ -274,12 +362,16 @@ def step_time(plan: Plan, micro_batches: int = 1) -> StepTime:
     """The step of ``plan`` (``plan.tokens`` a rank) in ``micro_batches`` micro-batches, each gathering every unit
     again and reducing its gradients (the gradient sync on every micro-batch, FSDP2's default)."""
     tokens = plan.tokens / micro_batches
-    seconds = collective_seconds(plan)
+    seconds = collective_seconds(plan, latency=False)
     rate = {kind: seconds[kind] / w["tensor"] if w["tensor"] else 0.0 for kind, w in plan.wire.items()}
     trained = [u.params - u.frozen for u in plan.units]
     reductions = seconds["reduce_scatter"] + seconds["all_reduce"]
-    reduce = [reductions * t / max(1, sum(trained)) for t in trained]
-    gather = [u.gathered_bytes * rate["all_gather"] for u in plan.units]
+    each_reduction = sum(
+        call_latency(plan, kind) for kind in ("reduce_scatter", "all_reduce") if plan.wire[kind]["tensor"]
+    )
+    reduce = [reductions * t / max(1, sum(trained)) + (each_reduction if t else 0.0) for t in trained]
+    each_gather = call_latency(plan, "all_gather") if plan.wire["all_gather"]["tensor"] else 0.0
+    gather = [u.gathered_bytes * rate["all_gather"] + (each_gather if u.params else 0.0) for u in plan.units]
     regathered = plan.config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")  # the root stays gathered
     forward = [2 * u.params * tokens / FLOPS for u in plan.units]
     backward = [
