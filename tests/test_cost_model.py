@@ -238,6 +238,10 @@ def test_ncclss_buffers_come_out_of_the_gpu_by_process_group(net):
     h100 = fitting.gpu_memory("H100")
     assert one_dim.device_memory["nccl"] == fitting.NCCL_BYTES_PER_GROUP_NVLS  # Hopper: NVLS's buffers
     assert hsdp.device_memory["nccl"] == 3 * fitting.NCCL_BYTES_PER_GROUP_NVLS  # the world, shard and replicate
+    # HSDP over 2 whole nodes: the replicate group has one rank a node, no NVLink peer, so no NVLS buffers
+    across = _plan(net, 16, batch=_batch(16, 512), gpu="H100", sharding_strategy="HYBRID_SHARD", replicas=2)
+    assert fitting.network_groups(across) == 1 and fitting.network_groups(hsdp) == 0
+    assert across.device_memory["nccl"] == 2 * fitting.NCCL_BYTES_PER_GROUP_NVLS + fitting.NCCL_BYTES_PER_GROUP
     assert one_dim.device_memory["usable"] == dataclasses.replace(h100, nccl_groups=1).usable < h100.usable
     a100 = _plan(net, batch=batch, gpu="A100")
     assert a100.device_memory["nccl"] == fitting.NCCL_BYTES_PER_GROUP

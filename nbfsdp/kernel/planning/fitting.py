@@ -11,8 +11,9 @@ it has allocated, rounding and fragmentation (``ALLOCATOR_FRACTION`` of the peak
 they come from are in ``docs/guide/explain.md``.
 
 The margin also holds NCCL's own buffers, which it allocates outside the caching allocator: one
-communicator's worth (``NCCL_BYTES_PER_GROUP``, more with NVLS on Hopper) for each process group a rank runs
-collectives on (``nccl_groups``: 1 for a mesh of one dimension, 3 for HSDP's two).
+communicator's worth (``NCCL_BYTES_PER_GROUP``, more with NVLS on Hopper where the group has NVLink peers) for
+each process group a rank runs collectives on (``nccl_groups``: 1 for a mesh of one dimension, 3 for HSDP's two;
+``network_groups``: those with one rank a node, which have no NVLS).
 
 The cost model (``step_time``), per step and rank on GPUs at stated rates: compute at ``FLOPS`` (2 FLOPs per
 parameter and token forward, 4 backward, 2 more for each recomputed parameter); collectives at NCCL's bus
@@ -84,8 +85,10 @@ FLOPS, PCIE, CPU_BANDWIDTH = 400e12, 25e9, 20e9
 #: group inside one node: eight H100s on NVLink 4 through NVSwitch measure about 360 GB/s for all-gather and
 #: reduce-scatter. A collective is as fast as its ring's slowest link, not one NIC's 50 GB/s.
 NODE_BUS_BANDWIDTH = 360e9
-#: What a node's network cards carry out of it together, per second: eight 400 Gb/s NICs (one a GPU) measure
-#: about 340 GB/s of bus bandwidth for an all-gather over 2 x 8 H100s in public runs. A ring over the nodes
+#: What a node's network cards carry out of it together, per second: eight 400 Gb/s NICs (one a GPU) are 400 GB/s
+#: at line rate, and 340 GB/s is 85% of it: an assumption, not a cited all-gather measurement (vendors' cluster
+#: guides quote 400-450 GB/s of all-reduce bus bandwidth for H100 with NDR, which NVLS and tree algorithms reach
+#: above the NICs' rate, so they do not give the all-gather's). A ring over the nodes
 #: leaves each by as many links as it has channels, so a node's bytes out (``Plan.cross_host``) over this rate
 #: is the time the slow links take; HSDP's S replica groups share it, each about a NIC's worth.
 NETWORK_BANDWIDTH = 340e9
@@ -117,14 +120,21 @@ class DeviceMemory:
     no CUDA context and no allocator, less a margin for the planner's error); else what a GPU leaves."""
     nccl_groups: int = 0
     """The NCCL communicators a rank of the plan opens: each holds buffers outside the caching allocator."""
+    network_groups: int = 0
+    """Of those, the groups with one rank a node (HSDP's replicate group over whole nodes): no NVLink peer, so
+    no NVLS buffers even on Hopper."""
 
     @property
     def nccl_bytes(self) -> int:
-        """What ``nccl_groups`` communicators hold on the GPU (``NCCL_BYTES_PER_GROUP``; NVLS's on Hopper on)."""
+        """What ``nccl_groups`` communicators hold on the GPU (``NCCL_BYTES_PER_GROUP``; NVLS's on Hopper on,
+        for the groups with NVLink peers)."""
         if self.step_share is not None or not self.nccl_groups:
             return 0
         nvls = self.capability is not None and self.capability >= (9, 0)
-        return self.nccl_groups * (NCCL_BYTES_PER_GROUP_NVLS if nvls else NCCL_BYTES_PER_GROUP)
+        linked = self.nccl_groups - self.network_groups
+        return linked * (NCCL_BYTES_PER_GROUP_NVLS if nvls else NCCL_BYTES_PER_GROUP) + (
+            self.network_groups * NCCL_BYTES_PER_GROUP
+        )
 
     @property
     def usable(self) -> int:
@@ -337,6 +347,15 @@ def nccl_groups(plan: Plan) -> int:
     collectives do), and a 2-D mesh's shard and replicate groups besides."""
     replicas, shards = plan.mesh
     return 1 if replicas == 1 or shards == 1 else 3
+
+
+def network_groups(plan: Plan) -> int:
+    """Of ``nccl_groups``, those whose ranks each sit on a node of their own: a 2-D mesh's replicate group once
+    its shard groups fill whole nodes. NVLS needs NVLink peers, so they hold no NVLS buffers."""
+    if nccl_groups(plan) == 1:
+        return 0
+    hosts, group = _hosts(plan), replicate_groups(*plan.mesh)[0]
+    return 1 if len({hosts[rank] for rank in group}) == len(group) else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -346,7 +346,9 @@ def _traced(
     memory = trace.memory
     if memory is not None:
         if config.device == "cuda":
-            memory = dataclasses.replace(memory, nccl_groups=fitting.nccl_groups(planned))
+            memory = dataclasses.replace(
+                memory, nccl_groups=fitting.nccl_groups(planned), network_groups=fitting.network_groups(planned)
+            )
         planned.device_memory = {
             "name": memory.name,
             "total": memory.total,
