@@ -76,14 +76,25 @@ def test_an_adopted_process_is_signalled_stopped_and_reported_with_our_exit_code
     assert child.returncode == -signal.SIGTERM
 
 
+def _end_groups(groups: set[int]) -> None:
+    """The schedulers a controller forks outlive a controller that ipyparallel's stop had to kill (seen in loaded
+    full runs: orphaned for the rest of the run, and once after it), and may be forked after their pids could be
+    read: not what these tests check, so each launched process's group is ended, where they are."""
+    for group in groups - {os.getpgid(0)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def test_a_running_cluster_is_found_by_its_files_in_the_profile(tmp_path):
     """What ``%fsdp attach`` reads of a cluster it did not start: its id, and its engines' connection file."""
     security = tmp_path / "security"
     cluster = ipp.Cluster(
         profile_dir=str(tmp_path), cluster_id="c1", controller_ip="127.0.0.1", log_level=logging.ERROR
     )
+    groups: set[int] = set()
     try:
         cluster.start_controller_sync()
+        groups = {os.getpgid(pid) for pid in ipyparallel_private.launched_pids(cluster)}
         assert ipyparallel_private.running_cluster_ids(security) == ["c1"]
         engine_file = ipyparallel_private.engine_connection_file(security, "c1")
         deadline = time.monotonic() + 30
@@ -93,6 +104,7 @@ def test_a_running_cluster_is_found_by_its_files_in_the_profile(tmp_path):
         assert "127.0.0.1" in connection["interface"]
     finally:
         cluster.stop_cluster_sync()
+        _end_groups(groups)
     assert ipyparallel_private.running_cluster_ids(security) == []  # its file goes with it
     assert ipyparallel_private.engine_connection_file(security, "").name == "ipcontroller-engine.json"
 
@@ -114,10 +126,5 @@ def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
         assert "ipyparallel.engine" in psutil.Process(engine).cmdline()
     finally:
         cluster.stop_cluster_sync()
-        # the schedulers the controller forks outlive a controller that ipyparallel's stop had to kill (seen
-        # in loaded full runs: four to seven, orphaned for the rest of the run), and may be forked after their
-        # pids could be read: not what this test checks, so end each launched process's group, where they are
-        for group in groups - {os.getpgid(0)}:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
+        _end_groups(groups)
     assert left_behind(pids, 10) == []
