@@ -23,10 +23,10 @@ FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 # the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers)
 TEST_WORKERS ?= 2
 
-.PHONY: lab test test-floor test-gpu check typecheck browser sshd lint clean bench docs
+.PHONY: lab test test-floor test-gpu check typecheck browser sshd lint site-check clean bench docs
 
-# `make test` builds the two environments at once (`make -j2`): their editable installs of this directory take turns
-# (flock), as both write nbfsdp.egg-info here
+# `make test` builds the two environments at once (`make -j3`, with the lint, the types and the site checked as soon
+# as .venv is ready): their editable installs of this directory take turns (flock), as both write nbfsdp.egg-info here
 EDITABLE_LOCK := flock .editable-install.lock
 
 $(FLOOR_STAMP): pyproject.toml Makefile
@@ -69,11 +69,7 @@ sshd:
 
 ## Same set-up, then the whole suite: lint, types, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval
 test: browser sshd
-	$(MAKE) -j2 $(STAMP) $(FLOOR_STAMP)
-	$(BIN)/ruff check nbfsdp tests benchmarks
-	$(BIN)/ruff format --check nbfsdp tests benchmarks
-	$(MAKE) typecheck
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	$(MAKE) -j3 $(FLOOR_STAMP) lint typecheck site-check
 	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-floor
 
@@ -91,15 +87,22 @@ test-gpu:
 	$(GPU_PYTHON) -m tests.gpu_suite
 
 ## The fast loop before a commit (under 5 min on 2 cores): lint, types, then the tests not marked slow, no notebooks
-check: $(STAMP)
-	$(BIN)/ruff check nbfsdp tests benchmarks
-	$(BIN)/ruff format --check nbfsdp tests benchmarks
-	$(MAKE) typecheck
+check: lint typecheck
 	NBFSDP_PREWARM=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests
 
 ## mypy on nbfsdp/ (settings in pyproject.toml: the libraries without types are Any, nbfsdp's own code is checked)
 typecheck: $(STAMP)
 	$(BIN)/mypy nbfsdp
+
+## ruff's lint and its formatting check, as `make test` runs them
+lint: $(STAMP)
+	$(BIN)/ruff check nbfsdp tests benchmarks
+	$(BIN)/ruff format --check nbfsdp tests benchmarks
+
+## The documentation site built strictly (broken links fail), quietly: what `make test` checks of it. `make test`
+## runs lint, typecheck and this at once (`make -j3`), while .venv-floor is still being built
+site-check: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## Same set-up, then nbfsdp against torchrun and raw ipyparallel (about 10 min on 2 cores): the table is
 ## printed, JSON, markdown and a plot land in benchmarks/results/ (e.g. BENCH_ARGS="--quick" or "--only gpu")
