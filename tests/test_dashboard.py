@@ -424,15 +424,14 @@ def _wait_for_drawing(dashboard: LiveDashboard, redraws: int) -> None:
     priority test holds that); these tests check what it draws, so on a machine with no idle CPU its current
     process is given a share like any other's while it is waited for (as root; else it waits as it is), and its
     own priority back after."""
-    shared: set[int] = set()
     with contextlib.ExitStack() as shares:
         deadline = time.monotonic() + 30
         while (dashboard.redraws < redraws or not dashboard._drawing.done()) and time.monotonic() < deadline:
             worker = renderer._worker  # a worker that died is replaced by a new process as the drawing is sent
             pid = worker.process.pid if worker is not None and worker.alive else None
-            if pid and pid not in shared:
-                shared.add(pid)
-                shares.enter_context(_normal_share(pid))
+            with contextlib.suppress(OSError):  # a new worker puts itself at idle priority as it starts: again
+                if pid and os.sched_getscheduler(pid) != os.SCHED_OTHER:
+                    shares.enter_context(_normal_share(pid))
             time.sleep(0.02)
 
 
