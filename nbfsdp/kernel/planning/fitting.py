@@ -354,8 +354,7 @@ def network_groups(plan: Plan) -> int:
     its shard groups fill whole nodes. NVLS needs NVLink peers, so they hold no NVLS buffers."""
     if nccl_groups(plan) == 1:
         return 0
-    hosts, group = _hosts(plan), replicate_groups(*plan.mesh)[0]
-    return 1 if len({hosts[rank] for rank in group}) == len(group) else 0
+    return 1 if group_nodes(plan, "all_reduce") == plan.mesh[0] else 0  # as many nodes as replicas
 
 
 @dataclass(frozen=True, slots=True)
