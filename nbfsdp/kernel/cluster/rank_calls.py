@@ -98,11 +98,15 @@ def submit(
     """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id); sent to none,
     ``RankDied`` for the lowest rank whose engine the controller no longer has (it saw the engine die: ipyparallel
     would refuse it with ``IndexError('No such engine')``)."""
-    registered = set(client.ids)  # the controller's notifications read first: an engine gone since is not here
+    views = {}
     for rank, engine_id in engine_ids.items():
-        if engine_id not in registered:
-            raise RankDied(rank, f"its engine ({engine_id}) is gone: the controller saw it end")
-    return {rank: client[engine_id].apply_async(function, *arguments[rank]) for rank, engine_id in engine_ids.items()}
+        # the client's IO thread drops an engine the moment the controller reports its end, so a check of
+        # ``client.ids`` before the lookup could pass and the lookup still fail: the lookup itself is the check
+        try:
+            views[rank] = client[engine_id]
+        except IndexError:
+            raise RankDied(rank, f"its engine ({engine_id}) is gone: the controller saw it end") from None
+    return {rank: view.apply_async(function, *arguments[rank]) for rank, view in views.items()}
 
 
 def gather(
