@@ -23,7 +23,8 @@ kernel is fresh (``NBFSDP_PREWARM=0``, CPU ranks, world size 2) with its world u
   ``nbfsdp.log``: a cell that logs also waits for the dashboard's final figure to be drawn (200-350 ms on
   these 2 cores, measured), whatever its model; that is the dashboard's cost, not the model's.
 
-``--quick``: a 2-layer model of hidden 256 for every row, two load rounds. Run alone:
+``--quick``: a 2-layer model of hidden 256 for every row, one load round and 4 training cells (the suite's
+smoke run: each round is a torchrun launch). Run alone:
 ``python -m benchmarks --only pretrained``.
 """
 
@@ -51,6 +52,8 @@ PEAK_TARGET = 1.2
 GROWTH_TARGET_MIB = 300
 OVERHEAD_TARGET_MS = 50
 CELLS = 10
+#: ... under ``--quick``.
+QUICK_CELLS = 4
 MiB = 2**20
 
 #: name -> (hidden, intermediate, layers, heads, kv heads, max shard size)
@@ -201,6 +204,7 @@ def _load_rows(ctx: Context, directory: Path, label: str, rounds: int) -> list[M
 
 
 def _living_rows(ctx: Context, directory: Path, label: str, out: Path) -> list[Measurement]:
+    cells = ctx.rounds(full=CELLS, quick=QUICK_CELLS)
     kernel = Kernel(env={**NO_PREWARM, **CPU_ONLY})
     try:
         kernel.execute(SETUP)
@@ -209,7 +213,7 @@ def _living_rows(ctx: Context, directory: Path, label: str, out: Path) -> list[M
         before = procmem.read(kernel.pid)["rss"]
         kernel.execute(f"llama = nbfsdp.from_pretrained({str(directory)!r}, dtype=torch.bfloat16)")
         trips, in_cell = [], []
-        for _ in range(CELLS):
+        for _ in range(cells):
             reply = kernel.execute(TRAIN, timeout=900)
             trips.append(reply.elapsed)
             said = [float(line.split()[-1]) for line in reply.stdout.splitlines() if " cell_s " in line]
@@ -222,7 +226,7 @@ def _living_rows(ctx: Context, directory: Path, label: str, out: Path) -> list[M
     overheads = [(trip - cell) * 1000 for trip, cell in zip(trips[1:], in_cell[1:], strict=True)]
     return [
         Measurement(
-            what=f"kernel memory growth, from_pretrained + {CELLS} training cells + --hf save, {label}",
+            what=f"kernel memory growth, from_pretrained + {cells} training cells + --hf save, {label}",
             value=growth,
             unit="MiB",
             target=GROWTH_TARGET_MIB,
@@ -252,6 +256,6 @@ def run(ctx: Context) -> dict:
             directory = Path(tmp, label)
             _make_checkpoint(directory, size)
             if label == list(sizes)[-1]:  # the largest: the load comparison
-                rows += _load_rows(ctx, directory, label, ctx.rounds(3, 2))
+                rows += _load_rows(ctx, directory, label, ctx.rounds(3, 1))
             rows += _living_rows(ctx, directory, label, Path(tmp, f"{label}-out"))
     return {"measurements": rows}

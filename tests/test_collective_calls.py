@@ -66,3 +66,27 @@ def test_the_ledger_and_the_meter_watch_one_wrapper():
     issued = PROGRAM.splitlines().index("dist.all_reduce(torch.ones(2))  # the meter has stopped; the ledger has not")
     assert seen["at"] == f"<string>:{issued + 1} in <module>"  # the line that issued it, read from the waiting stack
     assert seen["not_inside"] is None
+
+
+P2P_PROGRAM = """
+import json, torch, torch.distributed as dist
+from nbfsdp.shared import collective_calls
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+collective_calls.watch(type("Nobody", (), {"entered": lambda *a: None, "left": lambda *a: None})())
+ops = [dist.P2POp(dist.isend, torch.ones(1), 0), dist.P2POp(dist.irecv, torch.ones(1), 0)]  # as pipelining makes them
+same = [name for name in collective_calls.COLLECTIVES
+        if getattr(dist, name, None) is getattr(dist.distributed_c10d, name, None)]
+print(json.dumps({"ops": len(ops), "same": same, "wrapped": dist.isend.__wrapped_by_nbfsdp__}))
+dist.destroy_process_group()
+"""
+
+
+def test_each_collective_has_one_wrapper_on_both_modules_so_pipelining_can_send():
+    """torch.distributed.pipelining makes ``P2POp(dist.isend, ...)``, and P2POp takes only distributed_c10d's
+    isend or irecv: with a wrapper of each module's own, every pipeline stage's first send raised."""
+    done = subprocess.run([sys.executable, "-c", P2P_PROGRAM], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["ops"] == 2 and seen["wrapped"]
+    assert set(seen["same"]) >= {"isend", "irecv", "send", "recv", "all_reduce", "all_gather_into_tensor"}

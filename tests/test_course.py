@@ -25,10 +25,10 @@ def _source(cell: dict) -> str:
     return cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
 
 
-def test_the_course_is_eighteen_notebooks_in_order_and_an_appendix():
+def test_the_course_is_nineteen_notebooks_in_order_and_an_appendix():
     main = [name for name in NAMES if name[:2].isdigit()]
     appendix = [name for name in NAMES if name.startswith("a")]
-    assert [int(name[:2]) for name in main] == list(range(18)), main
+    assert [int(name[:2]) for name in main] == list(range(19)), main
     assert appendix == [
         "a1-your-own-training-loop",
         "a2-changing-settings-mid-run",
@@ -36,7 +36,7 @@ def test_the_course_is_eighteen_notebooks_in_order_and_an_appendix():
         "a4-lora-fine-tuning",
         "a5-out-of-memory-lab",
     ]
-    assert len(NAMES) >= 23
+    assert len(NAMES) >= 24
 
 
 def test_every_notebook_is_listed_in_the_course_page_the_site_and_the_readme():

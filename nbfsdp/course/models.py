@@ -68,7 +68,9 @@ def batch_for(
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, targets.reshape(-1))
+    """Cross-entropy in fp32 whatever the logits' dtype: bf16 logits (a DEFAULT or PURE forward) would round the
+    log-softmax to 8 bits of mantissa, so large-model trainers upcast them first."""
+    return F.cross_entropy(logits.float(), targets.reshape(-1))
 
 
 class MLPBlock(nn.Module):

@@ -62,10 +62,13 @@ def _install() -> None:
     if _installed:
         return
     for name in COLLECTIVES:
+        # one wrapper a function, put on each module that has it: torch compares them (P2POp takes only an op that
+        # is distributed_c10d's isend or irecv, and torch.distributed.pipelining hands it dist.isend)
+        wrappers: dict[int, Any] = {}
         for module in (dist, dist.distributed_c10d):
             function = getattr(module, name, None)
             if function is not None and not getattr(function, "__wrapped_by_nbfsdp__", False):
-                setattr(module, name, _wrap(name, function))
+                setattr(module, name, wrappers.setdefault(id(function), _wrap(name, function)))
     _installed = True
 
 
