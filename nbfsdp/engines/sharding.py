@@ -28,21 +28,44 @@ from nbfsdp.shared.torch_private import (
 from nbfsdp.shared.units import ROOT_RESHARD_LEFT_TO_FSDP, activation_modules, forward_order, wrap_units
 
 
-def _offload_saved_activations(module: nn.Module, *, pin_memory: bool) -> None:
-    """Keep what ``module`` saves for backward on the CPU (autograd's ``save_on_cpu``)."""
+class HostOffload:
+    """Keep what ``module`` saves for backward in host memory (autograd's ``save_on_cpu``), except the tensors that
+    share a storage with its parameters: under FSDP those are the unit's gathered parameters, which FSDP gathers
+    again for backward, so sending them too would move a unit's weights to the host and back each step and hold a
+    second copy of them through backward (``save_on_cpu`` alone does; course 06 measures both).
 
-    contexts: list[torch.autograd.graph.save_on_cpu] = []  # one per forward of the module under way
+    ``moved``: the bytes the module's last forward sent to the host."""
 
-    def enter(mod: nn.Module, args: object) -> None:
-        context = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
-        context.__enter__()
-        contexts.append(context)
+    def __init__(self, module: nn.Module, *, pin_memory: bool) -> None:
+        self.module, self.pin_memory = module, pin_memory
+        self.moved = 0
+        self._open: list[torch.autograd.graph.saved_tensors_hooks] = []  # one per forward of the module under way
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._leave)
 
-    def leave(mod: nn.Module, args: object, output: object) -> None:
-        contexts.pop().__exit__(None, None, None)
+    def _enter(self, module: nn.Module, args: object) -> None:
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+        parameters: set[int] = set()  # read at the first save, once FSDP has gathered the unit's parameters
+        self.moved = 0
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave)
+        def pack(tensor: torch.Tensor) -> tuple[bool, Any]:
+            if not parameters:
+                parameters.update(p.untyped_storage().data_ptr() for p in module.parameters())
+            if tensor.untyped_storage().data_ptr() in parameters:
+                return False, tensor
+            self.moved += tensor.nbytes
+            return True, offload.pack_hook(tensor)
+
+        def unpack(packed: tuple[bool, Any]) -> torch.Tensor:
+            sent, value = packed
+            return offload.unpack_hook(value) if sent else value
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self._open.append(hooks)
+
+    def _leave(self, module: nn.Module, args: object, output: object) -> None:
+        self._open.pop().__exit__(None, None, None)
 
 
 def device_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> DeviceMesh:
@@ -76,7 +99,7 @@ def apply_fsdp(model: nn.Module, config: FSDPConfig, mesh: DeviceMesh, device: t
     checkpointable = activation_modules(model, units, dataclasses.replace(config, activation_checkpointing=True))
     for module in checkpointable:
         if config.activation_cpu_offload:
-            _offload_saved_activations(module, pin_memory=device.type == "cuda")
+            HostOffload(module, pin_memory=device.type == "cuda")
         checkpoint(module)
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.unit_reshard_after_forward}
     options["mp_policy"] = _mp_policy(config)

@@ -262,7 +262,10 @@ def profiled_allocation_peak(profiler: Any, threads: set[int]) -> int:
     ``threads``: what a step allocated above what it found. Tensors allocated before are not counted, nor their
     frees (the profiler's CPU reporter knows no size for them). Only the step's own threads: gloo's workers
     stage transfers in buffers of their own, which a GPU's allocator statistics do not count for NCCL either,
-    and which come and go with the scheduling (a rank's peak 8% higher when they met it under load)."""
+    and which come and go with the scheduling (a rank's peak 8% higher when they met it under load). The price:
+    a step thread's tensor that gloo's thread frees (a finished asynchronous gather's buffer) is not seen freed,
+    and the profiler's events name no address to pair it by, so under load the figure can be off by such
+    buffers (12% against FSDPMemTracker once, in course 02; 0.45 MB above a --memory-limit the ranks kept)."""
     cpu = torch.autograd.DeviceType.CPU
     live = peak = 0
     for event in sorted(

@@ -127,7 +127,7 @@ def render(model: nn.Module, config: FSDPConfig, world_size: int, devices: Devic
     if config.activation_cpu_offload:
         lines.append(
             "# activation_cpu_offload: nbfsdp also runs each checkpointable module's forward under "
-            "torch.autograd.graph.save_on_cpu()"
+            "torch.autograd.graph.save_on_cpu()'s hooks, its gathered parameters left where they are"
         )
     if checkpointed:
         lines += ["", "# activation checkpointing first: recompute these modules' activations in backward"]
