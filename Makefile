@@ -69,7 +69,7 @@ sshd:
 
 ## Same set-up, then the whole suite: lint, types, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval.
 ## The floor run goes beside it on one worker (its log printed after): the suite leaves a core idle about a
-## twentieth of its time, and its last file runs alone, so the floor's 2.7 min one after the other mostly vanish
+## twentieth of its time, and its last file runs alone (28:16 in all, measured, where one after the other took 29:57)
 test: browser sshd
 	$(MAKE) -j3 $(FLOOR_STAMP) lint typecheck site-check
 	@mkdir -p test-artifacts
