@@ -108,6 +108,7 @@ def test_the_controller_keeps_no_copy_of_what_a_cell_sends_or_gathers(shell, clu
     # ipyparallel's default task database keeps every request's and result's buffers (up to 1 GiB): here,
     # the shards sent and the state gathered, about twice the model, for the life of the world (measured:
     # 131 MiB after this 64 MiB model; without a database, what the allocator keeps of the messages passed on)
+    run_ok(shell, "import torch")  # the cell's own import, not another test's
     shell.user_ns["big"] = model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     touch = "%%fsdp --world-size 2\nwith torch.no_grad():\n    big[0].bias.add_(0.0)\n"  # a write: gathered back
@@ -118,7 +119,10 @@ def test_the_controller_keeps_no_copy_of_what_a_cell_sends_or_gathers(shell, clu
         shell.user_ns["big"] = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # sent anew
         run_ok(shell, touch)
     kept = settled_rss(controller) - before
-    assert kept < 0.5 * full, f"the controller kept {kept / 2**20:.0f} MiB over two cells of {full / 2**20:.0f} MiB"
+    # a database would keep both cells' messages, about 4x the model; the allocator's pools kept under half of it
+    # on a quiet machine (this test's bound before) and 0.58x with both cores busy (messages queued longer, pools
+    # grown more): under one model
+    assert kept < full, f"the controller kept {kept / 2**20:.0f} MiB over two cells of {full / 2**20:.0f} MiB"
     del shell.user_ns["big"]
 
 

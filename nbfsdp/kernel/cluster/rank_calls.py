@@ -95,18 +95,26 @@ def submit(
     function: Callable[..., Any],
     arguments: Mapping[int, tuple],
 ) -> dict[int, ipp.AsyncResult]:
-    """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id); sent to none,
-    ``RankDied`` for the lowest rank whose engine the controller no longer has (it saw the engine die: ipyparallel
-    would refuse it with ``IndexError('No such engine')``)."""
+    """``function(*arguments[rank])`` sent at once to each rank of ``engine_ids`` (rank -> engine id); else
+    ``RankDied`` for the first rank whose engine the controller no longer has (it saw the engine die: ipyparallel
+    would raise ``IndexError('No such engine')``). The client's IO thread drops an engine the moment the
+    controller reports its end, so a rank checked can still be gone at its send: every lookup is a check, the
+    views made first (none sent where one is gone already) and each send too (the ranks before it were sent to
+    then, for a world that is being replaced)."""
+    gone = "its engine ({}) is gone: the controller saw it end"
     views = {}
     for rank, engine_id in engine_ids.items():
-        # the client's IO thread drops an engine the moment the controller reports its end, so a check of
-        # ``client.ids`` before the lookup could pass and the lookup still fail: the lookup itself is the check
         try:
             views[rank] = client[engine_id]
         except IndexError:
-            raise RankDied(rank, f"its engine ({engine_id}) is gone: the controller saw it end") from None
-    return {rank: view.apply_async(function, *arguments[rank]) for rank, view in views.items()}
+            raise RankDied(rank, gone.format(engine_id)) from None
+    sent = {}
+    for rank, view in views.items():
+        try:
+            sent[rank] = view.apply_async(function, *arguments[rank])
+        except IndexError:  # ipyparallel looks the engine up again as it sends
+            raise RankDied(rank, gone.format(engine_ids[rank])) from None
+    return sent
 
 
 def gather(
