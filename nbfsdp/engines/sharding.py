@@ -37,7 +37,7 @@ class HostOffload:
     ``moved``: the bytes the module's last forward sent to the host."""
 
     def __init__(self, module: nn.Module, *, pin_memory: bool) -> None:
-        self.module, self.pin_memory = module, pin_memory
+        self.pin_memory = pin_memory
         self.moved = 0
         self._open: list[torch.autograd.graph.saved_tensors_hooks] = []  # one per forward of the module under way
         module.register_forward_pre_hook(self._enter)

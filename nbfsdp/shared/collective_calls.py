@@ -68,7 +68,9 @@ def _install() -> None:
         for module in (dist, dist.distributed_c10d):
             function = getattr(module, name, None)
             if function is not None and not getattr(function, "__wrapped_by_nbfsdp__", False):
-                setattr(module, name, wrappers.setdefault(id(function), _wrap(name, function)))
+                if id(function) not in wrappers:
+                    wrappers[id(function)] = _wrap(name, function)
+                setattr(module, name, wrappers[id(function)])
     _installed = True
 
 
