@@ -3,9 +3,11 @@ another pointing at notebooks that exist (nbval runs the notebooks themselves)."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,54 @@ def test_the_course_page_says_what_ran_on_a_gpu_for_every_notebook_keyed_by_cont
                 made = _git("log", "--follow", "--format=%h", "--", f"notebooks/{name}.ipynb").split()
                 assert set(deleted) & set(made), (name, merged)
     assert "12-composing-compile-and-tp" not in then  # today's 12 is not the 12 that ran
+
+
+def _notebook(path: Path, metadata: dict) -> None:
+    cell = {"cell_type": "code", "execution_count": None, "id": "c0", "metadata": {}, "outputs": [], "source": "1"}
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook = {"cells": [cell], "metadata": {"kernelspec": kernelspec, **metadata}, "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(notebook))
+
+
+def test_a_notebook_that_needs_a_newer_torch_or_a_missing_library_is_skipped_with_the_reason(tmp_path):
+    """notebooks/conftest.py, as the floor run meets it: nbval reports the notebook's cells skipped, saying what
+    it needs, and starts no kernel for it (the notebook's one cell would run otherwise)."""
+    import torch
+
+    (tmp_path / "conftest.py").write_text((ROOT / "notebooks" / "conftest.py").read_text())
+    _notebook(tmp_path / "newer.ipynb", {"nbfsdp": {"min_torch": "99.0"}})
+    _notebook(tmp_path / "library.ipynb", {"nbfsdp": {"needs": ["no_such_library_nbfsdp"]}})
+    _notebook(tmp_path / "runs_here.ipynb", {"nbfsdp": {"min_torch": torch.__version__.split("+")[0]}})
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-rs", "newer.ipynb",
+         "library.ipynb"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:]
+    assert "2 skipped" in ran.stdout and "passed" not in ran.stdout, ran.stdout[-2000:]
+    assert f"newer.ipynb: needs torch >= 99.0 (this is {torch.__version__.split('+')[0]})" in ran.stdout
+    assert "library.ipynb: needs no_such_library_nbfsdp (pip install no_such_library_nbfsdp)" in ran.stdout
+    spec = importlib.util.spec_from_file_location("course_conftest", ROOT / "notebooks" / "conftest.py")
+    rule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rule)  # the same rule, for a notebook that runs on this torch
+    assert rule.why_skipped(json.loads((tmp_path / "runs_here.ipynb").read_text())["metadata"]["nbfsdp"]) is None
+
+
+def test_what_a_notebook_needs_is_said_in_its_first_cell_and_on_the_course_page():
+    """A notebook's ``nbfsdp`` metadata (what the floor run skips it for) is the reader's too: its first cell
+    names the torch it runs on or the library it needs, and the course page's floor table has its row."""
+    course = (ROOT / "docs/course.md").read_text().split("## On which torch", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip() for line in course.splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    assert sorted(rows) == NAMES, sorted(set(NAMES) ^ set(rows))
+    for path in NOTEBOOKS:
+        needs = json.loads(path.read_text())["metadata"].get("nbfsdp", {})
+        first = _source(_cells(path)[0])
+        if "min_torch" in needs:
+            assert f"*Runs on torch {needs['min_torch']}" in first and needs["why"] in first, path.name
+            assert rows[path.stem] == f"skipped: needs torch {needs['min_torch']}", path.name
+        elif needs.get("needs"):
+            assert all(f"*Needs `{name}`" in first for name in needs["needs"]), path.name
+            assert rows[path.stem] == f"skipped: needs {', '.join(needs['needs'])}", path.name
+        else:
+            assert "*Runs on torch" not in first and rows[path.stem] == "passed", path.name
