@@ -41,8 +41,13 @@ CHROMIUM = shutil.which("chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 # Fresh per run: the user's own settings and remembered workspace (open tabs) must not leak in.
 LAB_SETTINGS = {
-    # 'none' keeps every cell laid out: off-screen cells are otherwise skipped and read as invisible.
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    # 'none' keeps every cell laid out: off-screen cells are otherwise skipped and read as invisible. The
+    # preferred kernel starts without asking: under load JupyterLab's "Select Kernel" dialog came up again
+    # after run_all accepted it (a fresh-clone run with both cores busy), holding every cell unrun.
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "windowingMode": "none",
+        "autoStartDefaultKernel": True,
+    },
     # No "get Jupyter news?" toast over the screenshots (and no request to a news site).
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
 }

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
-from conftest import run_ok
 
 import nbfsdp
 from nbfsdp.shared.checkpoints import MANIFEST, list_checkpoints
+from tests.conftest import run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.floor]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_failing, run_ok
 from IPython.core.error import UsageError
 
 import nbfsdp
 from nbfsdp.shared.checkpoints import MANIFEST, list_checkpoints
+from tests.conftest import run_failing, run_ok
 
 pytestmark = pytest.mark.slow
 

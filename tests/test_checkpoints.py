@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
-from conftest import run_failing, run_ok
 from IPython.core.error import UsageError
 
 import nbfsdp
 from nbfsdp.kernel.run.session import current_session
 from nbfsdp.shared import checkpoints
 from nbfsdp.shared.checkpoints import MANIFEST, CheckpointError, Manifest, list_checkpoints
+from tests.conftest import run_failing, run_ok
 
 NOTEBOOK = """
 import torch, torch.nn as nn, nbfsdp

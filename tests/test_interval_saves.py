@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_failing, run_ok
 from IPython.core.error import UsageError
 from test_checkpoints import NOTEBOOK, SEED, _assert_optimizers_equal, _assert_states_equal, _state
 
 import nbfsdp
 from nbfsdp.shared.checkpoints import MANIFEST, Manifest, list_checkpoints
+from tests.conftest import run_failing, run_ok
 
 #: 8 steps an epoch (64 samples, batches of 8); ``stop`` ends it at a step, ``resume_step`` starts it.
 TRAIN = """%%fsdp --world-size 2 {flags}
