@@ -76,8 +76,10 @@ test: browser sshd
 	@# torchrun rank of the suite compiles nbfsdp's source anew (0.2 s of CPU each, measured; both venvs are 3.11)
 	@$(BIN)/python -m compileall -q nbfsdp tests benchmarks notebooks/conftest.py
 	@mkdir -p test-artifacts
+	@# --no-loadscope-reorder keeps the order tests/scheduling.py gives the files: the longest first
 	@$(MAKE) --no-print-directory test-floor TEST_WORKERS=1 > test-artifacts/floor.log 2>&1 & floor=$$!; \
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile; \
+	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder; \
 	suite=$$?; wait $$floor; floor=$$?; \
 	echo "== the floor run (make test-floor: torch 2.6), beside the suite: exit $$floor =="; \
 	cat test-artifacts/floor.log; [ $$suite -eq 0 ] && [ $$floor -eq 0 ]

@@ -25,6 +25,7 @@ import torch
 from IPython.testing.globalipapp import start_ipython
 
 import nbfsdp
+from tests.scheduling import longest_files_first
 
 # `%load_ext nbfsdp` starts engines in the background unless NBFSDP_PREWARM says not to. The tests here,
 # and the kernels they and nbval start (which inherit this environment), expect the extension to load in
@@ -209,6 +210,7 @@ gpu = pytest.mark.gpu
 
 
 def pytest_collection_modifyitems(config, items):
+    longest_files_first(items)
     if torch.cuda.is_available():
         return
     for item in items:
