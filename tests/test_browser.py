@@ -280,11 +280,16 @@ def has_started(prompt: Locator) -> bool:
 def run_quickstart(page: Page, lab: Lab) -> None:
     """Run All, click the training cell's toggle and look at the cell while it runs; the toggle is checked last."""
     page.goto(lab.url)
+    cell = page.locator(".jp-CodeCell").filter(has=page.locator(".jp-InputArea-editor", has_text="%%fsdp")).first
+    # ready: the notebook's own cells drawn and its kernel idle in the status bar. The toolbar's execution
+    # indicator alone said idle while the page still showed "No Kernel | Initializing" over a one-cell placeholder
+    # (seen in a fresh-clone run): Run All then ran the placeholder, and the notebook's cells never ran
+    expect(cell).to_be_attached(timeout=90_000)
+    expect(page.get_by_text(re.compile(r"\(ipykernel\) \| Idle"))).to_be_visible(timeout=90_000)
     expect(page.locator(".jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle", timeout=90_000)
     shot(page, "opened")
     run_all(page)
 
-    cell = page.locator(".jp-CodeCell").filter(has=page.locator(".jp-InputArea-editor", has_text="%%fsdp")).first
     figure = cell.locator(FIGURE).first
     expect(figure).to_be_attached(timeout=180_000)
     cell.scroll_into_view_if_needed()

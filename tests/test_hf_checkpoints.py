@@ -12,9 +12,12 @@ import torch
 import transformers  # the examples extra: make test installs it, so these tests always run there
 from IPython.core.error import UsageError
 
-from tests.conftest import run_failing, run_ok
+from tests.conftest import forget_after_each_test, run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
+
+#: The shell is shared: the models made here would fit a later test's checkpoints as well as its own
+_forget = forget_after_each_test("llama", "gpt")
 
 LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -22,7 +22,7 @@ from safetensors import safe_open
 import nbfsdp
 from nbfsdp.engines import hf_saving
 from nbfsdp.kernel.checkpoints import hf_export, sharded
-from tests.conftest import run_failing, run_ok
+from tests.conftest import forget_after_each_test, run_failing, run_ok
 
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
 
@@ -32,6 +32,11 @@ MODELS = {
     "gpt2": "transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0, "
     "embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)",
 }
+
+
+#: The shell is shared: a model left in it (``kept`` is the trained ``lm`` under another name) would match a
+#: later test's checkpoint as well as that test's own model
+_forget = forget_after_each_test("lm", "kept")
 
 
 @pytest.fixture(autouse=True)
