@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import gpt2_loop, launch
+from benchmarks import gpt2_loop, launch, notebook_loop
 from benchmarks.context import NO_PREWARM, Context
 from benchmarks.kernel import Kernel
 from benchmarks.measurement import Measurement, median
@@ -81,9 +81,11 @@ def _cell(kernel: Kernel, world_size: int, sizes: gpt2_loop.Sizes, device: str) 
 def compare(sizes: gpt2_loop.Sizes, device: str, rounds: int, shutdown: Callable[[Kernel], None]) -> dict:
     """``rounds`` rounds of the four sides (in turn forwards and backwards); per side its rounds' median
     steps, and the first round's losses, units and memory."""
+    # a fresh kernel, as the GPU rows' is: the first side runs a process, and stopping nbfsdp's world for it
+    # loads the extension first (``notebook_loop.stop_world``)
     kernel = Kernel(env={**NO_PREWARM, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})})
+    stopped: list[bool] = []
     try:
-        kernel.execute("%load_ext nbfsdp")
         run = {
             "plain": lambda: _process("plain", sizes, device),
             "torchrun": lambda: _process("fsdp", sizes, device),
@@ -95,7 +97,7 @@ def compare(sizes: gpt2_loop.Sizes, device: str, rounds: int, shutdown: Callable
         for index in range(rounds):
             for side in SIDES if index % 2 == 0 else reversed(SIDES):
                 if not side.startswith("fsdp"):
-                    kernel.execute("%fsdp stop")  # each side alone on the GPU and the cores
+                    stopped.append(notebook_loop.stop_world(kernel))  # each side alone on the GPU and the cores
                 print(f"[bench] gpu_loop round {index}: {side}", file=sys.stderr, flush=True)
                 result = run[side]()
                 medians[side].append(statistics.median(result["step_times"][sizes.warmup :]))
@@ -105,7 +107,10 @@ def compare(sizes: gpt2_loop.Sizes, device: str, rounds: int, shutdown: Callable
         ).stdout.split()[-1]
     finally:
         shutdown(kernel)
-    return {"sizes": sizes.as_dict(), "params": int(params), "device": device, "round_medians_s": medians, **first}
+    return {
+        "sizes": sizes.as_dict(), "params": int(params), "device": device, "round_medians_s": medians,
+        "world_stopped_for_processes": stopped, **first,
+    }  # fmt: skip
 
 
 def measurements(result: dict, label: str) -> list[Measurement]:

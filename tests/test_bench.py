@@ -20,10 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpt2_loop, gpu_loop, loops, step_time
+from benchmarks import gpt2_loop, gpu_loop
 from benchmarks import namespaces as namespace_hosts
-from benchmarks.context import CPU_ONLY, NO_PREWARM
-from benchmarks.kernel import Kernel
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
 
@@ -300,25 +298,15 @@ def test_table_says_when_the_interval_spans_the_target():
     assert rows["| clear"].endswith("| yes |")
 
 
-def test_a_comparison_starts_from_a_kernel_that_has_not_loaded_nbfsdp():
-    """What the GPU benchmark does (on the CPU here): its kernel is fresh, and round 0 runs torchrun first,
-    which stops nbfsdp's world; that must not need the extension loaded already."""
-    kernel = Kernel(env={**NO_PREWARM, **CPU_ONLY})
-    try:
-        sizes = loops.CPU_QUICK
-        result = step_time.compare(kernel, 1, sizes, rounds=1, device="cpu")
-    finally:
-        assert kernel.shutdown() == []
-    assert result["world_stopped_for_torchrun"] == [True] and result["loss_max_abs_diff"] <= 1e-5
-    assert len(result["step_times_fsdp_s"]) == len(result["step_times_torchrun_s"]) == sizes.steps
-
-
 def test_the_gpt2_loop_runs_the_same_math_four_ways():
     """gpu-loop's four sides on the CPU, tiny: torchrun FSDP2 and %%fsdp at world size 1 are the same loop at
-    the same settings (the same units, losses within its tolerance); the shared-device side runs 2 ranks."""
+    the same settings (the same units, losses within its tolerance); the shared-device side runs 2 ranks. And
+    what the GPU benchmarks do first: from a kernel that has not loaded nbfsdp, a side in a process of its own
+    stops nbfsdp's world (``notebook_loop.stop_world``, which the step-time comparisons use too)."""
     left: list[str] = []
     result = gpu_loop.compare(gpt2_loop.QUICK, "cpu", 1, lambda kernel: left.extend(kernel.shutdown()))
     assert left == []
+    assert result["world_stopped_for_processes"] == [True, True]
     steps = gpt2_loop.QUICK.steps
     assert all(len(result[side]["losses"]) == steps for side in gpu_loop.SIDES)
     assert result["torchrun"]["units"] == result["fsdp_ws1"]["units"] == ["transformer.h.0", "transformer.h.1", ""]
