@@ -109,6 +109,16 @@ def test_a_running_cluster_is_found_by_its_files_in_the_profile(tmp_path):
     assert ipyparallel_private.engine_connection_file(security, "").name == "ipcontroller-engine.json"
 
 
+def _command_line(pid: int, seconds: float = 10.0) -> list[str]:
+    """A process's command line once it has one: ``start_engines_sync`` returns once the engine is launched, and
+    a process that has just started can show none for a moment (psutil read ``[]``, the engine's status
+    'running', in a quiet fresh-clone run)."""
+    deadline = time.monotonic() + seconds
+    while not (line := psutil.Process(pid).cmdline()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return line
+
+
 def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
     cluster = ipp.Cluster(profile_dir=str(tmp_path), controller_ip="127.0.0.1", log_level=logging.ERROR)
     pids: list[int] = []
@@ -122,8 +132,8 @@ def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
         children = {child.pid for child in psutil.Process().children()}
         assert len(pids) == 2 and set(pids) <= children  # the processes this cluster started
         controller, engine = pids
-        assert "ipyparallel.controller" in psutil.Process(controller).cmdline()
-        assert "ipyparallel.engine" in psutil.Process(engine).cmdline()
+        assert "ipyparallel.controller" in _command_line(controller)
+        assert "ipyparallel.engine" in _command_line(engine)
     finally:
         cluster.stop_cluster_sync()
         _end_groups(groups)
