@@ -25,14 +25,11 @@ DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def longest_files_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: files by their recorded seconds, longest first; a file's own tests in the
-    order they were collected."""
+    """Reorder ``items`` in place: files by their recorded seconds, longest first. The sort is stable, so a
+    file's own tests, and files of equal seconds, keep the order they were collected in."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     unknown = statistics.median(seconds.values()) if seconds else 0.0
-    first_seen = {}
-    for index, item in enumerate(items):
-        first_seen.setdefault(_file_of(item.nodeid), index)
-    items.sort(key=lambda item: (-seconds.get(_file_of(item.nodeid), unknown), first_seen[_file_of(item.nodeid)]))
+    items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), unknown))
 
 
 def _file_of(nodeid: str) -> str:
