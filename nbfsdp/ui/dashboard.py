@@ -50,7 +50,8 @@ DRAWING_CPU_SHARE = 0.1
 BUSY_DRAWING_CPU_SHARE = 0.01
 #: The mimetype of a widget's view in a display (ipywidgets 8's ``Widget._repr_mimebundle_``).
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-#: How long the end of a cell waits for its last drawing before drawing it in the kernel instead.
+#: How long the end of a cell waits for its last drawing before drawing it in the kernel instead, at most: a
+#: worker seen to get no CPU is not waited for (``renderer.done_unless_starved``).
 FINAL_DRAWING_SECONDS = 10.0
 #: A live drawing the worker has not answered after this long is drawn in the kernel instead. The worker draws
 #: with the CPU time nothing else wants (SCHED_IDLE): on a machine whose every core other programs keep busy it
@@ -303,11 +304,10 @@ class LiveDashboard:
 
     def _final_drawing(self) -> bytes:
         """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
-        try:
-            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
-            return drawing.result(FINAL_DRAWING_SECONDS)[0]
-        except Exception:  # the worker died or is starved: draw here, once
-            return figures.png(self.records, self.world_size, self.predicted)
+        drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
+        if renderer.done_unless_starved(drawing, FINAL_DRAWING_SECONDS):
+            return drawing.result()[0]
+        return figures.png(self.records, self.world_size, self.predicted)  # the worker died or is starved: here
 
     def _show(self, png: bytes) -> None:
         self._figure.value = png

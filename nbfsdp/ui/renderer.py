@@ -19,11 +19,20 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+import psutil
 
 from nbfsdp.helpers import drawing
 from nbfsdp.shared import timeline_figure
+
+#: How often a wait for the worker looks at the CPU time it has had, and the least share of a core it must have
+#: had in that while not to count as starved: at SCHED_IDLE on a machine whose every core is busy it gets none.
+STARVED_WINDOW_SECONDS = 0.25
+STARVED_CPU_SHARE = 0.05
 
 
 class WorkerDied(RuntimeError):
@@ -47,6 +56,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._requests: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.alive = True
+        self.usage = psutil.Process(self.process.pid)
         threading.Thread(target=self._write_requests, name="nbfsdp-drawing-requests", daemon=True).start()
         threading.Thread(target=self._read_replies, name="nbfsdp-drawing-replies", daemon=True).start()
 
@@ -137,3 +147,36 @@ def render_timeline(steps: list[list[dict[str, Any]]]) -> Future[bytes]:
 def worker_pid() -> int:
     """The worker's process id (starting it if need be)."""
     return _submit(os.getpid).result()
+
+
+def done_unless_starved(drawing: Future, seconds: float) -> bool:
+    """Whether the worker's ``drawing`` is done within ``seconds``, given up on as soon as the worker has had less
+    than ``STARVED_CPU_SHARE`` of a core over ``STARVED_WINDOW_SECONDS`` while it was due: at the end of a cell the
+    kernel waits for its last figures, and a worker the machine gives no CPU would hold every cell for ``seconds``
+    (10 s a figure, measured beside two busy loops), where the kernel draws them in about 0.1 s of CPU."""
+    worker = _worker
+    deadline = time.monotonic() + seconds
+    used = _cpu_seconds(worker)
+    while True:
+        try:
+            drawing.result(max(0.0, min(STARVED_WINDOW_SECONDS, deadline - time.monotonic())))
+            return True
+        except FutureTimeout:
+            pass
+        except Exception:  # the worker died, or the drawing failed: not drawn
+            return False
+        now_used = _cpu_seconds(worker)
+        if time.monotonic() >= deadline or now_used - used < STARVED_CPU_SHARE * STARVED_WINDOW_SECONDS:
+            return drawing.done() and drawing.exception() is None
+        used = now_used
+
+
+def _cpu_seconds(worker: _Worker | None) -> float:
+    """The CPU time the worker process has had (user and system); 0 where it has ended."""
+    if worker is None:
+        return 0.0
+    try:
+        times = worker.usage.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return times.user + times.system

@@ -8,7 +8,6 @@ steps) costs the dashboard nothing more.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import threading
 from concurrent.futures import Future
@@ -80,14 +79,13 @@ class TimelinePanel:
 
     def wait(self, seconds: float) -> None:
         """Until the last drawing is shown (the end of a cell, so the output keeps it), at most ``seconds``; then,
-        if the worker has not drawn it (it draws with the CPU time nothing else wants, and a machine whose every
-        core is busy gives it none), it is drawn here, once, as the dashboard's final figure is."""
+        or as soon as the worker is seen to get no CPU (it draws with the CPU time nothing else wants, and a
+        machine whose every core is busy gives it none), it is drawn here, once, as the dashboard's final figure
+        is."""
         drawing = self._drawing
         if drawing is None or self._image is None:
             return
-        with contextlib.suppress(Exception):
-            drawing.result(seconds)
-        if not drawing.done() or drawing.exception() is not None:
+        if not renderer.done_unless_starved(drawing, seconds):
             self._drawing = None  # a late answer from the worker no longer replaces this one
             self._image.value = timeline_figure.png(self._drawn_steps)
 
