@@ -258,3 +258,12 @@ def test_on_gpu_ranks_the_timeline_holds_the_cuda_kernels_times(shell, tiny_mode
         assert all(e["ms"] > 0 and e["bytes"] > 0 for e in transfers), transfers
         kernels = {(e["name"], e["unit"]) for e in capture["events"] if e["lane"] == "compute"}
         assert {("forward", b) for b in BLOCKS} <= kernels and {("backward", b) for b in BLOCKS} <= kernels, kernels
+
+
+def test_a_span_fsdp2_does_not_open_is_refused_with_the_ones_the_timeline_reads():
+    from nbfsdp.course import fsdp_span
+    from nbfsdp.course.timelines import SPANS
+
+    with pytest.raises(ValueError, match="not one of FSDP2's spans the timeline reads: pre_forward, all_gather"):
+        fsdp_span("forward", "blocks.0")
+    assert all(fsdp_span(what, "blocks.0").name == f"FSDP::{what} (blocks.0)" for what in SPANS)

@@ -2,13 +2,14 @@
 
 ``collective`` shows one collective's buffers on every rank before and after it runs, with the
 bytes a rank sends under the ring algorithm; ``strategy_timeline`` shows the parameters one rank
-holds through a step under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD.
+holds through a step under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD; ``timeline`` draws captured steps
+(``nbfsdp.course.captured_step``'s, or ``nbfsdp.last_run().timeline``'s) as ``%fsdp timeline`` does.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nbfsdp.shared.collectives import ring_bytes, size_text
 
@@ -127,3 +128,13 @@ def strategy_timeline(units: int = 4, world_size: int = 4) -> Figure:
     fig.suptitle("AG: all-gather a unit   RS: reduce-scatter its gradients   AR: all-reduce its gradients")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
+
+
+def timeline(steps: list[list[dict[str, Any]]]) -> Figure:
+    """One captured step (a list of the ranks' captures), or two side by side titled by the settings that differ:
+    ``%fsdp timeline``'s picture, hatched where a rank waited for communication."""
+    import matplotlib.pyplot as plt
+
+    from nbfsdp.shared.timeline_figure import figure
+
+    return figure(steps, new=plt.figure)

@@ -6,6 +6,7 @@ them. Drawn by the dashboard's worker (``nbfsdp.helpers.drawing``) and by ``%fsd
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 from matplotlib.axes import Axes
@@ -125,12 +126,17 @@ def collectives_table(capture: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def figure(steps: list[list[dict[str, Any]]]) -> Figure:
+def figure(steps: list[list[dict[str, Any]]], new: Callable[..., Figure] | None = None) -> Figure:
     """A figure of one step, or of two side by side (before and after a change of the settings, each titled
-    with what changed)."""
+    with what changed). ``new(figsize=..., layout=...)`` makes the figure (``pyplot.figure`` in a notebook, to
+    be shown as pyplot's are); by default a bare one with an Agg canvas, as a worker draws."""
     rows = max(len(step) for step in steps)
-    fig = Figure(figsize=(6.5 * len(steps), 0.9 + 0.75 * rows * len(LANES) / 2), layout="constrained")
-    FigureCanvasAgg(fig)
+    size = (6.5 * len(steps), 0.9 + 0.75 * rows * len(LANES) / 2)
+    if new is None:
+        fig = Figure(figsize=size, layout="constrained")
+        FigureCanvasAgg(fig)
+    else:
+        fig = new(figsize=size, layout="constrained")
     axes = fig.subplots(1, len(steps), squeeze=False)[0]
     changed = _changed(steps)
     for ax, step in zip(axes, steps, strict=True):
