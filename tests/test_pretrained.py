@@ -321,3 +321,31 @@ def test_a_changed_skeleton_or_settings_never_replaces_trained_weights_on_the_ra
     with torch.no_grad():
         untrained = checkpoint(batches[2], labels=batches[2]).loss.item()
     assert abs(shell.user_ns["loss"] - untrained) > 1e-3, (shell.user_ns["loss"], untrained, trained)  # trained
+
+
+def test_from_pretrained_keeps_in_fp32_what_transformers_from_pretrained_keeps(shell, tmp_path):
+    """T5 names its feed-forward output ``wo`` in ``_keep_in_fp32_modules``: under fp16 ``from_pretrained`` keeps it
+    in fp32 (transformers 4 and 5 alike), and so does the skeleton nbfsdp builds, and the ranks train it so."""
+    from nbfsdp.kernel.checkpoints.transformers_private import kept_in_fp32
+
+    directory = tmp_path / "t5"
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(directory)
+    major = int(transformers.__version__.split(".")[0])
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(
+        directory, **{"dtype" if major >= 5 else "torch_dtype": torch.float16}
+    )
+    expected = {name: p.dtype for name, p in reference.named_parameters()}
+    assert {torch.float16, torch.float32} == set(expected.values()), expected
+    assert all(dtype == torch.float32 for name, dtype in expected.items() if ".wo." in name)
+    in_fp32 = kept_in_fp32(reference, torch.float16)
+    assert {name: torch.float32 if in_fp32(name) else torch.float16 for name in expected} == expected
+    if major < 5:
+        return  # transformers 4's T5 shares its embedding module between places, which FSDP cannot shard twice
+    run_ok(shell, f"import torch\nimport nbfsdp\nt5 = nbfsdp.from_pretrained({str(directory)!r}, dtype=torch.float16)")
+    assert {name: p.dtype for name, p in shell.user_ns["t5"].named_parameters()} == expected
+    run_ok(shell, "%%fsdp --world-size 2\nkinds = {n: str(p.dtype) for n, p in t5.named_parameters()}")
+    assert shell.user_ns["kinds"] == {name: str(dtype) for name, dtype in expected.items()}

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 
-from nbfsdp.kernel.checkpoints.transformers_private import config_builder
+from nbfsdp.kernel.checkpoints.transformers_private import config_builder, kept_in_fp32
 from nbfsdp.kernel.run import residence
 from nbfsdp.shared import torch_private
 from nbfsdp.shared.collectives import size_text
@@ -94,11 +94,13 @@ def _build(directory: Path, dtype: torch.dtype | None, model_class: Any) -> nn.M
     with parameters_on_meta():
         model = build(config)
     if dtype is not None:  # the parameters only, on the meta device (free): buffers keep the dtype they were made in
+        in_fp32 = kept_in_fp32(model, dtype)  # as from_pretrained keeps them (a router, a gate)
         cast: dict[int, nn.Parameter] = {}  # a tie stays one parameter
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             for key, param in torch_private.own_parameters(module).items():
                 if param is not None and param.is_floating_point():
-                    made = cast.setdefault(id(param), nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+                    wanted = torch.float32 if in_fp32(f"{prefix}.{key}".lstrip(".")) else dtype
+                    made = cast.setdefault(id(param), nn.Parameter(param.to(wanted), requires_grad=param.requires_grad))
                     torch_private.put_parameter(module, key, made)
     return model
 
