@@ -304,9 +304,12 @@ class LiveDashboard:
 
     def _final_drawing(self) -> bytes:
         """The complete records, drawn afresh (``finish`` may have replaced the ones that streamed in)."""
-        drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
-        if renderer.done_unless_starved(drawing, FINAL_DRAWING_SECONDS):
-            return drawing.result()[0]
+        try:
+            drawing = renderer.render(self._key, self.world_size, self.predicted, self.records, 0, final=True)
+            if renderer.done_unless_starved(drawing, FINAL_DRAWING_SECONDS):
+                return drawing.result()[0]
+        except Exception:  # the request could not reach the worker: drawn here as a starved one's is
+            pass
         return figures.png(self.records, self.world_size, self.predicted)  # the worker died or is starved: here
 
     def _show(self, png: bytes) -> None:
