@@ -41,7 +41,8 @@ for step in range(3):
 def _forget_the_models(shell):
     """The shell is shared: a later test's ``%fsdp load`` must not find these models fitting its checkpoint."""
     yield
-    for name in ("reference", "llama", "llama_config", "wider", "batches", "kinds", "opt", "loss", "tokens", "step"):
+    names = ("reference", "llama", "llama_config", "wider", "batches", "kinds", "opt", "loss", "tokens", "step")
+    for name in (*names, "use_cache"):
         shell.user_ns.pop(name, None)
 
 
@@ -175,7 +176,7 @@ def test_a_checkpoint_that_lacks_what_the_model_cannot_make_is_refused_naming_it
     assert "not a Hugging Face checkpoint directory" in str(error)
 
 
-def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(shell, tmp_path, capsys):
+def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_takes_it_moved(shell, tmp_path, capsys):
     batches = _batches(shell)
     shell.user_ns["llama_config"] = transformers.LlamaConfig(**LLAMA)
     run_ok(
@@ -190,9 +191,10 @@ def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(sh
     assert all(p.is_meta for p in llama.parameters())  # the notebook's copy freed
     assert all(a is b for a, b in zip(llama.parameters(), params, strict=True))  # the same objects
     assert "as the notebook sent them" not in repr(llama) and "changed there by a cell" in repr(llama)
-    error, _ = run_failing(shell, "%%fsdp --world-size 1\npass\n")
-    assert isinstance(error, UsageError) and "nbfsdp.gather(llama)" in str(error)
-    assert all(p.is_meta for p in llama.parameters())  # nothing happened
+    capsys.readouterr()
+    run_ok(shell, "%%fsdp --world-size 1\npass\n")  # a new world: the trained weights move there first
+    assert "nbfsdp: moved llama from 2 ranks to 1 rank, FULL_SHARD in " in capsys.readouterr().out
+    assert all(p.is_meta for p in llama.parameters()) and "on the 1 ranks only" in repr(llama)  # never here
     nbfsdp.gather(llama)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):  # one process, the same global batches
@@ -205,9 +207,10 @@ def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_cannot_take_it(sh
 
 
 @pytest.mark.slow
-def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_path):
-    """The kernel holds a skeleton: from_pretrained, training cells and a --hf save leave it no more at 4x the
-    parameters (a slow test: two checkpoints of 50M and 156M parameters, bf16, both made before measuring)."""
+def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_path, capsys):
+    """The kernel holds a skeleton: from_pretrained, training cells, moves to another world size and back and a --hf
+    save leave it no more at 4x the parameters (a slow test: two checkpoints of 50M and 156M parameters, bf16, both
+    made before measuring)."""
     shell.user_ns["nbfsdp"] = nbfsdp
     run_ok(shell, "import gc, torch, transformers")
     run_ok(shell, "%fsdp stop")
@@ -225,8 +228,10 @@ def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_p
         run_ok(shell, "gc.collect()")
         before = kernel.memory_info().rss
         run_ok(shell, f"llama = nbfsdp.from_pretrained({str(tmp_path / f'llama-{layers}')!r}, dtype=torch.bfloat16)")
-        for _ in range(3):
-            run_ok(shell, TRAIN_ONE)
+        capsys.readouterr()
+        for world_size in (2, 2, 1, 2):  # and moved to one rank and back (``moves``): through /dev/shm, not here
+            run_ok(shell, TRAIN_ONE.replace("--world-size 2", f"--world-size {world_size}"))
+        assert capsys.readouterr().out.count("nbfsdp: moved llama from") == 2
         run_ok(shell, f"%fsdp save {tmp_path / f'out-{layers}'} --hf --max-shard-size 100MB")
         run_ok(shell, "gc.collect()")
         growth[layers] = kernel.memory_info().rss - before
@@ -295,26 +300,28 @@ def test_gather_is_refused_when_the_weights_would_not_fit_the_kernel(shell, tmp_
     assert nbfsdp.gather(llama) is llama and not any(p.is_meta for p in llama.parameters())
 
 
-def test_a_changed_skeleton_or_settings_never_replaces_trained_weights_on_the_ranks(shell, tmp_path):
-    """A model that lives on the ranks, trained there, cannot be sharded anew from the notebook's skeleton (its
-    weights are only on the ranks): a cell after an attribute change, or under other settings, is refused before
-    anything runs; one whose weights are as read from their checkpoint is read again instead."""
+def test_a_changed_skeleton_or_settings_moves_the_trained_weights_on_the_ranks(shell, tmp_path, capsys):
+    """A model that lives on the ranks, trained there, is never sharded anew from the notebook's skeleton alone (its
+    weights are only on the ranks): after an attribute change, or under other settings, the ranks move the trained
+    weights to the new skeleton and settings first (``moves``); one whose weights are as read from their
+    checkpoint is read again instead."""
     directory = tmp_path / "llama"
     _llama_checkpoint(directory)
     batches = _batches(shell)
     run_ok(shell, f"llama = nbfsdp.from_pretrained({str(directory)!r})")
     run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
     shell.user_ns["llama"].config.use_cache = False  # as read: the ranks read the checkpoint again
+    capsys.readouterr()
     run_ok(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
-    assert "as read from" in repr(shell.user_ns["llama"])
+    assert "as read from" in repr(shell.user_ns["llama"]) and "moved" not in capsys.readouterr().out
     run_ok(shell, TRAIN.format(model="llama"))
     trained = _losses()
     shell.user_ns["llama"].config.use_cache = True
-    error, _ = run_failing(shell, "%%fsdp --world-size 2\nmode = llama.training\n")
-    assert isinstance(error, UsageError) and "nbfsdp.gather(llama)" in str(error), error
-    shell.user_ns["llama"].config.use_cache = False  # undone: the cell runs on the trained weights
-    error, _ = run_failing(shell, "%%fsdp --world-size 2 --mixed-precision PURE\nmode = llama.training\n")
-    assert isinstance(error, UsageError) and "settings" in str(error), error
+    run_ok(shell, "%%fsdp --world-size 2\nuse_cache = llama.config.use_cache\n")
+    assert "nbfsdp: moved llama from 2 ranks to 2 ranks, FULL_SHARD in " in capsys.readouterr().out
+    assert shell.user_ns["use_cache"] is True  # the new skeleton, with the trained weights
+    run_ok(shell, "%%fsdp --world-size 2 --mixed-precision PURE\nmode = llama.training\n")
+    assert "nbfsdp: moved llama from 2 ranks to 2 ranks, FULL_SHARD, PURE in " in capsys.readouterr().out
     run_ok(shell, "%%fsdp --world-size 2\nloss = llama(batches[2], labels=batches[2]).loss.item()\n")
     assert "changed there by a cell" in repr(shell.user_ns["llama"])
     checkpoint = transformers.LlamaForCausalLM.from_pretrained(directory)

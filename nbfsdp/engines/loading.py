@@ -5,6 +5,7 @@ DCP resharding from whatever world size wrote it), a full-weights file or a Hugg
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
     """nbfsdp's own cell on this rank, with the notebook's objects it names from ``namespace``."""
     match request:
         case LoadCheckpoint():
+            for name, made in request.rebuilt.items():  # the cells' names on the ranks, as a cell made them
+                namespace[name] = rebuild(made["recipe"], namespace[made["owner"]])
             load_into(
                 request.directory,
                 {name: namespace[name] for name in request.models},
@@ -54,6 +57,16 @@ def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
             pass
         case _:
             assert_never(request)
+
+
+def rebuild(recipe: dict[str, Any], model: nn.Module) -> Optimizer:
+    """An optimizer a cell made, built again over ``model``'s sharded parameters as the checkpoint's manifest
+    says (``rank_state.recipe``); ``load_into`` then gives it its state and hyperparameters."""
+    module, _, name = recipe["class"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    groups = [{**group, "params": [params[fqn] for fqn in group["params"]]} for group in recipe["groups"]]
+    return cls(groups)
 
 
 def load_into(

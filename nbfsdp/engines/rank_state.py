@@ -41,6 +41,32 @@ def _owner(optimizer: Optimizer, models: dict[str, nn.Module]) -> str | None:
     return None
 
 
+def recipe(optimizer: Optimizer, model: nn.Module) -> dict[str, Any]:
+    """How a load builds ``optimizer`` again over ``model`` where the notebook has none: its class, and each
+    param group's parameters (by FQN) and plain hyperparameters; its state, and the hyperparameters again,
+    come from the checkpoint."""
+    cls = type(optimizer)
+    fqns = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}
+    plain = (bool, int, float, str, type(None))
+    groups = [
+        {
+            "params": [fqns[id(p)] for p in group["params"]],
+            **{
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in group.items()
+                if _plain(v, plain) and k != "params"
+            },
+        }
+        for group in optimizer.param_groups
+    ]
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "groups": groups}
+
+
+def _plain(value: Any, kinds: tuple[type, ...]) -> bool:
+    """A hyperparameter a manifest (JSON) keeps as it is: a number, a flag, a name, or a tuple of numbers."""
+    return isinstance(value, kinds) or (isinstance(value, tuple) and all(isinstance(v, kinds) for v in value))
+
+
 def objects_to_save(world: World) -> tuple[dict, dict, dict, dict, dict[str, str]]:
     """What the engines hold, by the cells' names: models, optimizers (-> model), schedulers (-> optimizer),
     split loaders; and the names left out, with why. The same on every rank: the same cells ran there."""

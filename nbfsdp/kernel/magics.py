@@ -24,6 +24,7 @@ from nbfsdp.kernel.diagnostics import check
 from nbfsdp.kernel.planning import fitting
 from nbfsdp.kernel.planning.plans import StepTrace, plan
 from nbfsdp.kernel.planning.progress import ProgressLine
+from nbfsdp.kernel.run import residence
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.run.spec import RunOptions
 from nbfsdp.kernel.status import status
@@ -352,7 +353,13 @@ class FSDPMagics(Magics):
             hang_report=flags.hang_report_seconds(args.hang_report, args.timeout),
             timeline=flags.timeline_seconds(args.timeline),
         )
-        self.session.run_cell(cell, settings, options)
+        try:
+            self.session.run_cell(cell, settings, options)
+        except residence.MustMove as needed:  # a model living on the ranks goes to the cell's world first
+            from nbfsdp.kernel.checkpoints import moves
+
+            moves.move(self.session, needed, world_size=world_size, config=settings, timeout=args.timeout)
+            self.session.run_cell(cell, settings, options)
 
     def _checkpointing(self, args) -> config.CheckpointSettings:
         """Explicit flags > the --config dict's Composer checkpoint keys."""

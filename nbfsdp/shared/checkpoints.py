@@ -108,6 +108,9 @@ class Manifest:
     """optimizer name -> the model name its parameters belong to."""
     schedulers: dict[str, str] = field(default_factory=dict)
     """scheduler name -> its optimizer's name."""
+    recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """optimizer name -> how to build it again where the notebook has none (one a cell made on the ranks):
+    {"class": its qualified class name, "groups": each param group's FQNs in its model and hyperparameters}."""
     loaders: list[str] = field(default_factory=list)
     bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of DCP data files each rank wrote."""

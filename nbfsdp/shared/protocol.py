@@ -148,10 +148,13 @@ class LoadCheckpoint:
     """Globs on the checkpoint's keys left unread."""
     restore_rng: bool
     """The world size that saved it: each rank's RNG states carry over too."""
+    rebuilt: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Optimizers a cell made on the ranks, which the notebook has none of: name -> the manifest's recipe and
+    its model's name (``owner``); each rank builds it again under its name, then loads its state."""
 
     def reads(self) -> list[str]:
         """The notebook's names the ranks need: sent (or kept) as a user cell's would be."""
-        return [*self.models, *self.optimizers, *self.schedulers]
+        return [*self.models, *(n for n in self.optimizers if n not in self.rebuilt), *self.schedulers]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -306,8 +307,9 @@ def load_with(
     kept_optimizers = {
         name: owner for name, owner in manifest.optimizers.items() if not fmt.ignored(f"optimizers.{name}", patterns)
     }
-    optimizers = _notebook_optimizers(kept_optimizers, models, namespace)
-    schedulers = _notebook_schedulers(manifest, optimizers, namespace, patterns)
+    rebuilt = _made_on_the_ranks(manifest, kept_optimizers, namespace)
+    optimizers = _notebook_optimizers(kept_optimizers, models, namespace, rebuilt)
+    schedulers = _notebook_schedulers(manifest, optimizers, namespace, patterns, rebuilt)
     running = session.cluster.world
     if world_size is None:
         world_size = running.world_size if running and not running.broken else manifest.world_size
@@ -333,6 +335,7 @@ def load_with(
         schedulers=list(schedulers),
         ignore=patterns,
         restore_rng=same,
+        rebuilt={name: {"recipe": manifest.recipes[name], "owner": optimizers[name]} for name in rebuilt},
     )
     if patterns or any(p.is_meta for model in models.values() for p in model.parameters()):
         # part of a checkpoint, or a model with no storage yet: the notebook takes what the ranks loaded
@@ -342,11 +345,12 @@ def load_with(
         # loaded is gathered back, and the next cell sends none of them (the notebook holds what the ranks do)
         from nbfsdp.kernel.checkpoints import exporting  # the kernel's reader: imported only when used
 
-        objects = {name: (namespace[name], owner) for name, owner in optimizers.items()}
+        objects = {name: (namespace[name], owner) for name, owner in optimizers.items() if name not in rebuilt}
         reading = exporting.NotebookRead(directory, models, objects, {n: namespace[n] for n in schedulers})
         session.run_cell(request, config, RunOptions(world_size=world_size, timeout=timeout, gather=False))
         reading.apply()
-        session.held.now_in_sync(models, {name: namespace[name] for name in [*optimizers, *schedulers]})
+        in_sync = [name for name in [*optimizers, *schedulers] if name not in rebuilt]
+        session.held.now_in_sync(models, {name: namespace[name] for name in in_sync})
     loaders = [n for n in manifest.loaders if same and not fmt.ignored(f"loaders.rank0.{n}", patterns)]
     part_way: dict[str, LoaderState] = {}
     for name, state in _loader_positions(directory, loaders).items():
@@ -535,16 +539,34 @@ def _notebook_models(
     return models
 
 
+def _made_on_the_ranks(manifest: Manifest, wanted: dict[str, str], namespace: dict[str, Any]) -> set[str]:
+    """The checkpoint's optimizers the notebook has no object of that its manifest says how to build (a cell
+    made them on the ranks, over a model living there): the ranks build them again under their names."""
+    return {name for name in wanted if name not in namespace and _importable(manifest.recipes.get(name))}
+
+
+def _importable(recipe: dict[str, Any] | None) -> bool:
+    if recipe is None:
+        return False
+    module, _, name = recipe["class"].rpartition(".")
+    try:
+        return isinstance(getattr(importlib.import_module(module), name, None), type)
+    except ImportError:
+        return False
+
+
 def _notebook_optimizers(
-    wanted: dict[str, str], models: dict[str, nn.Module], namespace: dict[str, Any]
+    wanted: dict[str, str], models: dict[str, nn.Module], namespace: dict[str, Any], rebuilt: set[str]
 ) -> dict[str, str]:
-    missing = [name for name in wanted if not isinstance(namespace.get(name), Optimizer)]
+    missing = [name for name in wanted if name not in rebuilt and not isinstance(namespace.get(name), Optimizer)]
     if missing:
         raise UsageError(
             f"the checkpoint's optimizers {', '.join(missing)} are not optimizers in the notebook: build them "
             "over the model's parameters first, or skip them with --load-ignore-keys 'optimizers.*'"
         )
     for name, owner in wanted.items():
+        if name in rebuilt:
+            continue
         params = {id(p) for group in namespace[name].param_groups for p in group["params"]}
         if not params <= {id(p) for p in models[owner].parameters()}:
             raise UsageError(f"{name} does not optimize {owner}'s parameters, as the checkpoint's {name} did")
@@ -552,14 +574,22 @@ def _notebook_optimizers(
 
 
 def _notebook_schedulers(
-    manifest: Manifest, optimizers: dict[str, str], namespace: dict[str, Any], patterns: list[str]
+    manifest: Manifest, optimizers: dict[str, str], namespace: dict[str, Any], patterns: list[str], rebuilt: set[str]
 ) -> dict[str, str]:
     wanted = {
         name: opt
         for name, opt in manifest.schedulers.items()
         if opt in optimizers and not fmt.ignored(f"schedulers.{name}", patterns)
     }
-    wrong = [n for n, opt in wanted.items() if getattr(namespace.get(n), "optimizer", None) is not namespace[opt]]
+    unbuilt = [name for name, opt in wanted.items() if opt in rebuilt and name not in namespace]
+    if unbuilt:  # an LR scheduler keeps no recipe (its lambdas, its optimizer): a cell builds it again
+        print(
+            f"nbfsdp: not loaded: {', '.join(unbuilt)} (LR schedulers a cell made on the ranks: the cell that made "
+            "them makes them again, from its first step)",
+            file=sys.stderr,
+        )
+        wanted = {name: opt for name, opt in wanted.items() if name not in unbuilt}
+    wrong = [n for n, opt in wanted.items() if getattr(namespace.get(n), "optimizer", 0) is not namespace.get(opt)]
     if wrong:
         raise UsageError(
             f"the checkpoint's schedulers {', '.join(wrong)} are not schedulers of "

@@ -15,6 +15,9 @@ from nbfsdp.shared.processes import ProcessRef, alive, end_cluster
 
 KERNEL_FILE = "kernel.json"
 PRIVATE_DIR_PREFIX = "nbfsdp-"
+#: Memory every process of the host shares (Linux), where a move of weights between worlds writes them
+#: (``nbfsdp.kernel.checkpoints.moves``): swept for dead kernels' directories as the temporary directory is.
+SHARED_MEMORY = Path("/dev/shm")
 
 
 def note_kernel(private_dir: str, kernel_pid: int) -> None:
@@ -28,8 +31,11 @@ def note_kernel(private_dir: str, kernel_pid: int) -> None:
 
 
 def clean_stale() -> None:
-    """End the clusters of kernels that no longer run (this user's only)."""
-    for candidate in Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*"):
+    """End the clusters of kernels that no longer run, and free what their moves left (this user's only)."""
+    candidates = [*Path(tempfile.gettempdir()).glob(f"{PRIVATE_DIR_PREFIX}*")]
+    if SHARED_MEMORY.is_dir():
+        candidates += SHARED_MEMORY.glob(f"{PRIVATE_DIR_PREFIX}*")
+    for candidate in candidates:
         try:
             if candidate.stat().st_uid != os.getuid():
                 continue

@@ -424,6 +424,11 @@ def _apply_results(
     for name, state in first.in_place.items():
         run.sent[name].load_state_dict(state)  # in place: a scheduler bound to it, its parameters, stay
         held.object_held(name, run.sent[name])
+    for name, value in run.sent.items():
+        if isinstance(value, optimizers.STATEFUL) and name not in first.in_place and name not in first.names:
+            # its state stayed on the ranks with its model's weights (a model living there, --no-gather): the
+            # ranks' copy goes on from where it is, the notebook's is sent again only once changed here
+            held.object_held(name, value)
     for name, position in first.loaders.items():
         loaders.continue_after(run.sent[name], position)
     objects = dict(run.sent)

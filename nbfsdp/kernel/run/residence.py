@@ -11,8 +11,11 @@ where its weights are, and a copy or a new model of the same name carries its ow
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,9 @@ class OnRanks:
     here: int = 0
     """Bytes of its tensors the notebook has too: a LoRA model's adapters, which come back after each cell that
     trains them (its base stays on the ranks)."""
+    left_in: str | None = None
+    """A move to another world that failed after the old world wrote them (``moves``): the complete checkpoint
+    in shared memory the next cell over the model reads them from."""
 
     def __call__(self) -> str:
         """The line ``repr(model)`` shows first: where the weights are."""
@@ -80,6 +86,7 @@ class OnRanks:
         once one changed them."""
         self.world = world
         self.written = self.written or written
+        self.left_in = None
 
     def read_again(self, name: str) -> None:
         """The ranks read the weights from ``source`` again at the next cell (the world that held them ended, or
@@ -90,6 +97,30 @@ class OnRanks:
     def trained_here(self, model: nn.Module) -> None:
         """Some of the weights came back (a LoRA model's trained adapters): the notebook holds those too."""
         self.here = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
+#: The directories failed moves left models' weights in (``OnRanks.left_in``), freed with the cluster.
+_left_dirs: set[str] = set()
+
+
+def leave_in(model: nn.Module, checkpoint: str, directory: str) -> None:
+    """A move failed after the old world wrote ``model``'s state to ``checkpoint`` (in ``directory``, which this
+    kernel frees at ``%fsdp stop`` or its exit): the next cell over it reads it from there."""
+    mark(model).left_in = checkpoint
+    _left_dirs.add(directory)
+
+
+def free_left(directory: str | None = None) -> list[str]:
+    """Free ``directory``, or every directory, failed moves left weights in (a later move read them; ``%fsdp
+    stop``, the kernel's exit); the ones freed."""
+    freed = sorted(_left_dirs if directory is None else {directory})
+    for each in freed:
+        shutil.rmtree(each, ignore_errors=True)
+        _left_dirs.discard(each)
+    return freed
+
+
+atexit.register(free_left)
 
 
 def of(model: nn.Module) -> OnRanks | None:
@@ -220,7 +251,19 @@ def _each_once(model: nn.Module) -> list[torch.Tensor]:
     return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
 
 
-def refuse_losing_weights(
+class MustMove(UsageError):
+    """The cell needs another world, or other settings, than the one holding a model whose weights live there
+    only: they must move first (``nbfsdp.kernel.checkpoints.moves``), which a user's ``%%fsdp`` cell does. The
+    message is the refusal, for where they cannot."""
+
+    def __init__(self, message: str, names: list[str], left_in: str | None = None) -> None:
+        super().__init__(message)
+        self.names = names
+        self.left_in = left_in
+        """The checkpoint a failed move left them in, to read them from (their world has ended)."""
+
+
+def refuse_losing_weights(  # noqa: PLR0913 (each is one fact about the cell and the world)
     named: dict[str, Any],
     cell_models: set[str],
     reshaped: set[str],
@@ -228,17 +271,20 @@ def refuse_losing_weights(
     running: int | None,
     reusing: bool,
     world_size: int,
+    replacing: Collection[str] = (),
 ) -> None:
-    """Before a cell runs: a model whose weights live on the ranks only goes with its world. Refuse a cell that
-    would replace the world holding one a cell changed (``reusing`` False: it needs another), a cell that
-    needs one whose world has ended, and a cell over one the ranks would shard anew without their weights
+    """Before a cell runs: a model whose weights live on the ranks only goes with its world. A cell that would
+    replace the world holding one a cell changed (``reusing`` False: it needs another), or shard one anew
     (``reshaped``: its skeleton changed in the notebook, an attribute or a module, or the cell's settings
-    differ). One whose checkpoint the ranks can read again (unchanged since) is read again, and that is said.
-    ``named``: the notebook's models the running world holds and the cell's (``cell_models``), by name;
-    ``running``: the running world's generation, None when it is broken or absent."""
+    differ), raises ``MustMove``: the weights move first. A cell that needs one whose world has ended is
+    refused, unless a failed move left it in shared memory. One whose checkpoint the ranks can read again
+    (unchanged since) is read again, and that is said. ``named``: the notebook's models the running world
+    holds and the cell's (``cell_models``), by name; ``running``: the running world's generation, None when
+    it is broken or absent; ``replacing``: the models the cell loads whole from a checkpoint (``%fsdp load``),
+    which lose nothing."""
     for name, model in named.items():
         record = of(model) if isinstance(model, nn.Module) else None
-        if record is None or record.world is None:
+        if record is None or record.world is None or name in replacing:
             continue
         holder, size = record.world
         if reusing and holder == running and name not in reshaped:
@@ -249,22 +295,31 @@ def refuse_losing_weights(
             if record.replaceable:
                 record.read_again(name)
                 continue
-            raise UsageError(
+            raise MustMove(
                 f"{name} lives on the ranks, changed there by a cell, and since then its skeleton in the notebook (an "
                 f"attribute or a module of {name}) or the cell's FSDP settings changed: the ranks would shard it "
                 f"anew, without their weights. Undo the change (or run the cell with the settings before), or "
-                f"bring the weights here first (nbfsdp.gather({name})), then run the cell"
+                f"bring the weights here first (nbfsdp.gather({name})), then run the cell",
+                [name],
             )
         if record.replaceable:
             if name in cell_models:
                 record.read_again(name)
             continue
         if holder == running:
-            raise UsageError(
+            raise MustMove(
                 f"this cell needs a new world ({world_size} ranks, or other settings), which would end the "
                 f"running one of {size} ranks: the only holder of {name}'s weights, changed there by a cell. "
-                f"Bring them here first (nbfsdp.gather({name})) or save them (%fsdp save DIR), or run the cell "
-                f"at --world-size {size} with the same device"
+                f"Bring them here first (nbfsdp.gather({name})) or save them (%fsdp save DIR, then %fsdp load "
+                f"DIR -n {world_size}), or run the cell at --world-size {size} with the same device",
+                [name],
+            )
+        if name in cell_models and record.left_in is not None and os.path.isdir(record.left_in):
+            raise MustMove(
+                f"{name}'s weights lived on the ranks only, and the world of {size} ranks that held them has ended; "
+                f"a move left them in {record.left_in} (%fsdp load {record.left_in} reads them)",
+                [name],
+                left_in=record.left_in,
             )
         if name in cell_models:
             raise UsageError(

@@ -29,8 +29,9 @@ from nbfsdp.kernel.run.held import EngineHoldings
 from nbfsdp.kernel.run.history import LastCell
 from nbfsdp.kernel.run.loaders import NotebookLoaders
 from nbfsdp.kernel.run.spec import PreparedCell, ResumePoint, RunOptions, cell_spec, prepare, run_files
+from nbfsdp.shared.checkpoints import ignored
 from nbfsdp.shared.config import CheckpointSettings, FSDPConfig, resolve, validate
-from nbfsdp.shared.protocol import InternalRequest
+from nbfsdp.shared.protocol import InternalRequest, LoadCheckpoint
 from nbfsdp.ui.widget_events import pending_events
 
 if TYPE_CHECKING:
@@ -166,7 +167,13 @@ class Session:
             if in_running_world and not self.held.holds(name, model.fingerprint)
         }
         residence.refuse_losing_weights(
-            named, set(prepared.models), reshaped, running=running, reusing=in_running_world, world_size=world_size
+            named,
+            set(prepared.models),
+            reshaped,
+            running=running,
+            reusing=in_running_world,
+            world_size=world_size,
+            replacing=_loaded_whole(cell, self.shell.user_ns),
         )
         if isinstance(cell, str):
             self.last_cell = LastCell(cell, world_size, config, plan.devices, options.per_rank_batches, prepared.reads)
@@ -321,6 +328,8 @@ class Session:
             self.active = None
         self.cluster.stop()
         self.held.forget()
+        for directory in residence.free_left():
+            print(f"nbfsdp: freed {directory}, where a failed move had left weights", file=sys.stderr)
         if failed is not None:
             raise failed
 
@@ -334,6 +343,17 @@ def _submitted(session: Session, prepared: PreparedCell, world: RunningWorld, st
     resume = session.resume_for(internal=prepared.internal)
     spec = cell_spec(prepared, delivery, world=world, files=files, loaders=session.loaders, resume=resume)
     return cell_run.submit(prepared, delivery, spec=spec, files=files, started=started, session=session)
+
+
+def _loaded_whole(cell: str | InternalRequest, namespace: dict[str, Any]) -> list[str]:
+    """The models a ``%fsdp load`` cell reads whole from a checkpoint: what the ranks held of them is replaced."""
+    if not isinstance(cell, LoadCheckpoint):
+        return []
+    return [
+        name
+        for name in cell.models
+        if not any(ignored(f"models.{name}.{key}", cell.ignore) for key in namespace[name].state_dict())
+    ]
 
 
 def current_session() -> Session:
