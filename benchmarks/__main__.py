@@ -31,6 +31,8 @@ Benchmarks (each module's docstring says what it measures and how):
 9. ``hosts``        2 hosts x 2 ranks (network namespaces, an SSH-launched cluster ``%fsdp attach``-ed): the
                     step-time loop vs ``torchrun --nnodes 2``, and the bytes each host receives / its shards;
                     skipped where namespaces cannot be made
+10. ``weight_moves`` a 1B bf16 model with AdamW state living on the ranks moved 4 -> 2 -> 4 ranks vs
+                    ``%fsdp save`` + ``%fsdp load`` of the same vs DCP's save and load direct; the kernel's growth
 
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out`` (default ``benchmarks/results``)
 and prints the table. ``--quick`` runs tiny sizes, few rounds and world size 2 where the point allows (the
@@ -70,6 +72,7 @@ from benchmarks import (
     step_time,
     timeline_cost,
     warm_cell,
+    weight_moves,
     where_ledger,
 )
 from benchmarks.context import Context
@@ -95,6 +98,7 @@ BENCHMARKS = {
         gpu_loop,
         checkpoint,
         hosts,
+        weight_moves,
     )  # fmt: skip
 }
 #: Run order: the four that share the warm kernel first (the two step-time comparisons start and stop its
@@ -114,6 +118,7 @@ RUN_ORDER = (
     "where_ledger",
     "explain_suggest",
     "checkpoint",
+    "weight_moves",
     "hosts",
     "gpu",
     "gpu_loop",

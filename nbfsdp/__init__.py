@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from nbfsdp.kernel.checkpoints.sharded import checkpoints, load, save
     from nbfsdp.kernel.comparison import compare
     from nbfsdp.kernel.planning.plans import Plan, explain
-    from nbfsdp.kernel.run.gathering import gather
+    from nbfsdp.kernel.run.gathering import gather, release
     from nbfsdp.kernel.run.history import RunRecord, last_run, runs
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "load",
     "load_ipython_extension",
     "log",
+    "release",
     "runs",
     "save",
     "unload_ipython_extension",
@@ -75,6 +76,7 @@ _LAZY = {
     "export": "nbfsdp.kernel.checkpoints.exporting",
     "from_pretrained": "nbfsdp.kernel.checkpoints.pretrained",
     "gather": "nbfsdp.kernel.run.gathering",
+    "release": "nbfsdp.kernel.run.gathering",
     "where": "nbfsdp.kernel.run.session",
 }
 

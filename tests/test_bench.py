@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
     "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "read_only_cell", "lora_cell",
     "pretrained", "log_overhead", "where_ledger", "explain_suggest", "timeline", "overlap", "gpu", "gpu_loop",
-    "checkpoint", "hosts",
+    "checkpoint", "hosts", "weight_moves",
 )  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]

@@ -288,3 +288,38 @@ dist.destroy_process_group()
     assert shell.user_ns["seen"] == [(str(r), "2", str(r % gpus), 3.0, "cuda:0") for r in range(2)]
     said = capsys.readouterr().out
     assert "init_process_group(device_id=cuda:0): the world is bound to this rank's cuda:0 already" in said, said
+
+
+@pytest.mark.parametrize("nccl2", [False, True], ids=["nccl", "TORCH_DIST_USE_NCCL2"])
+def test_ranks_sharing_a_gpu_bind_their_world_to_it_and_record_flights(shell, monkeypatch, nccl2):
+    """torch 2.15's ported NCCL backend (``TORCH_DIST_USE_NCCL2=1`` where the torch has it) takes a rank's GPU from
+    ``LOCAL_RANK`` unless ``device_id`` is passed: two ranks on one GPU see it as cuda:0 with LOCAL_RANK 0 and 1,
+    the duplicate case. nbfsdp's worlds pass ``device_id``, so each rank's world is bound to its own cuda:0, a
+    collective runs, and the flight recorder (on by default on NCCL worlds) holds it."""
+    run_ok(shell, "%fsdp stop")  # the engines take the variables when they start
+    if nccl2:
+        monkeypatch.setenv("TORCH_DIST_USE_NCCL2", "1")
+    try:
+        run_ok(
+            shell,
+            """%%fsdp --world-size 2 --device cuda
+import os, torch.distributed as dist
+group = dist.distributed_c10d._get_default_group()
+total = torch.ones(3, device=device)
+dist.all_reduce(total)
+torch.cuda.synchronize()
+mine = (os.environ["LOCAL_RANK"], str(group.bound_device_id), total.sum().item(),
+        type(group._get_backend(device)).__name__, os.environ.get("TORCH_FR_BUFFER_SIZE"))
+seen = [None] * world_size
+dist.all_gather_object(seen, mine)
+""",
+        )
+        seen = shell.user_ns["seen"]
+        print("backends:", [s[3] for s in seen])  # the record: which NCCL backend the lent torch ran
+        assert [s[0] for s in seen] == ["0", "1"]
+        assert all(s[1] == "cuda:0" and s[2] == 6.0 for s in seen), seen
+        assert all(s[4] == "20000" for s in seen)  # nbfsdp turned the flight recorder on
+        where = nbfsdp.where()
+        assert all(any("all_reduce" in f["op"] for f in p.flights) for p in where.positions), where
+    finally:
+        run_ok(shell, "%fsdp stop")

@@ -7,7 +7,9 @@ real DCP, real ``/dev/shm``."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,9 @@ from IPython.core.error import UsageError
 
 import nbfsdp
 from nbfsdp.kernel.checkpoints.moves import MOVE_PREFIX
+from nbfsdp.kernel.cluster import reaping
 from nbfsdp.kernel.cluster.reaping import SHARED_MEMORY
+from nbfsdp.kernel.run import residence
 from tests.conftest import forget_after_each_test, run_failing, run_ok
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -141,7 +145,8 @@ def test_a_model_on_the_ranks_moves_between_worlds_and_settings_as_through_save_
     assert "do not carry over" not in said[3]  # the same world size: RNG states and positions carry over
     assert "4 ranks, FULL_SHARD, PURE" in said[5]
     assert all("ranks wrote" in line and f"to {SHARED_MEMORY} in" in line for line in said[1:])
-    assert _our_shared_memory() == before  # freed once the new world holds the model
+    residence.wait_for_freeing()  # each freed behind the cell after its move
+    assert _our_shared_memory() == before
     saved, saved_state = _sequence(shell, tmp_path, through_save_and_load=True, capsys=capsys)
     assert all("moved" not in line for line in saved_state["lines"])  # the reference loaded, nothing moved
 
@@ -209,6 +214,34 @@ def test_a_lora_model_on_a_frozen_base_read_by_the_ranks_moves_alike(shell, tmp_
         assert torch.equal(adapters[name], tensor), name
 
 
+@pytest.fixture
+def small_shared_memory(tmp_path, monkeypatch):
+    """A 64 KiB tmpfs as the host's shared memory: room enough by the move's estimate for a tiny model's weights
+    (three times their 4.2 KiB), not for what DCP writes of it (its optimizer, RNG and metadata: ~150 KiB)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    target = tmp_path / "shm"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(target)], check=True)
+    monkeypatch.setattr(reaping, "SHARED_MEMORY", target)
+    yield target
+    subprocess.run(["umount", "--lazy", str(target)], check=False)
+
+
+def test_shared_memory_that_fills_during_a_move_leaves_the_model_on_its_world(shell, small_shared_memory):
+    run_ok(shell, NOTEBOOK)
+    run_ok(shell, "model, opt, sched, loader = fresh()")
+    run_ok(shell, TRAIN_FIXED.format(flags="--world-size 2 --keep-on-ranks"))
+    error, _ = run_failing(shell, TRAIN_FIXED.format(flags="--world-size 4"))
+    assert isinstance(error, UsageError)
+    assert "moving them failed while the ranks wrote them" in str(error) and "no space left" in str(error).lower()
+    assert "they stay on the running world" in str(error)
+    assert list(small_shared_memory.iterdir()) == []  # what was written is freed
+    run_ok(shell, TRAIN_FIXED.format(flags="--world-size 2"))  # the old world still holds it, and trains on
+    assert "on the 2 ranks only, changed there by a cell" in repr(shell.user_ns["model"])
+    assert nbfsdp.last_run().metrics[0]["step"] == 0  # no checkpoint was loaded: resume_step stayed 0
+
+
 def test_a_model_whose_skeleton_no_longer_fits_stays_on_its_world(shell):
     run_ok(shell, NOTEBOOK)
     run_ok(shell, "model, opt, sched, loader = fresh()")
@@ -262,6 +295,7 @@ def test_a_rank_killed_during_a_move_leaves_the_model_in_shared_memory_for_the_n
     checkpoint, said = _move_with_rank_1_killed(shell, capsys)
     assert f"they are whole in {checkpoint}, which the next cell over them reads" in said
     assert (checkpoint / ".metadata").exists()  # complete: DCP's metadata is written last
+    assert f"in {checkpoint}, where a failed move left them" in repr(shell.user_ns["model"])
 
     # the next cell reads it from there and goes on as from the save taken at the same point
     run_ok(shell, TRAIN_FIXED.format(flags="--world-size 4"))
@@ -285,3 +319,31 @@ def test_fsdp_stop_frees_what_a_failed_move_left(shell, capsys):
     assert _our_shared_memory() == before - {checkpoint.parent.name}
     error, _ = run_failing(shell, TRAIN_FIXED.format(flags="--world-size 2"))
     assert "they are lost" in str(error)
+
+
+def test_release_undoes_keep_on_ranks_and_the_next_cell_brings_everything_back(shell):
+    """``nbfsdp.release``: the weights come back and the model lives in the notebook again; the next cell gathers
+    it and its optimizer's and scheduler's state as any cell does, and all of it is one process's training."""
+    run_ok(shell, NOTEBOOK)
+    run_ok(shell, "model, opt, sched, loader = fresh()")
+    run_ok(shell, TRAIN_FIXED.format(flags="--world-size 2 --keep-on-ranks"))
+    model, opt, sched = (shell.user_ns[name] for name in ("model", "opt", "sched"))
+    assert all(p.is_meta for p in model.parameters())
+    nbfsdp.release(model)
+    assert not any(p.is_meta for p in model.parameters()) and "nbfsdp:" not in repr(model)
+    run_ok(shell, TRAIN_FIXED.format(flags="--world-size 2"))
+    assert not any(p.is_meta for p in model.parameters())  # gathered back after the cell, as any model's
+    assert sched.last_epoch == 8 and all(int(state["step"]) == 8 for state in opt.state.values())
+
+    run_ok(shell, "plain, plain_opt, plain_sched, _ = fresh()")  # one process, the same 2 x 4 global batches
+    plain, plain_opt, plain_sched = (shell.user_ns[name] for name in ("plain", "plain_opt", "plain_sched"))
+    for _ in range(2):
+        g = torch.Generator().manual_seed(1000)
+        for _ in range(4):
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 5, generator=g)
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            plain_sched.step()
+    for (name, tensor), expected in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(tensor, expected, msg=name)

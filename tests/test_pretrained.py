@@ -18,7 +18,10 @@ import nbfsdp
 from nbfsdp.kernel.run import residence
 from tests.conftest import run_failing, run_ok
 
-pytestmark = [pytest.mark.floor, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
+#: The floor run (torch 2.6) takes every test here but the slow kernel-memory one, which holds no torch-version
+#: behaviour and would take it 45 s more
+floor = pytest.mark.floor
 
 LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -75,6 +78,7 @@ def _losses() -> list[float]:
     return [m["loss"] for m in nbfsdp.last_run().metrics if m["rank"] == 0]
 
 
+@floor
 def test_from_pretrained_reads_on_the_ranks_and_trains_as_from_pretrained_does(shell, tmp_path, capsys):
     directory = tmp_path / "llama"
     _llama_checkpoint(directory)
@@ -107,6 +111,7 @@ def test_from_pretrained_reads_on_the_ranks_and_trains_as_from_pretrained_does(s
         torch.testing.assert_close(llama(tokens).logits, reference(tokens).logits)
 
 
+@floor
 def test_a_read_only_cell_on_a_pretrained_model_moves_nothing_and_the_next_cell_sends_nothing(shell, tmp_path):
     directory = tmp_path / "llama"
     _llama_checkpoint(directory)
@@ -121,6 +126,7 @@ def test_a_read_only_cell_on_a_pretrained_model_moves_nothing_and_the_next_cell_
     assert nbfsdp.last_run().sent_bytes[0] < 100_000
 
 
+@floor
 def test_percent_load_into_a_meta_model_reads_on_the_ranks_and_keeps_them_there(shell, tmp_path):
     directory = tmp_path / "llama"
     pretrained = _llama_checkpoint(directory)
@@ -142,6 +148,7 @@ def test_percent_load_into_a_meta_model_reads_on_the_ranks_and_keeps_them_there(
         torch.testing.assert_close(llama.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 
 
+@floor
 def test_a_checkpoint_that_lacks_what_the_model_cannot_make_is_refused_naming_it(shell, tmp_path):
     directory = tmp_path / "llama"
     _llama_checkpoint(directory)
@@ -176,6 +183,7 @@ def test_a_checkpoint_that_lacks_what_the_model_cannot_make_is_refused_naming_it
     assert "not a Hugging Face checkpoint directory" in str(error)
 
 
+@floor
 def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_takes_it_moved(shell, tmp_path, capsys):
     batches = _batches(shell)
     shell.user_ns["llama_config"] = transformers.LlamaConfig(**LLAMA)
@@ -236,14 +244,17 @@ def test_the_kernel_memory_stays_flat_as_the_pretrained_model_grows(shell, tmp_p
         run_ok(shell, "gc.collect()")
         growth[layers] = kernel.memory_info().rss - before
         size = residence.weights_bytes(shell.user_ns["llama"])
-        assert growth[layers] < 0.25 * size, f"{growth[layers] / 2**20:.0f} MiB kept of a {size / 2**20:.0f} MiB model"
+        kept = f"{growth[layers] / 2**20:.0f} MiB kept of a {size / 2**20:.0f} MiB model"
+        assert growth[layers] < min(0.25 * size, 300 * 2**20), kept
         shell.user_ns.pop("llama")
         run_ok(shell, "%fsdp stop")
     for made in tmp_path.iterdir():  # 0.9 GB of checkpoints: pytest keeps three runs' temporary folders
         shutil.rmtree(made)
-    assert growth[8] - growth[2] < 64 * 2**20, {k: v / 2**20 for k, v in growth.items()}  # not with the model
+    # not with the model; below zero, the smaller sequence released what an earlier test of the shared shell left
+    assert growth[8] - max(growth[2], 0) < 64 * 2**20, {k: v / 2**20 for k, v in growth.items()}
 
 
+@floor
 def test_a_cell_after_a_forward_only_cell_trains_every_parameter(shell, tmp_path):
     """FSDP2 leaves the root unsharded after a forward until a backward: the ranks reshard every unit at a cell's
     end, or the next cell's optimizer would hold the root's whole tensors and never train them (lm_head here)."""
@@ -266,6 +277,7 @@ moved = not torch.equal(before, llama.lm_head.weight.full_tensor())
     assert shell.user_ns["kinds"] == ["DTensor"] and shell.user_ns["moved"]
 
 
+@floor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_on_the_ranks_are_from_pretrained_s(shell, tmp_path, dtype):
     """The loaded model's logits, computed on the ranks, against from_pretrained in one process: equal to 1e-6
@@ -283,6 +295,7 @@ def test_logits_on_the_ranks_are_from_pretrained_s(shell, tmp_path, dtype):
     torch.testing.assert_close(shell.user_ns["logits"].float(), expected.float(), **tolerance)
 
 
+@floor
 def test_gather_is_refused_when_the_weights_would_not_fit_the_kernel(shell, tmp_path, monkeypatch):
     directory = tmp_path / "llama"
     _llama_checkpoint(directory)
@@ -300,6 +313,7 @@ def test_gather_is_refused_when_the_weights_would_not_fit_the_kernel(shell, tmp_
     assert nbfsdp.gather(llama) is llama and not any(p.is_meta for p in llama.parameters())
 
 
+@floor
 def test_a_changed_skeleton_or_settings_moves_the_trained_weights_on_the_ranks(shell, tmp_path, capsys):
     """A model that lives on the ranks, trained there, is never sharded anew from the notebook's skeleton alone (its
     weights are only on the ranks): after an attribute change, or under other settings, the ranks move the trained
@@ -330,6 +344,7 @@ def test_a_changed_skeleton_or_settings_moves_the_trained_weights_on_the_ranks(s
     assert abs(shell.user_ns["loss"] - untrained) > 1e-3, (shell.user_ns["loss"], untrained, trained)  # trained
 
 
+@floor
 def test_from_pretrained_keeps_in_fp32_what_transformers_from_pretrained_keeps(shell, tmp_path):
     """T5 names its feed-forward output ``wo`` in ``_keep_in_fp32_modules``: under fp16 ``from_pretrained`` keeps it
     in fp32 (transformers 4 and 5 alike), and so does the skeleton nbfsdp builds, and the ranks train it so."""

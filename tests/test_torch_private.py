@@ -278,6 +278,28 @@ def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_worki
         dist.destroy_process_group()
 
 
+def test_the_flight_recorders_entries_of_a_gloo_world(tmp_path, monkeypatch):
+    """``_dump_fr_trace``'s pickle, read: each collective with its group, number, operation, sizes and state
+    (torch 2.13 records gloo too; a torch whose recorder is NCCL's only has no gloo entries to read)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")  # read as the process group is made
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(3))
+        dist.broadcast(torch.ones(2, 2), src=0)
+        entries = torch_private.flight_recorder_entries()
+    finally:
+        dist.destroy_process_group()
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        assert entries == []
+        return
+    assert [e["profiling_name"] for e in entries[-2:]] == ["gloo:all_reduce", "gloo:broadcast"]
+    assert [e["input_sizes"] for e in entries[-2:]] == [[[3]], [[2, 2]]]
+    assert entries[-1]["collective_seq_id"] == entries[-2]["collective_seq_id"] + 1
+    assert {"process_group", "state"} <= set(entries[-1])
+
+
 def _rank_of_a_stuck_nccl_world(rank: int, directory: str, said: Any) -> None:
     """Rank 0 all-reduces alone (rank 1 never joins) until another thread aborts its communicators."""
     import threading

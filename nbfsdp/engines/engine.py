@@ -97,6 +97,7 @@ def setup(joining: WorldSetup) -> EngineInfo:
     else:
         device = torch.device("cpu")
     seconds = datetime.timedelta(seconds=joining.timeout)
+    where.record_flights(backend)  # read when the process group is made
     release.world_begins(generation)  # before the store: the connections made from here are the world's
     store, script_store = _stores(joining, seconds)
     dist.init_process_group(
@@ -220,6 +221,7 @@ def _load_models(world: World, spec: CellSpec, skeletons: dict[str, bytes]) -> N
             if route.source is not None:  # a pretrained model: its checkpoint, read here, is its "notebook" state
                 loading.load_pretrained(route.source, sharded.module, world.device, shard, spec.seed, made)
             else:
+                made |= loading.read_next(spec.request, name, config)  # not initialized, to be overwritten at once
                 _materialize(world, sharded.module, config, shard, spec.seed, made)
         cast_buffers(sharded.module, config.dtypes()[2])
         world.models[name] = (route.token, sharded)

@@ -26,6 +26,7 @@ from typing_extensions import assert_never  # typing has it from Python 3.11; to
 from nbfsdp.engines import world as worlds
 from nbfsdp.engines.rank_state import rng_state, set_rng_state
 from nbfsdp.shared import checkpoints
+from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.initializing import materialize
 from nbfsdp.shared.protocol import GatherModel, InternalRequest, LoadCheckpoint, LoadWeightsFile
 from nbfsdp.shared.weights_files import Weights, WeightsDirectory, full_weights_reader
@@ -57,6 +58,22 @@ def run_request(request: InternalRequest, namespace: dict[str, Any]) -> None:
             pass
         case _:
             assert_never(request)
+
+
+def read_next(request: InternalRequest | None, name: str, config: FSDPConfig) -> frozenset[str]:
+    """The tensors of model ``name``, built on the meta device, that ``request`` (a ``LoadCheckpoint``: ``%fsdp load``,
+    a move) reads into it right after it is sharded: initializing them first would be thrown away (a 1B model's
+    random initialization takes each of 4 CPU ranks seconds). Under ``sync_module_states`` rank 0 initializes the
+    whole model and broadcasts it, so nothing is left out there."""
+    if not isinstance(request, LoadCheckpoint) or name not in request.models or config.sync_module_states:
+        return frozenset()
+    prefix = f"models.{name}."
+    saved = FileSystemReader(request.directory).read_metadata().state_dict_metadata
+    return frozenset(
+        key.removeprefix(prefix)
+        for key in saved
+        if key.startswith(prefix) and not checkpoints.ignored(key, request.ignore)
+    )
 
 
 def rebuild(recipe: dict[str, Any], model: nn.Module) -> Optimizer:

@@ -6,8 +6,9 @@ Two parts, both started once per engine process by ``engine.setup``:
   wrapper of them (``shared.collective_calls``, which the course's ``CollectiveMeter`` shares), so each call is
   counted per process group (numbered as every rank of the group must issue them: the n-th collective of
   a group must be the same on all its ranks) with its operation and its first tensor's shape and dtype
-  (made words only when the notebook asks); the one a rank is inside, while it is. (NCCL's flight
-  recorder keeps a similar record, but only for NCCL and only when enabled; gloo has none.)
+  (made words only when the notebook asks); the one a rank is inside, while it is. Where torch's flight
+  recorder records (``TORCH_FR_BUFFER_SIZE``: nbfsdp turns it on for NCCL worlds), its last entries come
+  with each answer too: NCCL's own view, with each kernel's state (scheduled, started, completed).
 - a **watcher thread** that answers requests in a directory the notebook and the rank share: each
   answer is the main thread's Python stack (``sys._current_frames``) and the ledger, with the line of the
   cell or library that issued the collective the rank is inside, read from that stack. A rank blocked in
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbfsdp.shared import collective_calls
+from nbfsdp.shared import collective_calls, torch_private
 from nbfsdp.shared.protocol import where_answer, where_request
 
 #: Seconds between looks for a request.
@@ -202,8 +204,8 @@ class _Watcher:
 
 
 def answer_of(thread: int) -> dict[str, Any]:
-    """What a rank answers of its thread ``thread`` (the main one: the cell's): its stack, and the ledger with the
-    line that issued the collective it is in."""
+    """What a rank answers of its thread ``thread`` (the main one: the cell's): its stack, the ledger with the
+    line that issued the collective it is in, and the flight recorder's last collectives where it records."""
     frame = sys._current_frames().get(thread)
     stack = traceback.format_stack(frame) if frame is not None else []
     return {
@@ -212,7 +214,44 @@ def answer_of(thread: int) -> dict[str, Any]:
         "stack": stack,
         "in_cell": any('File "<fsdp-cell-' in line for line in stack),
         "ledger": ledger.as_dict(issuing_line(frame, waiting=ledger.inside is None and bool(ledger.pending))),
+        "flight_recorder": flight_recorder(),
     }
+
+
+#: The flight recorder's variable (torch 2.13's name; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before it).
+FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
+#: The entries it keeps on an NCCL world nbfsdp starts, unless the user set the variable: the default of
+#: torchtitan's ``comm.trace_buf_size``.
+FLIGHT_RECORDER_ENTRIES = 20000
+
+
+def record_flights(backend: str) -> None:
+    """Before ``init_process_group``: on an NCCL world, turn on the flight recorder (the user's setting wins).
+    Its record is NCCL's own (the states of the kernels: scheduled, started, completed), which the ledger above
+    cannot see; gloo's, in torch 2.13, is what the ledger has, so it stays off there unless asked for."""
+    if backend == "nccl":
+        os.environ.setdefault(FLIGHT_RECORDER, str(FLIGHT_RECORDER_ENTRIES))
+
+
+def flight_recorder(last: int = RECENT) -> list[dict[str, Any]]:
+    """The flight recorder's ``last`` collectives of this process, oldest first (none where it is off): each
+    its process group, its number there, its operation, input sizes and state."""
+    if int(os.environ.get(FLIGHT_RECORDER, "0") or 0) <= 0:
+        return []
+    try:
+        entries = torch_private.flight_recorder_entries()
+    except (RuntimeError, pickle.UnpicklingError):  # a dump while the process group goes
+        return []
+    return [
+        {
+            "group": str(entry["process_group"][1]),
+            "seq": entry["collective_seq_id"],
+            "op": entry["profiling_name"],
+            "sizes": entry["input_sizes"],
+            "state": entry["state"],
+        }
+        for entry in entries[-last:]
+    ]
 
 
 _watcher: _Watcher | None = None

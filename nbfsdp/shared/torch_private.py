@@ -587,6 +587,22 @@ def abort_nccl_communicators() -> bool:
 # -- nn.Module's and Tensor's own state, where their public API has no way to it
 
 
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """The flight recorder's collectives of this process, oldest first, without stacks (empty where it does not
+    record): ``torch._C._distributed_c10d._dump_fr_trace`` (torch 2.13; ``_dump_nccl_trace`` before, NCCL only),
+    the pickle torch's own ``fr_trace`` tool reads, whose entries carry ``process_group``, ``collective_seq_id``,
+    ``profiling_name``, ``input_sizes`` and ``state``."""
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return []
+    traces = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+    return list(pickle.loads(traces).get("entries", []))
+
+
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     """``module``'s own parameter slots by name, None ones included (``Module._parameters``, the dict itself):
     ``named_parameters(recurse=False)`` leaves out a slot set to None, which ``reset_parameters`` reads (a

@@ -66,12 +66,13 @@ def move(session: Session, needed: MustMove, *, world_size: int, config: FSDPCon
             f"{manifest.world_size} ranks wrote {size_text(sum(manifest.bytes_per_rank))} to "
             f"{checkpoint.parent.parent} in {time.perf_counter() - started:.2f} s, "
         )
-    saved = fmt.read_manifest(checkpoint).world_size
+    manifest = fmt.read_manifest(checkpoint)
+    saved = manifest.world_size
     reading, old_world = time.perf_counter(), session.cluster.world
     try:
         with _quiet():
             next_cell = sharded.NextCell(config=config, timeout=timeout)
-            sharded.load_with(session, checkpoint, world_size, None, cell=next_cell)
+            sharded.load_with(session, checkpoint, world_size, _staying(manifest, needed), cell=next_cell)
     except UsageError as error:  # refused before any engine was touched (a skeleton that no longer fits)
         if needed.left_in is None and session.cluster.world is old_world:
             shutil.rmtree(checkpoint.parent, ignore_errors=True)
@@ -81,7 +82,10 @@ def move(session: Session, needed: MustMove, *, world_size: int, config: FSDPCon
     except BaseException:
         _leave(session, checkpoint, needed.names, old_world)
         raise
-    residence.free_left(str(checkpoint.parent))
+    if needed.left_in is not None:
+        residence.free_left(str(checkpoint.parent))
+    else:
+        residence.free_in_background(checkpoint.parent)
     left = "" if saved == world_size else "; RNG states and data positions do not carry over to another world size"
     started_world = "a new world started and " if session.cluster.world is not old_world else ""
     print(
@@ -96,6 +100,16 @@ def _layout(config: FSDPConfig, world_size: int) -> str:
     precision = config.mixed_precision if isinstance(config.mixed_precision, str) else None
     ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
     return ", ".join([ranks, config.sharding_strategy, *([precision] if precision else [])])
+
+
+def _staying(manifest: Manifest, needed: MustMove) -> list[str]:
+    """What the old world held that does not move (``--load-ignore-keys`` globs): every model but those that
+    must (models that do not live on the ranks are in the notebook as they were, and the cell sends them as any
+    cell does; a model the notebook no longer has, or whose name it bound to another model, stays behind as its
+    world would have left it), and their optimizers."""
+    staying = [name for name in manifest.models if name not in needed.names]
+    optimizers = [name for name, owner in manifest.optimizers.items() if owner in staying]
+    return [*(f"models.{name}.*" for name in staying), *(f"optimizers.{name}" for name in optimizers)]
 
 
 def _write(session: Session, needed: MustMove, checkpoint: Path) -> Manifest:

@@ -506,14 +506,20 @@ def load_before_cell(
 def _notebook_models(
     manifest: Manifest, namespace: dict[str, Any], saved: dict[str, Any], patterns: list[str]
 ) -> dict[str, nn.Module]:
-    """The notebook's models of the checkpoint's names, each checked key by key and shape by shape."""
-    missing = [name for name in manifest.models if not isinstance(namespace.get(name), nn.Module)]
+    """The notebook's models of the checkpoint's names, each checked key by key and shape by shape; a model whose
+    every key ``patterns`` skip needs none."""
+    wanted = [
+        name
+        for name in manifest.models
+        if not all(fmt.ignored(key, patterns) for key in saved if key.startswith(f"models.{name}."))
+    ]
+    missing = [name for name in wanted if not isinstance(namespace.get(name), nn.Module)]
     if missing:
         raise UsageError(
             f"the checkpoint's models {', '.join(missing)} are not nn.Modules in the notebook: build them "
             f"(e.g. {manifest.models[missing[0]]['class']}) under those names first, then load"
         )
-    models = {name: namespace[name] for name in manifest.models}
+    models = {name: namespace[name] for name in wanted}
     for name, model in models.items():
         prefix = f"models.{name}."
         expected = {

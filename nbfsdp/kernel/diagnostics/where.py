@@ -41,6 +41,8 @@ class RankPosition:
     in_cell: bool = False
     stack: list[str] = field(default_factory=list)
     ledger: dict[str, Any] = field(default_factory=dict)
+    flights: list[dict[str, Any]] = field(default_factory=list)
+    """The flight recorder's last collectives (``engines.where.flight_recorder``), where it records."""
 
     @property
     def inside(self) -> dict[str, Any] | None:
@@ -93,6 +95,8 @@ class Where:
             lines.append(f"rank {position.rank}{host}: {position.state(self.asked_at)}")
             if position.answered and position.in_cell:
                 lines += ["    " + line.rstrip().replace("\n", "\n    ") for line in position.frames()]
+            if position.flights:
+                lines.append(f"    flight recorder: {flight_words(position.flights)}")
         return "\n".join(lines + [""] + self.findings)
 
     def interrupted_at(self) -> str:
@@ -133,6 +137,7 @@ def ask_where(directory: str, ranks: int, hosts: list[str] | None = None, second
             in_cell=answers.get(rank, {}).get("in_cell", False),
             stack=answers.get(rank, {}).get("stack", []),
             ledger=answers.get(rank, {}).get("ledger", {}),
+            flights=answers.get(rank, {}).get("flight_recorder", []),
         )
         for rank in range(ranks)
     ]
@@ -178,6 +183,12 @@ def diagnose(positions: list[RankPosition]) -> list[str]:
             "no rank is waiting for another"
         )
     return findings
+
+
+def flight_words(flights: list[dict[str, Any]]) -> str:
+    """A rank's last collectives as its flight recorder saw them, in a line: each its group's name, number,
+    operation, input sizes and state."""
+    return "; ".join(f"{f['op']} #{f['seq']} of group {f['group']} {f['sizes']} {f['state']}" for f in flights)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -1,5 +1,5 @@
 """``nbfsdp.gather``: the weights of a model that lives on the ranks (``residence``), brought into the notebook's
-object on demand. Runs in the kernel."""
+object on demand; ``nbfsdp.release``: the same, and the model lives in the notebook again. Runs in the kernel."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def gather(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     request = GatherModel(model=name, dtype=str(dtype).removeprefix("torch.") if dtype is not None else None)
     session.run_cell(request, config, RunOptions(world_size=world_size, timeout=world.timeout, gather=True))
     _make_buffers(model)
+    return model
+
+
+def release(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Undo ``--keep-on-ranks`` (and ``nbfsdp.from_pretrained``'s residence): bring ``model``'s weights into the
+    notebook's object as ``gather`` does, and let it live in the notebook again: each later cell that changes it
+    brings its weights back, with the state of the optimizers over it that the cell reads. Returns ``model``."""
+    gather(model, dtype)
+    residence.release(model)
     return model
 
 

@@ -17,12 +17,14 @@ import shutil
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 from IPython.core.error import UsageError
 
+from nbfsdp.kernel.cluster.threads import KernelThread
 from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.errors import ConfigError
 from nbfsdp.shared.units import check_initializable
@@ -56,7 +58,11 @@ class OnRanks:
     def __call__(self) -> str:
         """The line ``repr(model)`` shows first: where the weights are."""
         size = size_text(self.nbytes)
-        if self.world is None:
+        if self.left_in is not None and os.path.isdir(self.left_in):
+            line = (
+                f"nbfsdp: weights ({size}) in {self.left_in}, where a failed move left them: the next cell reads them"
+            )
+        elif self.world is None:
             where = f"read by the ranks from {self.source} at the next %%fsdp cell" if self.source else "not loaded"
             line = f"nbfsdp: weights ({size}) {where}"
         else:
@@ -112,12 +118,38 @@ def leave_in(model: nn.Module, checkpoint: str, directory: str) -> None:
 
 def free_left(directory: str | None = None) -> list[str]:
     """Free ``directory``, or every directory, failed moves left weights in (a later move read them; ``%fsdp
-    stop``, the kernel's exit); the ones freed."""
+    stop``, the kernel's exit); the ones freed. Every move's directory still being freed is freed first."""
+    wait_for_freeing()
     freed = sorted(_left_dirs if directory is None else {directory})
     for each in freed:
         shutil.rmtree(each, ignore_errors=True)
         _left_dirs.discard(each)
     return freed
+
+
+#: Moves' directories being freed behind the next cell.
+_freeing: list[KernelThread] = []
+
+
+def free_in_background(directory: Path) -> None:
+    """Free a move's directory once the new world holds the model, while the cell runs: the pages of a 1B model's
+    6.4 GiB in ``/dev/shm`` take about a second to give back. Its ``state`` goes first, its kernel note last, so
+    a kernel killed meanwhile leaves a directory ``reaping.clean_stale`` still recognizes."""
+
+    def free() -> None:
+        shutil.rmtree(directory / "state", ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    thread = KernelThread(target=free, name="nbfsdp-free-move")
+    thread.start()
+    _freeing[:] = [t for t in _freeing if t.is_alive()] + [thread]
+
+
+def wait_for_freeing() -> None:
+    """Until every move's directory being freed is gone."""
+    for thread in _freeing:
+        thread.join()
+    _freeing.clear()
 
 
 atexit.register(free_left)
@@ -197,6 +229,12 @@ def mark(model: nn.Module, source: str | None = None) -> OnRanks:
     if source is not None:
         record.read_from(source)
     return record
+
+
+def release(model: nn.Module) -> None:
+    """``model``, whose weights the notebook holds again (gathered), lives in the notebook from now on: no
+    record, so cells gather it back as any model's."""
+    del model.__dict__[_REPR]
 
 
 def to_meta(model: nn.Module) -> None:
@@ -282,6 +320,7 @@ def refuse_losing_weights(  # noqa: PLR0913 (each is one fact about the cell and
     holds and the cell's (``cell_models``), by name; ``running``: the running world's generation, None when
     it is broken or absent; ``replacing``: the models the cell loads whole from a checkpoint (``%fsdp load``),
     which lose nothing."""
+    moving: dict[str, str] = {}  # the models that move with this cell's world, each with its refusal
     for name, model in named.items():
         record = of(model) if isinstance(model, nn.Module) else None
         if record is None or record.world is None or name in replacing:
@@ -295,25 +334,25 @@ def refuse_losing_weights(  # noqa: PLR0913 (each is one fact about the cell and
             if record.replaceable:
                 record.read_again(name)
                 continue
-            raise MustMove(
+            moving[name] = (
                 f"{name} lives on the ranks, changed there by a cell, and since then its skeleton in the notebook (an "
                 f"attribute or a module of {name}) or the cell's FSDP settings changed: the ranks would shard it "
                 f"anew, without their weights. Undo the change (or run the cell with the settings before), or "
-                f"bring the weights here first (nbfsdp.gather({name})), then run the cell",
-                [name],
+                f"bring the weights here first (nbfsdp.gather({name})), then run the cell"
             )
+            continue
         if record.replaceable:
             if name in cell_models:
                 record.read_again(name)
             continue
         if holder == running:
-            raise MustMove(
+            moving[name] = (
                 f"this cell needs a new world ({world_size} ranks, or other settings), which would end the "
                 f"running one of {size} ranks: the only holder of {name}'s weights, changed there by a cell. "
                 f"Bring them here first (nbfsdp.gather({name})) or save them (%fsdp save DIR, then %fsdp load "
-                f"DIR -n {world_size}), or run the cell at --world-size {size} with the same device",
-                [name],
+                f"DIR -n {world_size}), or run the cell at --world-size {size} with the same device"
             )
+            continue
         if name in cell_models and record.left_in is not None and os.path.isdir(record.left_in):
             raise MustMove(
                 f"{name}'s weights lived on the ranks only, and the world of {size} ranks that held them has ended; "
@@ -327,3 +366,5 @@ def refuse_losing_weights(  # noqa: PLR0913 (each is one fact about the cell and
                 "ended: they are lost. Read them again (nbfsdp.from_pretrained, %fsdp load DIR) or load a "
                 "checkpoint, then run the cell"
             )
+    if moving:
+        raise MustMove(next(iter(moving.values())), list(moving))
