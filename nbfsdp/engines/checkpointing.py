@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nbfsdp.engines import world as worlds
-from nbfsdp.engines.rank_state import Snapshot, class_name, manifest_fields, recipe, take_snapshot
+from nbfsdp.engines.rank_state import Snapshot, class_name, manifest_fields, take_snapshot
 from nbfsdp.engines.world import World
 from nbfsdp.shared import checkpoints
 from nbfsdp.shared.checkpoints import CheckpointError, Manifest
@@ -68,7 +68,7 @@ def _complete(world: World, snapshot: Snapshot, target: SaveTarget) -> tuple[str
         },
         optimizers={name: owner for name, (_, owner) in snapshot.optimizers.items()},
         schedulers={name: optimizer for name, (_, optimizer) in snapshot.schedulers.items()},
-        recipes={name: recipe(opt, snapshot.models[owner]) for name, (opt, owner) in snapshot.optimizers.items()},
+        recipes=snapshot.recipes,
         loaders=snapshot.loaders,
         bytes_per_rank=checkpoints.bytes_per_rank(target.partial, world.world_size),
     )

@@ -147,6 +147,9 @@ class Snapshot:
     schedulers: dict[str, tuple[Any, str]]
     loaders: list[str]
     skipped: dict[str, str]
+    recipes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """How a load builds each optimizer again (``recipe``), taken with the state: a background save completes
+    after later cells, which may have sharded the model anew."""
 
 
 def manifest_fields(config: Any) -> dict[str, Any]:
@@ -174,4 +177,5 @@ def take_snapshot(world: World, epochs: dict[str, int] | None) -> Snapshot:
         if loaders
         else {},
     }
-    return Snapshot(state, models, found, schedulers, sorted(loaders), skipped)
+    recipes = {name: recipe(opt, models[owner]) for name, (opt, owner) in found.items()}
+    return Snapshot(state, models, found, schedulers, sorted(loaders), skipped, recipes)

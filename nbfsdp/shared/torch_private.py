@@ -596,7 +596,9 @@ def flight_recorder_entries() -> list[dict[str, Any]]:
 
     from torch._C import _distributed_c10d as c10d
 
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    dump = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None and dist.is_initialized() and dist.get_backend() == "nccl":
+        dump = getattr(c10d, "_dump_nccl_trace", None)  # before torch 2.8 (torch 2.6 hangs in it on gloo)
     if dump is None:
         return []
     traces = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)

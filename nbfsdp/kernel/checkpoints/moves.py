@@ -123,6 +123,9 @@ def _write(session: Session, needed: MustMove, checkpoint: Path) -> Manifest:
         world = session.cluster.world
         kept = "they stay on the running world" if world is not None and not world.broken else "their world broke"
         raise UsageError(f"{needed}\nnbfsdp: moving them failed while the ranks wrote them ({error}): {kept}") from None
+    except BaseException:  # an interrupt: what was written goes, the model stays where it was
+        shutil.rmtree(checkpoint.parent, ignore_errors=True)
+        raise
     assert isinstance(manifest, Manifest)  # a foreground save of nbfsdp's own format
     return manifest
 

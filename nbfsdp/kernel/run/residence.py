@@ -100,6 +100,10 @@ class OnRanks:
         print(f"nbfsdp: {name}: the ranks read its weights from {self.source} again", file=sys.stderr)
         self.world = None
 
+    def left(self, checkpoint: str) -> None:
+        """A move failed after the old world wrote the weights to ``checkpoint``: the next cell reads them there."""
+        self.left_in = checkpoint
+
     def trained_here(self, model: nn.Module) -> None:
         """Some of the weights came back (a LoRA model's trained adapters): the notebook holds those too."""
         self.here = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
@@ -112,7 +116,7 @@ _left_dirs: set[str] = set()
 def leave_in(model: nn.Module, checkpoint: str, directory: str) -> None:
     """A move failed after the old world wrote ``model``'s state to ``checkpoint`` (in ``directory``, which this
     kernel frees at ``%fsdp stop`` or its exit): the next cell over it reads it from there."""
-    mark(model).left_in = checkpoint
+    mark(model).left(checkpoint)
     _left_dirs.add(directory)
 
 
