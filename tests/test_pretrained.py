@@ -202,7 +202,7 @@ def test_keep_on_ranks_frees_the_notebook_copy_and_a_new_world_takes_it_moved(sh
     capsys.readouterr()
     run_ok(shell, "%%fsdp --world-size 1\npass\n")  # a new world: the trained weights move there first
     assert "nbfsdp: moved llama from 2 ranks to 1 rank, FULL_SHARD in " in capsys.readouterr().out
-    assert all(p.is_meta for p in llama.parameters()) and "on the 1 ranks only" in repr(llama)  # never here
+    assert all(p.is_meta for p in llama.parameters()) and "on the 1 rank only" in repr(llama)  # never here
     nbfsdp.gather(llama)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):  # one process, the same global batches

@@ -66,7 +66,8 @@ class OnRanks:
             where = f"read by the ranks from {self.source} at the next %%fsdp cell" if self.source else "not loaded"
             line = f"nbfsdp: weights ({size}) {where}"
         else:
-            line = f"nbfsdp: weights ({size}) on the {self.world[1]} ranks only, {self.history()}"
+            ranks = f"{self.world[1]} rank{'s' if self.world[1] != 1 else ''}"
+            line = f"nbfsdp: weights ({size}) on the {ranks} only, {self.history()}"
             if self.here:
                 line += f"; its trained parameters ({size_text(self.here)}) here too"
             line += "; nbfsdp.gather(model) brings them here"
