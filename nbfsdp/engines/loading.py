@@ -5,7 +5,6 @@ DCP resharding from whatever world size wrote it), a full-weights file or a Hugg
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from nbfsdp.engines.rank_state import rng_state, set_rng_state
 from nbfsdp.shared import checkpoints
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.initializing import materialize
+from nbfsdp.shared.optimizers import recipe_class
 from nbfsdp.shared.protocol import GatherModel, InternalRequest, LoadCheckpoint, LoadWeightsFile
 from nbfsdp.shared.weights_files import Weights, WeightsDirectory, full_weights_reader
 
@@ -79,8 +79,8 @@ def read_next(request: InternalRequest | None, name: str, config: FSDPConfig) ->
 def rebuild(recipe: dict[str, Any], model: nn.Module) -> Optimizer:
     """An optimizer a cell made, built again over ``model``'s sharded parameters as the checkpoint's manifest
     says (``rank_state.recipe``); ``load_into`` then gives it its state and hyperparameters."""
-    module, _, name = recipe["class"].rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
+    cls = recipe_class(recipe)
+    assert cls is not None  # the kernel asked for it only where it imports (the same environment)
     params = dict(model.named_parameters(remove_duplicate=False))
     groups = [{**group, "params": [params[fqn] for fqn in group["params"]]} for group in recipe["groups"]]
     return cls(groups)

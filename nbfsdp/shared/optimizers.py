@@ -20,6 +20,7 @@ optimizer the cell created around the notebook's own parameters
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -119,3 +120,13 @@ def portable_state_dict(value: Any, whole: dict[int, torch.Tensor]) -> dict[str,
             index: {key: whole.get(id(v), v) for key, v in entry.items()} for index, entry in state["state"].items()
         }
     return state
+
+
+def recipe_class(recipe: dict[str, Any]) -> type | None:
+    """The optimizer class a checkpoint's recipe names (``engines.rank_state.recipe``), where it imports here."""
+    module, _, name = recipe["class"].rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None

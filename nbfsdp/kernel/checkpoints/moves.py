@@ -59,6 +59,7 @@ def move(session: Session, needed: MustMove, *, world_size: int, config: FSDPCon
     started = time.perf_counter()
     if needed.left_in is not None:
         checkpoint, wrote = Path(needed.left_in), f"read from {needed.left_in}, where a failed move left them, "
+        manifest = fmt.read_manifest(checkpoint)
     else:
         checkpoint = _directory(session, needed) / "state"
         manifest = _write(session, needed, checkpoint)
@@ -66,7 +67,6 @@ def move(session: Session, needed: MustMove, *, world_size: int, config: FSDPCon
             f"{manifest.world_size} ranks wrote {size_text(sum(manifest.bytes_per_rank))} to "
             f"{checkpoint.parent.parent} in {time.perf_counter() - started:.2f} s, "
         )
-    manifest = fmt.read_manifest(checkpoint)
     saved = manifest.world_size
     reading, old_world = time.perf_counter(), session.cluster.world
     try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ from nbfsdp.shared.collectives import size_text
 from nbfsdp.shared.config import CheckpointSettings, ConfigError, FSDPConfig
 from nbfsdp.shared.config import resolve as resolve_settings
 from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS, world_size_error
+from nbfsdp.shared.optimizers import recipe_class
 from nbfsdp.shared.protocol import LoadCheckpoint, LoaderState, LoadWeightsFile, SaveTarget
 from nbfsdp.shared.torch_private import dcp_load_in_one_process
 from nbfsdp.shared.weights_files import SUFFIXES, full_weights_reader, hugging_face_checkpoint, match_names
@@ -548,17 +548,11 @@ def _notebook_models(
 def _made_on_the_ranks(manifest: Manifest, wanted: dict[str, str], namespace: dict[str, Any]) -> set[str]:
     """The checkpoint's optimizers the notebook has no object of that its manifest says how to build (a cell
     made them on the ranks, over a model living there): the ranks build them again under their names."""
-    return {name for name in wanted if name not in namespace and _importable(manifest.recipes.get(name))}
-
-
-def _importable(recipe: dict[str, Any] | None) -> bool:
-    if recipe is None:
-        return False
-    module, _, name = recipe["class"].rpartition(".")
-    try:
-        return isinstance(getattr(importlib.import_module(module), name, None), type)
-    except ImportError:
-        return False
+    return {
+        name
+        for name in wanted
+        if name not in namespace and name in manifest.recipes and recipe_class(manifest.recipes[name])
+    }
 
 
 def _notebook_optimizers(
