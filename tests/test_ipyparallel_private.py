@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -96,17 +95,41 @@ def test_a_running_cluster_is_found_by_its_files_in_the_profile(tmp_path):
         cluster.start_controller_sync()
         groups = {os.getpgid(pid) for pid in ipyparallel_private.launched_pids(cluster)}
         assert ipyparallel_private.running_cluster_ids(security) == ["c1"]
-        engine_file = ipyparallel_private.engine_connection_file(security, "c1")
-        deadline = time.monotonic() + 30
-        while not engine_file.is_file() and time.monotonic() < deadline:  # written once the controller listens
-            time.sleep(0.1)
-        connection = json.loads(engine_file.read_text())
+        # written once the controller listens, in place: read at once, it can be missing or empty (CI, once)
+        connection = ipyparallel_private.read_engine_connection(security, "c1", wait_s=30)
         assert "127.0.0.1" in connection["interface"]
     finally:
         cluster.stop_cluster_sync()
         _end_groups(groups)
     assert ipyparallel_private.running_cluster_ids(security) == []  # its file goes with it
     assert ipyparallel_private.engine_connection_file(security, "").name == "ipcontroller-engine.json"
+
+
+def test_an_engine_connection_file_being_written_is_read_once_whole(tmp_path):
+    """The controller writes it in place: a reader that comes early sees it empty, then half, then whole."""
+    path = ipyparallel_private.engine_connection_file(tmp_path, "c1")
+    path.write_text("")
+    whole = '{"interface": "tcp://127.0.0.1", "key": "k"}'
+
+    def write_slowly() -> None:
+        time.sleep(0.3)
+        path.write_text(whole[:10])
+        time.sleep(0.3)
+        path.write_text(whole)
+
+    writer = threading.Thread(target=write_slowly)
+    writer.start()
+    try:
+        assert ipyparallel_private.read_engine_connection(tmp_path, "c1", wait_s=10) == {
+            "interface": "tcp://127.0.0.1",
+            "key": "k",
+        }
+    finally:
+        writer.join()
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError):  # no such cluster: says so once the wait is over
+        ipyparallel_private.read_engine_connection(tmp_path, "c2", wait_s=0.2)
+    assert time.monotonic() - started < 5
 
 
 def _command_line(pid: int, seconds: float = 10.0) -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import shutil
 import socket
 import sys
@@ -78,8 +77,10 @@ class AttachedCluster:
         if cluster_id is None:
             cluster_id = _only_cluster(directory, profile)
         try:
-            engine_file = ipyparallel_private.engine_connection_file(directory.security_dir, cluster_id)
-            self._engine_connection = json.loads(engine_file.read_text())
+            running = cluster_id in ipyparallel_private.running_cluster_ids(directory.security_dir)
+            self._engine_connection = ipyparallel_private.read_engine_connection(  # a controller just started
+                directory.security_dir, cluster_id, wait_s=10.0 if running else 0.0
+            )
             self.client = ipp.Client(profile_dir=directory.location, cluster_id=cluster_id)
         except (OSError, ValueError) as error:
             raise UsageError(

@@ -15,6 +15,8 @@ interface and are used directly. Importing this module loads no ipyparallel.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +31,7 @@ __all__ = [
     "engine_arguments",
     "engine_connection_file",
     "launched_pids",
+    "read_engine_connection",
     "running_cluster_ids",
     "watch_exit",
 ]
@@ -98,6 +101,25 @@ def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:
     """
     name = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
     return Path(security_dir, f"{name}-engine.json")
+
+
+def read_engine_connection(security_dir: str | Path, cluster_id: str, wait_s: float = 10.0) -> dict:
+    """The engine connection file's contents, once the controller has finished writing it.
+
+    Relies on ``IPControllerApp.save_connection_dict`` writing the file in place (open, write, chmod), not by a
+    rename: a controller that has just started shows an empty or partial file for a moment (read as ``''`` in a
+    CI run). Waits up to ``wait_s`` for whole JSON, then raises what the last read raised (``OSError`` or
+    ``ValueError``).
+    """
+    path = engine_connection_file(security_dir, cluster_id)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 def running_cluster_ids(security_dir: str | Path) -> list[str]:
