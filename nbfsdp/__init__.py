@@ -11,9 +11,8 @@
 Afterwards ``model`` holds the trained weights and ``nbfsdp.last_run()`` the
 metrics of every rank. See ``notebooks/00-quickstart.ipynb``.
 
-``%load_ext nbfsdp`` returns at once: torch, the magics and the engines the
-first ``%%fsdp`` cell would start (the default world size: the number of GPUs,
-or 2) come up on a background thread, so that cell often finds them ready.
+``%load_ext nbfsdp`` returns at once: torch, the magics and the engines the first ``%%fsdp`` cell would start
+(the default world size: the number of GPUs, or 2) come up on a background thread, so that cell often finds them ready.
 The environment variable ``NBFSDP_PREWARM`` chooses: unset, that default world
 size; ``0``, ``off``, ``false`` or ``no``, nothing starts before the first cell
 (the extension then loads in the foreground); a whole number N from 1 to 64, a
@@ -33,6 +32,7 @@ from nbfsdp.kernel.extension import load_ipython_extension, unload_ipython_exten
 from nbfsdp.kernel.extension import prewarm_world_size as prewarm_world_size  # what NBFSDP_PREWARM asks
 
 if TYPE_CHECKING:
+    from nbfsdp.engines.debugging import units
     from nbfsdp.engines.metrics import log
     from nbfsdp.kernel.checkpoints.pretrained import from_pretrained
     from nbfsdp.kernel.checkpoints.sharded import checkpoints, load, save
@@ -57,6 +57,7 @@ __all__ = [
     "release",
     "runs",
     "save",
+    "units",
     "unload_ipython_extension",
     "where",
 ]
@@ -78,6 +79,7 @@ _LAZY = {
     "gather": "nbfsdp.kernel.run.gathering",
     "release": "nbfsdp.kernel.run.gathering",
     "where": "nbfsdp.kernel.run.session",
+    "units": "nbfsdp.engines.debugging",
 }
 
 

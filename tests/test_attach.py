@@ -453,3 +453,37 @@ def test_interval_saves_across_hosts_agree_through_the_shared_directory(shell, t
     saved = list_checkpoints(folder)
     assert [(c.step, c.world_size, c.complete) for c in saved] == [(2, 4, True), (4, 4, True)], saved
     assert sorted(p.name for p in (folder / "step-4").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_the_debugger_reaches_the_ranks_on_the_other_host(shell, two_hosts, monkeypatch, capsys):
+    """Issue 60, point 4: a breakpoint on rank 2 (the second host) prompts here, and ``%debug`` walks rank 3's
+    frames there; while rank 2 sits at its prompt nothing on its host listens beyond the hosts' network and loopback
+    (its lines come through the shared directory, ``%debug``'s through ipyparallel)."""
+    machines, cluster = two_hosts
+    other = machines.hosts[1]
+    run_ok(shell, f"%fsdp attach --profile gpus --cluster-id {cluster.cluster_id}\nimport torch")
+    typed = iter(["p rank", "p socket.gethostname()", "c", "p local", "up", "q"])
+    prompts, listening = [], []
+
+    def answer(prompt: str = "") -> str:
+        prompts.append(prompt)
+        if len(prompts) == 1:
+            seen = subprocess.run(["ip", "netns", "exec", other.name, "ss", "-ltnH"], capture_output=True, text=True)
+            listening.append(seen.stdout)
+        return next(typed)
+
+    monkeypatch.setattr("builtins.input", answer)
+    run_ok(shell, "%%fsdp --debug-rank 2\nimport socket\nbreakpoint()\ntorch.distributed.barrier()")
+    out = capsys.readouterr().out
+    assert prompts == ["(Pdb rank 2) "] * 3, prompts
+    assert f"\n2\n'{other.name}'\n" in out, out
+    local = {line.split()[3].rsplit(":", 1)[0] for line in listening[0].splitlines()}
+    assert local <= {"127.0.0.1", other.address}, listening[0]
+
+    error, _ = run_failing(shell, "%%fsdp\nif rank == 3:\n    local = rank * 10\n    raise ValueError('bad')\n")
+    assert isinstance(error, RankError) and error.debuggable, error
+    run_ok(shell, "%debug")
+    out = capsys.readouterr().out
+    assert prompts[3:] == ["(Pdb rank 3) "] * 3, prompts
+    assert "rank 3's frames (ValueError: bad)" in out and "\n30\n" in out, out
+    run_ok(shell, "%fsdp detach")

@@ -69,7 +69,7 @@ def test_bad_line_action_names_the_valid_ones(shell):
     valid = (
         r"\(choose from 'status', 'stop', 'explain', 'compare', 'panel', 'set', 'wait', 'cancel', 'check', "
         r"'where', 'interrupt', 'timeline', 'trace', 'save', 'load', 'checkpoints', 'export', 'export-script', "
-        r"'attach', 'detach'\)"
+        r"'debug', 'attach', 'detach'\)"
     )
     with pytest.raises(UsageError, match=rf"invalid choice: 'restart' {valid}"):
         shell.run_line_magic("fsdp", "restart")
@@ -219,7 +219,7 @@ def test_an_action_that_parses_flags_names_each_of_them_in_its_usage():
                 positional.append(word)
             depth += word.count("[") - word.count("]")
         assert all(w.upper() in action.usage or w in action.usage for w in positional), (name, positional)
-    assert parsed == 8  # explain, timeline, trace, save, load, checkpoints, export, attach
+    assert parsed == 9  # explain, timeline, trace, save, load, checkpoints, export, debug, attach
 
 
 def test_each_settings_flag_is_made_from_its_field_its_choices_the_literal_its_help_the_docstring():

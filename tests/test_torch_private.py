@@ -262,6 +262,73 @@ def test_the_limited_memory_tracker_counts_by_category_and_calls_for_every_growt
     assert ns["during"].endswith("in optimizer step") or " in " in ns["during"]
 
 
+UNIT_STATES = """%%fsdp --world-size 2 --wrap-cls Block --no-gather
+import datetime
+from nbfsdp.shared import torch_private
+seen = {}
+def look(module, args):  # after FSDP's own pre-forward hook: the unit gathered
+    seen["states"] = torch_private.fsdp_unit_states(model)
+    seen["gathered"] = torch_private.gathered_from(model, module.mlp[0].weight)
+    seen["not_gathered"] = torch_private.gathered_from(model, model.blocks[0].mlp[0].weight)
+handle = model.blocks[1].register_forward_pre_hook(look)
+out = model(batch_for(rank, 0)[0])
+handle.remove()
+during = {row["unit"]: (row["state"], row["training"]) for row in seen["states"]}
+unit, sharded = seen["gathered"]
+gathered = (unit, tuple(sharded.to_local().shape), seen["not_gathered"])
+after = {row["unit"]: (row["state"], row["training"]) for row in torch_private.fsdp_unit_states(model)}
+sizes = [(row["local_bytes"], row["full_bytes"]) for row in torch_private.fsdp_unit_states(model)]
+lifted = torch_private.set_collective_timeout(datetime.timedelta(seconds=60))
+"""
+
+
+def test_each_units_state_and_a_gathered_parameters_shard_on_real_units(shell, tiny_model):
+    """What ``nbfsdp.units`` and the ranks' debugger read (``nbfsdp.engines.debugging``), inside a unit's forward."""
+    run_ok(shell, UNIT_STATES)
+    ns = shell.user_ns
+    assert ns["during"]["blocks.1"] == ("UNSHARDED", "FORWARD"), ns["during"]
+    assert ns["during"]["blocks.0"][0] == "SHARDED" and ns["during"]["blocks.2"][0] == "SHARDED", ns["during"]
+    # after forward the blocks are sharded again; the root stays gathered for the backward that comes next
+    assert ns["after"].pop("(root)") == ("UNSHARDED", "IDLE")
+    assert set(ns["after"].values()) == {("SHARDED", "IDLE")}, ns["after"]
+    assert ns["gathered"] == ("blocks.1", (16, 16), None)  # its (32, 16) weight: half its rows here
+    assert all(2 * local == full for local, full in ns["sizes"][1:]), ns["sizes"]
+    assert ns["lifted"] is (torch.__version__ >= "2.7")
+
+
+#: Two gloo ranks with a 1 s timeout lifted to 60 s: rank 1 joins the all_reduce 2 s late.
+LIFTED = """
+import datetime, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from nbfsdp.shared import torch_private
+def rank_main(rank, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=1))
+    torch_private.set_collective_timeout(datetime.timedelta(seconds=60))
+    if rank == 1:
+        time.sleep(2)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(rank, total.item(), flush=True)
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_a_lifted_collective_timeout_lets_a_late_rank_join(tmp_path):
+    """``set_collective_timeout``: the collectives issued after it wait past the group's first timeout (torch 2.7+;
+    on 2.6 gloo keeps the first one)."""
+    if torch.__version__ < "2.7":
+        pytest.skip("torch < 2.7: gloo keeps a group's first timeout")
+    script = tmp_path / "lifted.py"
+    script.write_text(LIFTED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["0 2.0", "1 2.0"], done.stdout
+
+
 def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_working(tmp_path):
     """The world's groups are walked (``_world.pg_names``, each one's CUDA backend): a gloo world has no NCCL
     communicator to abort (gloo's collectives are released by their connections, ``nbfsdp.engines.release``),

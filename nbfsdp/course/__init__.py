@@ -3,7 +3,8 @@
 ``models`` (the notebook and the ranks): the tiny GPT and MLP every notebook trains, their batches
 and loss. ``meters`` (the ranks): what a rank measures inside a ``%%fsdp`` cell, the collectives it
 runs and the parameters it holds gathered. ``timelines`` (the ranks): a from-scratch FSDP's step on
-nbfsdp's timeline. ``diagrams`` (the notebook): the pictures drawn from numbers. ``ring_bytes`` is
+nbfsdp's timeline. ``diagrams`` (the notebook): the pictures drawn from numbers. ``keyboard`` (the
+notebook): the lines a learner would type at the debugger's prompt, typed for them. ``ring_bytes`` is
 the ring algorithms' bytes on the wire that ``%fsdp explain`` uses.
 The notebooks import them by name::
 
@@ -14,6 +15,7 @@ Objects from here reach the ranks by reference (the ranks import ``nbfsdp.course
 """
 
 from nbfsdp.course.diagrams import collective, strategy_timeline, timeline
+from nbfsdp.course.keyboard import typed
 from nbfsdp.course.meters import CollectiveMeter, CommMeter, peer_connections, tcp_counters, traffic, unsharded_bytes
 from nbfsdp.course.models import MLP, Block, MLPBlock, TinyGPT, batch_for, loss_fn, rotation_batch
 from nbfsdp.course.timelines import captured_step, fsdp_span
@@ -38,5 +40,6 @@ __all__ = [
     "tcp_counters",
     "timeline",
     "traffic",
+    "typed",
     "unsharded_bytes",
 ]

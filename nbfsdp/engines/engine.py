@@ -9,6 +9,7 @@ a cell leaves on the engines survive until the world is restarted.
 
 from __future__ import annotations
 
+import bdb
 import builtins
 import datetime
 import linecache
@@ -30,6 +31,7 @@ from torch.optim import Optimizer
 import nbfsdp  # the package root, as the cell sees it (nbfsdp.log); it imports nothing on its own
 from nbfsdp.engines import (
     cell_results,
+    debugging,
     hosts,
     loader_positions,
     loaders,
@@ -98,6 +100,7 @@ def setup(joining: WorldSetup) -> EngineInfo:
         device = torch.device("cpu")
     seconds = datetime.timedelta(seconds=joining.timeout)
     where.record_flights(backend)  # read when the process group is made
+    debugging.release()  # a failed cell's frames go with the world they failed in
     release.world_begins(generation)  # before the store: the connections made from here are the world's
     store, script_store = _stores(joining, seconds)
     dist.init_process_group(
@@ -113,6 +116,7 @@ def setup(joining: WorldSetup) -> EngineInfo:
         world_size=world_size,
         device=device,
         generation=generation,
+        timeout=joining.timeout,
         script_store=script_store,
         # one machine's ranks share its clock; over several hosts a captured step's times go on rank 0's
         clock_offset_ns=clock_offset_ns(device) if joining.rendezvous is not None else 0,
@@ -280,6 +284,7 @@ def _run_cell(spec: CellSpec, values: bytes, skeletons: dict[str, bytes]) -> Cel
     if world is None or world.generation != spec.generation:
         return CellOutcome.failed("world not set up")
     cell: _Cell | None = None
+    debugging.release()  # the last cell's failed frames: %debug is over once the next cell runs
     try:
         cell = _enter(world, spec, values, skeletons)
         cancelled = _execute(world, spec, cell)
@@ -348,6 +353,7 @@ def _execute(world: World, spec: CellSpec, cell: _Cell) -> bool:
         boundaries = _instrument(world, spec, cell, meter)
         assert cell.recorder is not None and cell.rank_memory is not None  # _instrument made them
         failed, cancelled = True, False
+        debugging.cell_begins(world.rank, spec, publish_data)  # breakpoint() prompts in the notebook
         try:
             with (
                 pasted.cell_calls(spec.filename),
@@ -363,6 +369,7 @@ def _execute(world: World, spec: CellSpec, cell: _Cell) -> bool:
         except CellCancelled:
             cancelled, failed = True, False
         finally:
+            debugging.cell_ends(world.timeout)
             metrics.active_recorder = None
             boundaries.remove()
             cell.timeline.end()
@@ -400,12 +407,19 @@ def _failed(error: BaseException, cell: _Cell | None) -> CellOutcome:
     if dist.is_initialized():
         dist.destroy_process_group()
     worlds.current = None
+    quit_debugger = isinstance(error, bdb.BdbQuit)
+    # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
+    interrupted = (KeyboardInterrupt, PeerEnded, debugging.PromptInterrupted)
+    secondary = isinstance(error, interrupted) or any(m in message for m in _PEER_FAILURE_MARKERS)
+    if not (secondary or quit_debugger):  # this rank's own error: its frames stay for %debug
+        debugging.keep_failure(error)
     return CellOutcome(
         ok=False,
         error=message,
         traceback=_user_traceback(error),
-        # KeyboardInterrupt: the client interrupted this rank because of another failure or the user
-        secondary=isinstance(error, (KeyboardInterrupt, PeerEnded)) or any(m in message for m in _PEER_FAILURE_MARKERS),
+        secondary=secondary,
+        quit_debugger=quit_debugger,
+        kept_frames=debugging.kept() is not None,
         metrics=cell.recorder.records if cell is not None and cell.recorder else [],
         memory=cell.rank_memory.report() if cell is not None and cell.rank_memory else None,
         timeline=cell.timeline.captures if cell is not None else [],

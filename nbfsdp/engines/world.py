@@ -23,6 +23,8 @@ class World:
     world_size: int
     device: torch.device
     generation: int
+    timeout: float = 1800.0
+    """Seconds a collective may wait (``--timeout``): the groups' own, lifted while a cell may stop at a prompt."""
     namespace: dict[str, Any] = field(default_factory=dict)
     models: dict[str, tuple[int, ShardedModel]] = field(default_factory=dict)  # name -> (token, model)
     meshes: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # a 2-D mesh makes process groups

@@ -297,6 +297,19 @@ def checkpoints_arguments(line: str) -> None:
 
 
 @magic_arguments()
+@argument("--rank", type=int, metavar="R", default=None, help="Walk this failed rank's frames (%%debug's, here).")
+@argument("--release", action="store_true", help="Let every rank go of its failed frames now, and say what they held.")
+def debug_arguments(line: str) -> None:
+    """the ranks that keep a failed cell's frames for %debug; --rank R walks one"""
+
+
+DEBUG_RANK_HELP = (
+    "The ranks a breakpoint() or pdb.set_trace() in the cell stops, such as 1 or 0,2 (default: every rank, one "
+    "prompt at a time, the lowest rank first); the others pass it over."
+)
+
+
+@magic_arguments()
 @argument(
     "--step", type=int, metavar="N", default=None, help="The captured step to draw (default: the last one captured)."
 )

@@ -24,7 +24,7 @@ from nbfsdp.kernel.diagnostics import check
 from nbfsdp.kernel.planning import fitting
 from nbfsdp.kernel.planning.plans import StepTrace, plan
 from nbfsdp.kernel.planning.progress import ProgressLine
-from nbfsdp.kernel.run import residence
+from nbfsdp.kernel.run import debugging, residence
 from nbfsdp.kernel.run.session import Session
 from nbfsdp.kernel.run.spec import RunOptions
 from nbfsdp.kernel.status import status
@@ -148,6 +148,17 @@ def _trace(magics: FSDPMagics, rest: str) -> None:
     print(timeline.write_trace(args.path))
 
 
+def _debug(magics: FSDPMagics, rest: str) -> None:
+    args = parse_argstring(flags.debug_arguments, rest)
+    session = magics.session
+    if args.release:
+        print(debugging.release(session))
+    elif args.rank is not None:
+        debugging.post_mortem(session, rank=args.rank)
+    else:
+        print(debugging.which_failed(session))
+
+
 def _attach(magics: FSDPMagics, rest: str) -> None:
     args = parse_argstring(flags.attach_arguments, rest)
     magics.attach(args.profile, args.cluster_id, args.shared_dir)
@@ -260,6 +271,7 @@ ACTIONS = {
     "export-script": Action(
         "export-script PATH: the last %%fsdp cell as a torchrun script, its inputs saved beside it", _export_script
     ),
+    "debug": _parsed("debug", flags.debug_arguments, _debug),
     "attach": _parsed("attach", flags.attach_arguments, _attach),
     "detach": Action("detach: let go of it, leaving it running", _detach),
 }
@@ -274,6 +286,7 @@ class FSDPMagics(Magics):
     def __init__(self, shell: InteractiveShell, cluster: FSDPCluster | None = None) -> None:
         super().__init__(shell)
         self.session = Session(shell, cluster)
+        self._debug_magic = debugging.DebugMagic(shell, self.session)  # %debug after a failed cell: the rank's frames
 
     @magic_arguments()
     @argument(
@@ -285,6 +298,7 @@ class FSDPMagics(Magics):
     )
     @argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help=flags.TIMEOUT_HELP)
     @argument("--hang-report", type=float, default=None, help=flags.HANG_REPORT_HELP)
+    @argument("--debug-rank", default=None, metavar="R", help=flags.DEBUG_RANK_HELP)
     @argument("--timeline", type=float, default=DEFAULT_EVERY_SECONDS, help=flags.TIMELINE_HELP)
     @argument(
         "--no-gather",
@@ -352,6 +366,7 @@ class FSDPMagics(Magics):
             keep_on_ranks=args.keep_on_ranks,
             hang_report=flags.hang_report_seconds(args.hang_report, args.timeout),
             timeline=flags.timeline_seconds(args.timeline),
+            debug_ranks=debugging.debug_ranks(args.debug_rank, world_size),
         )
         try:
             self.session.run_cell(cell, settings, options)
@@ -406,6 +421,7 @@ class FSDPMagics(Magics):
 
     def stop(self) -> None:
         """The extension unloads (or the kernel ends): an attached cluster is let go of, nbfsdp's own stopped."""
+        self._debug_magic.remove()
         self.session.detach()
         self.session.stop()
 

@@ -282,6 +282,11 @@ class CellSpec:
     timeline: float = 0.0
     """``--timeline``: each rank captures its second step, the first after each live change, then one every
     this many seconds (``nbfsdp.engines.timeline``); 0, none."""
+    debug_ranks: list[int] | None = None
+    """``--debug-rank``: the ranks a ``breakpoint()`` stops; None, every rank; [] none (an ``--async`` cell)."""
+    breakpoints: bool = False
+    """The kernel saw the cell (or a notebook function or model class it runs) call the debugger: its collectives
+    wait for a rank at a prompt (the kernel keeps ``--timeout`` itself, less the time at prompts)."""
 
     @property
     def gathers(self) -> bool:
@@ -342,6 +347,10 @@ class CellOutcome:
     doing and the shapes of its model's last call (``nbfsdp.engines.memory_limit.RankMemory.report``)."""
     timeline: list[dict[str, Any]] = field(default_factory=list)
     """This rank's captured steps (``nbfsdp.shared.timeline``), also those of a failed cell up to its error."""
+    quit_debugger: bool = False
+    """The cell ended because ``q`` was typed at this rank's debugger prompt: not an error of the cell's."""
+    kept_frames: bool = False
+    """This rank keeps its failed frames for ``%debug`` (``nbfsdp.engines.debugging``)."""
 
     @classmethod
     def failed(cls, error: str, *, secondary: bool = False, engine_lost: bool = False) -> CellOutcome:
@@ -414,6 +423,13 @@ def where_answer(directory: str | Path, number: int, rank: int) -> Path:
     return Path(directory, f"where-{number}-rank{rank}.json")
 
 
+def debug_command_file(control: str | Path, rank: int) -> Path:
+    """The line typed at rank ``rank``'s debugger prompt, beside the cell's control file: ``{"seq": n, "line": ...}``
+    answering its n-th prompt (``nbfsdp.engines.debugging``)."""
+    control = Path(control)
+    return control.with_name(f"{control.stem}-debug-rank{rank}.json")
+
+
 def claim_file(control: Path, version: int) -> Path:
     """The file whose first writer fixes the boundary at which request ``version`` applies on every rank."""
     return control.with_name(f"{control.stem}-v{version}.claim")
@@ -426,6 +442,7 @@ def control_files(control: Path) -> Iterator[Path]:
     """
     yield from control.parent.glob(f"{control.stem}.*")
     yield from control.parent.glob(f"{control.stem}-v*")
+    yield from control.parent.glob(f"{control.stem}-debug-*")
 
 
 #: Starts rank 0's lines that draw a progress bar: an escape (APC) no user output starts with.

@@ -38,6 +38,8 @@ __all__ = [
     "childless_copy",
     "cpu_attention_flop_formulas",
     "dcp_load_in_one_process",
+    "fsdp_unit_states",
+    "gathered_from",
     "infinite_sampler",
     "is_iterable_loader",
     "is_persistent_buffer",
@@ -58,6 +60,7 @@ __all__ = [
     "put_parameter",
     "replaced",
     "set_checkpointing",
+    "set_collective_timeout",
     "set_mixed_precision",
     "set_reshard_after_forward",
     "set_unshard_async_op",
@@ -212,6 +215,66 @@ def set_reshard_after_forward(unit: FSDPModule, *, reshard: bool) -> None:
     if group is not None:  # a unit that owns no parameters
         # as FSDPParamGroup.__init__ sets it (torch annotates the two as different mesh infos)
         group.post_forward_mesh_info = group.mesh_info if reshard else None  # type: ignore[assignment]
+
+
+def fsdp_unit_states(model: nn.Module) -> list[dict[str, Any]]:
+    """What each FSDP unit of ``model`` that owns parameters holds on this rank now, in module order: its
+    parameters sharded or gathered, its training state, an all-gather issued and not yet waited on, a
+    reduce-scatter not yet waited on, and its parameter bytes here and whole.
+
+    Relies on ``FSDPModule._get_fsdp_state()._fsdp_param_group`` and on the group's ``_sharded_state``,
+    ``_training_state``, ``_all_gather_result``, ``_post_reduce_event`` and ``fsdp_params`` (each one's
+    ``sharded_param``), the same in torch 2.6 and 2.13.
+    """
+    rows = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule) or (group := module._get_fsdp_state()._fsdp_param_group) is None:
+            continue
+        shards = [param.sharded_param for param in group.fsdp_params]
+        rows.append(
+            {
+                "unit": name or "(root)",
+                "state": group._sharded_state.name,
+                "training": group._training_state.name,
+                "all_gather_pending": group._all_gather_result is not None,
+                "reduce_scatter_pending": group._post_reduce_event is not None,
+                "params": len(shards),
+                "local_bytes": sum(local_tensor(cast(DTensor, shard)).nbytes for shard in shards),
+                "full_bytes": sum(shard.numel() * shard.element_size() for shard in shards),
+            }
+        )
+    return rows
+
+
+def gathered_from(model: nn.Module, tensor: torch.Tensor) -> tuple[str, DTensor] | None:
+    """Where ``tensor`` is a parameter FSDP2 gathered for a unit of ``model`` (registered on the module in place of
+    the sharded one while the unit computes): the unit's name and the sharded parameter; else None.
+
+    Relies on each ``FSDPParam``'s ``_unsharded_param`` (set while gathered) and ``sharded_param``.
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule) or (group := module._get_fsdp_state()._fsdp_param_group) is None:
+            continue
+        for param in group.fsdp_params:
+            if getattr(param, "_unsharded_param", None) is tensor:
+                return name or "(root)", cast(DTensor, param.sharded_param)
+    return None
+
+
+def set_collective_timeout(timeout: datetime.timedelta) -> bool:
+    """Give every process group of this world ``timeout`` for the collectives issued from now on; whether it took.
+
+    ``distributed_c10d._set_pg_timeout`` on each group of ``_world.pg_map`` (the world and a mesh's subgroups).
+    A collective already issued keeps its timeout. On torch 2.6 gloo ignores it (measured: its next all_reduce
+    still timed out at the group's first timeout): False there.
+    """
+    from torch.distributed import distributed_c10d
+
+    if torch.__version__ < "2.7" or not dist.is_initialized():
+        return False
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(timeout, group)
+    return True
 
 
 def set_unshard_async_op(model: nn.Module, *, async_op: bool) -> None:

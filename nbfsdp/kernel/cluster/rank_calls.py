@@ -38,10 +38,13 @@ class RankError(Exception):
         super().__init__(f"{self.label}: {message}{f' ({others})' if others else ''}")
         self.rank, self.host = rank, host
         self.remote_traceback = remote_traceback
+        self.debuggable = False
+        """The rank keeps its failed frames: ``%debug`` walks them (``nbfsdp.kernel.run.debugging``)."""
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"[{self.label}] {line}" for line in self.remote_traceback.rstrip().splitlines()]
-        return [*lines, f"RankError: {self}"]
+        hint = [f"nbfsdp: %debug walks {self.label}'s own frames, until the next cell"] if self.debuggable else []
+        return [*lines, f"RankError: {self}", *hint]
 
 
 class RankOutOfMemory(RankError):

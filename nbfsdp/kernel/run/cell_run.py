@@ -188,6 +188,8 @@ def submit(
         ranks.stop()
         raise
     reporting = options.hang_report > 0 and not prepared.internal and not cluster.unsteerable()
+    # a cell whose collectives wait for a rank at a prompt: --timeout is kept here, by the hang reporter
+    timeout = (options.timeout, ranks.time_out) if spec.breakpoints else None
     run = CellRun(
         ranks=ranks,
         record=record,
@@ -198,7 +200,11 @@ def submit(
         sent=prepared.sent,
         started=started,
         holder=(world.generation, world.world_size),
-        hang_reporter=HangReporter(session.where, options.hang_report, dashboard).start() if reporting else None,
+        hang_reporter=HangReporter(
+            session.where, options.hang_report if reporting else 0.0, dashboard, ranks.prompts, timeout
+        ).start()
+        if reporting or timeout
+        else None,
         prediction=prediction,
     )
     ranks.show_on(

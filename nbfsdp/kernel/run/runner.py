@@ -29,6 +29,7 @@ from IPython.display import DisplayHandle, display
 from nbfsdp.engines import engine
 from nbfsdp.kernel.cluster.rank_calls import LIVENESS_SECONDS, RankDied, RankError, RankOutOfMemory, submit
 from nbfsdp.kernel.cluster.world import Cluster
+from nbfsdp.kernel.run.debugging import DebuggerQuit, RankPrompts
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.protocol import BAR_MARKER, BarDrawing, CellOutcome, CellSpec
 
@@ -214,6 +215,8 @@ class RankRun:
         self._streamer = _OutputStreamer(self.results, CellStreams(), quiet=self._captures)
         self._records = _RecordStream(self.results, None, {})
         self._interrupt = threading.Event()
+        self.prompts = RankPrompts(self.results, spec.control)
+        self._timed_out: RankError | None = None
 
     def show_on(
         self,
@@ -227,7 +230,7 @@ class RankRun:
         ``sink`` (default: the cell's own streams), each batch of records they stream to ``on_records``, each
         step a rank captured (``--timeline``) to ``on_capture``, the shapes of rank 0's model's first call to
         ``on_first_call``."""
-        self.view = view
+        self.view = self.prompts.view = view
         self._streamer = _OutputStreamer(self.results, sink or CellStreams(), quiet=self._captures)
         handlers = {"records": on_records, "timeline": on_capture, "first_call": on_first_call}
         self._records = _RecordStream(self.results, view, handlers)
@@ -242,6 +245,12 @@ class RankRun:
         """From another thread: end the run as a KeyboardInterrupt in ``watch`` would."""
         self._interrupt.set()
 
+    def time_out(self, rank: int, message: str) -> None:
+        """From another thread: ``rank`` waited in a collective past ``--timeout`` in a cell whose collectives have
+        no timeout of their own (they wait for a rank at a prompt): the run ends with that error."""
+        self._timed_out = RankError(rank, message)
+        self._interrupt.set()
+
     def watch(self, on_poll: Callable[[], None] | None = None) -> list[CellOutcome]:
         """Each rank's outcome, or ``RankError``; KeyboardInterrupt interrupts every rank, kills those
         that do not stop, and propagates. ``on_poll`` runs between looks (the notebook's widget events)."""
@@ -251,6 +260,8 @@ class RankRun:
         except KeyboardInterrupt:
             self.world.broken = True
             _stop_ranks(self, outcomes, immediately=True)
+            if self._timed_out is not None:
+                raise self._timed_out from None
             raise
         finally:
             for result in self.results:
@@ -260,6 +271,8 @@ class RankRun:
         failed = {rank: o for rank, o in outcomes.items() if not o.ok}
         if failed:
             self.world.broken = True
+            if quit := [rank for rank, o in failed.items() if o.quit_debugger]:
+                raise DebuggerQuit(quit[0], "q at the debugger's prompt")
             if any(o.engine_lost for o in failed.values()):
                 _see_deaths(self, outcomes)  # a rank that failed because a peer died, and died too, is named lost
                 failed = {rank: o for rank, o in outcomes.items() if not o.ok}
@@ -280,7 +293,9 @@ class RankRun:
             memories = {r: o.memory for r, o in sorted(failed.items()) if o.memory is not None}
             if any(memory.get("out_of_memory") for memory in memories.values()):
                 raise RankOutOfMemory(rank, message, primary[rank].traceback, "; ".join(others), host, memories)
-            raise RankError(rank, message, primary[rank].traceback, "; ".join(others), host)
+            error = RankError(rank, message, primary[rank].traceback, "; ".join(others), host)
+            error.debuggable = primary[rank].kept_frames
+            raise error
         return [outcomes[rank] for rank in range(len(self.results))]
 
 
@@ -297,6 +312,8 @@ def _watch(run: RankRun, outcomes: dict[int, CellOutcome], on_poll: Callable[[],
                     outcomes[rank] = dataclasses.replace(outcomes[rank], error=f"engine died: {how}")
         run._streamer.pump()
         run._records.pump()
+        run.prompts.pump()
+        run.prompts.serve()  # a rank stopped at a breakpoint: its prompt, here, until a line is typed
         if time.monotonic() >= next_liveness:
             for rank, how in cluster.dead_ranks().items():
                 outcomes.setdefault(rank, CellOutcome.failed(f"engine died: {how}", engine_lost=True))

@@ -25,6 +25,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbfsdp.kernel.cluster.world import RunningWorld
 from nbfsdp.kernel.run import inputs, residence
 from nbfsdp.kernel.run.control import RunControl
+from nbfsdp.kernel.run.debugging import calls_debugger
 from nbfsdp.kernel.run.held import EngineHoldings, Fingerprint, fingerprint
 from nbfsdp.kernel.run.loaders import LoaderPlan, NotebookLoaders
 from nbfsdp.shared import transfer
@@ -64,6 +65,8 @@ class RunOptions:
     timeline: float = 0.0
     """``--timeline``: seconds between captured steps (after the second, and the first after each change); 0,
     none."""
+    debug_ranks: list[int] | None = None
+    """``--debug-rank``: the ranks a ``breakpoint()`` stops; None, every rank."""
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -322,6 +325,11 @@ def cell_spec(
             **{name: state for name, state in resume.loaders.items() if name in plans},
         },
         timeline=0.0 if prepared.request is not None or profiles_itself(prepared.code) else prepared.options.timeline,
+        debug_ranks=[] if prepared.options.background else prepared.options.debug_ranks,
+        breakpoints=prepared.request is None
+        and not prepared.options.background
+        and bool(files.control.for_ranks)  # where no prompt can come, breakpoints are passed over
+        and calls_debugger(prepared.code, [*prepared.modules.values(), *prepared.others.values()]),
     )
 
 
