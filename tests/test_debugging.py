@@ -213,7 +213,10 @@ def test_at_a_breakpoint_p_and_units_say_what_fsdp_holds(kernel):
         "    return x + self.mlp(self.norm(x))\n"
         "Block.forward = forward\n"
     )
-    cell = "%%fsdp -n 2 --wrap-cls Block --no-gather\nif rank == 1:\n    breakpoint()\nout = model(torch.ones(2, 8))"
+    cell = (
+        "%%fsdp -n 2 --wrap-cls Block --no-gather --forward-prefetch\nif rank == 1:\n    breakpoint()\nout = model(x)"
+    )
+    kernel.ok("x = torch.ones(2, 8)")
     lines = ["p model.blocks[0].mlp[0].weight", "c", "p self.mlp[0].weight", "units", "c"]
     reply, output, _ = kernel.debug(cell, lines)
     assert reply["status"] == "ok", output
@@ -222,4 +225,6 @@ def test_at_a_breakpoint_p_and_units_say_what_fsdp_holds(kernel):
     # inside the first unit's forward: that unit gathered, the others sharded
     assert "Parameter gathered by FSDP for unit blocks.0: the full (32, 16) on this rank" in output, output
     assert "blocks.0: gathered (unsharded)" in output and "in its forward" in output, output
-    assert "blocks.1: sharded" in output and "blocks.2: sharded" in output, output
+    # the next unit's all-gather issued by this one's pre-forward (--forward-prefetch), not yet waited on
+    assert "blocks.1: sharded; 6 parameters, 2.2 KiB of 4.3 KiB here; all-gather issued, not yet waited on" in output
+    assert "blocks.2: sharded; 6 parameters, 2.2 KiB of 4.3 KiB here\n" in output, output

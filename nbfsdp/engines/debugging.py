@@ -27,6 +27,7 @@ import pdb
 import pprint
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,20 +93,25 @@ class RankDebugger(pdb.Pdb):
 
     def do_p(self, arg: str) -> None:
         """p expression: print its value; a sharded parameter as its shard, placement and full shape."""
-        try:
-            value = self._getval(arg)
-        except Exception:  # _getval printed the error
-            return
-        self.message(describe(value, self._fsdp_models()))
+        evaluated, value = self._evaluate(arg)
+        if evaluated:
+            self.message(describe(value, self._fsdp_models()))
 
     def do_pp(self, arg: str) -> None:
         """pp expression: pretty-print its value; a sharded parameter as ``p`` shows it."""
+        evaluated, value = self._evaluate(arg)
+        if evaluated:
+            tensor = isinstance(value, torch.Tensor)
+            self.message(describe(value, self._fsdp_models()) if tensor else pprint.pformat(value))
+
+    def _evaluate(self, expression: str) -> tuple[bool, Any]:
+        """``expression`` in the current frame, as ``p`` evaluates it; an error said as pdb says one."""
+        assert self.curframe is not None  # set up at each prompt
         try:
-            value = self._getval(arg)
-        except Exception:
-            return
-        shown = describe(value, self._fsdp_models()) if isinstance(value, torch.Tensor) else pprint.pformat(value)
-        self.message(shown)
+            return True, eval(expression, self.curframe.f_globals, self.curframe_locals)
+        except Exception as error:
+            self.error(traceback.format_exception_only(type(error), error)[-1].strip())
+            return False, None
 
     def displayhook(self, obj: object) -> None:
         if obj is not None:
@@ -114,9 +120,8 @@ class RankDebugger(pdb.Pdb):
     def do_units(self, arg: str) -> None:
         """units [model]: what each FSDP unit of ``model`` holds now (default: the FSDP model the frame sees)."""
         if arg:
-            try:
-                model = self._getval(arg)
-            except Exception:
+            evaluated, model = self._evaluate(arg)
+            if not evaluated:
                 return
         else:
             models = self._fsdp_models()
@@ -173,6 +178,15 @@ def describe(value: object, models: Sequence[nn.Module] = ()) -> str:
     return repr(value)
 
 
+#: FSDP2's ``ShardedState`` and ``TrainingState`` of a unit, in words.
+_SHARDED_STATES = {
+    "SHARDED": "sharded",
+    "UNSHARDED": "gathered (unsharded)",
+    "SHARDED_POST_FORWARD": "resharded to its post-forward group",
+}
+_TRAINING_STATES = {"FORWARD": "in its forward", "PRE_BACKWARD": "in its backward", "POST_BACKWARD": "after backward"}
+
+
 @dataclass
 class UnitStates:
     """What each FSDP unit of a model holds on this rank now (``nbfsdp.units``): printed as a table."""
@@ -185,13 +199,8 @@ class UnitStates:
             return f"{self.model}: not sharded by FSDP here (no FSDP units)"
         lines = [f"FSDP units of {self.model} on this rank, now:"]
         for row in self.rows:
-            doing = {"FORWARD": "in its forward", "PRE_BACKWARD": "in its backward", "POST_BACKWARD": "after backward"}
-            state = {
-                "SHARDED": "sharded",
-                "UNSHARDED": "gathered (unsharded)",
-                "SHARDED_POST_FORWARD": "resharded to its post-forward group",
-            }.get(row["state"], row["state"].lower())
-            notes = [doing[row["training"]]] if row["training"] in doing else []
+            state = _SHARDED_STATES.get(row["state"], row["state"].lower())
+            notes = [_TRAINING_STATES[row["training"]]] if row["training"] in _TRAINING_STATES else []
             if row["all_gather_pending"]:
                 notes.append("all-gather issued, not yet waited on (prefetched)")
             if row["reduce_scatter_pending"]:
@@ -206,9 +215,10 @@ class UnitStates:
 
 
 def units(model: nn.Module) -> UnitStates:
-    """What each FSDP unit of ``model`` holds on this rank now: sharded or gathered, an all-gather issued ahead of
-    its wait (a prefetch), a reduce-scatter not yet waited on. At a breakpoint inside a unit's forward, that unit
-    shows gathered and the next one, with prefetch on, its all-gather issued."""
+    """What each FSDP unit of ``model`` holds on this rank now: its parameters sharded or gathered, whether it is in
+    its forward or backward, an all-gather issued and not yet waited on (a prefetch), a reduce-scatter not yet
+    waited on. At a breakpoint inside a unit's forward (``units`` at the prompt), that unit shows gathered and the
+    units whose forward is over sharded again, the root excepted (FSDP2 keeps it gathered for the backward)."""
     return UnitStates(torch_private.fsdp_unit_states(model), type(model).__name__)
 
 
