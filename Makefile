@@ -23,7 +23,7 @@ FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 # the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers)
 TEST_WORKERS ?= 2
 
-.PHONY: lab test test-floor test-floor-course test-gpu check typecheck browser sshd lint site-check clean bench docs
+.PHONY: lab test test-floor test-floor-course test-gpu check typecheck browser sshd slurm lint site-check clean bench docs
 
 # `make test` builds the two environments at once (`make -j3`, with the lint, the types and the site checked as soon
 # as .venv is ready): their editable installs of this directory take turns (flock), as both write nbfsdp.egg-info here
@@ -67,10 +67,20 @@ sshd:
 	    echo "sshd is missing and installing it needs root: the tests over several hosts will skip"; \
 	  fi; }
 
+## Debian's slurm-wlm and munge for tests/test_slurm.py (benchmarks/slurm_hosts.py: a slurmctld and a slurmd per node in
+## network namespaces): installed with apt-get when missing, as root; without them those tests skip
+slurm:
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge; \
+	  else \
+	    echo "slurm-wlm or munge is missing and installing them needs root: tests/test_slurm.py will skip"; \
+	  fi; }
+
 ## Same set-up, then the whole suite: lint, types, the docs site built strictly (broken links fail), tests on real processes and in a browser, notebooks under nbval.
 ## The floor run goes beside it on one worker (its log printed after): the suite leaves a core idle about a
 ## twentieth of its time, and its last file runs alone (28:16 in all, measured, where one after the other took 29:57)
-test: browser sshd
+test: browser sshd slurm
 	$(MAKE) -j3 $(FLOOR_STAMP) lint typecheck site-check
 	@# this project's machines set PYTHONDONTWRITEBYTECODE=1: without these .pyc files every kernel, engine and
 	@# torchrun rank of the suite compiles nbfsdp's source anew (0.2 s of CPU each, measured; both venvs are 3.11)
