@@ -4,11 +4,22 @@ made or the packages are missing (``make test`` installs them as root)."""
 
 from __future__ import annotations
 
+import copy
+import os
+import signal
 import time
 
+import psutil
 import pytest
+import torch
+from IPython.core.error import UsageError
 
+import nbfsdp
 from benchmarks import slurm_hosts
+from tests.conftest import one_process_losses, run_failing, run_ok
+from tests.test_kernel import Kernel
+
+STEPS = 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -38,3 +49,139 @@ def test_a_job_runs_across_both_nodes_with_slurms_rank_layout(slurm, tmp_path):
     lines = sorted(out.read_text().splitlines(), key=lambda line: int(line.split()[1]))
     first, second = (node.name for node in slurm.nodes)
     assert lines == [f"{first} 0 0 2", f"{first} 1 1 2", f"{second} 2 0 2", f"{second} 3 1 2"], lines
+
+
+#: Four steps over the 2 x 2 ranks, then each rank's view of itself beside Slurm's.
+TRAIN = """%%fsdp --mixed-precision FULL --wrap-cls Block
+import os, socket
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(STEPS):
+    x, y = batch_for(rank, step)
+    loss = loss_fn(model(x.to(device)), y.to(device))
+    loss.backward(); opt.step(); opt.zero_grad()
+    nbfsdp.log(step=step, loss=loss.item())
+mine = (rank, os.environ["LOCAL_RANK"], os.environ["SLURM_PROCID"], os.environ["SLURM_LOCALID"], socket.gethostname())
+seen = [None] * world_size
+torch.distributed.all_gather_object(seen, mine)
+"""
+
+
+@pytest.fixture
+def slurm_notebook(shell, slurm, tmp_path, monkeypatch):
+    """A notebook whose Slurm commands reach the test's Slurm, with a fresh IPython directory (the profile's
+    directory, which the "nodes" share as they share the file system)."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    yield shell
+    shell.run_line_magic("fsdp", "stop")
+
+
+def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop_cancels_it(
+    slurm_notebook, tiny_model, slurm, capsys
+):
+    """Issue 61, points 2 and 3 (in part): ``%fsdp attach --slurm --nodes 2 --ranks-per-node 2`` submits one job
+    through ipyparallel's Slurm launcher, says its id and state, and attaches; the ranks are Slurm's tasks
+    (``RANK`` = ``SLURM_PROCID``, ``LOCAL_RANK`` = ``SLURM_LOCALID``); training is the same math as one process;
+    the controller listens on the address toward the nodes only, with CurveZMQ; ``%fsdp status`` names the job
+    and its nodes; ``%fsdp stop`` cancels it."""
+    shell = slurm_notebook
+    reference = copy.deepcopy(tiny_model)
+    run_ok(shell, "%fsdp attach --slurm --nodes 2 --ranks-per-node 2")
+    said = capsys.readouterr()
+    job = said.out.split("Slurm job ")[1].split()[0]
+    assert f"Slurm job {job} submitted: 2 nodes x 2 ranks" in said.out, said.out
+    assert f"Slurm job {job}: RUNNING; engines registered" in said.err or "RUNNING" in said.out, said
+    names = [node.name for node in slurm.nodes]
+    assert f"attached to 4 engines on 2 hosts ({names[0]} 2, {names[1]} 2)" in said.out, said.out
+    assert "IPP_ENABLE_CURVE" not in said.err  # CurveZMQ on: no warning
+    assert slurm.jobs() == [f"{job} RUNNING"]
+
+    shell.user_ns["STEPS"] = STEPS
+    run_ok(shell, TRAIN)
+    seen = shell.user_ns["seen"]
+    assert [(r, int(local), int(procid), int(localid)) for r, local, procid, localid, _ in seen] == [
+        (r, r % 2, r, r % 2) for r in range(4)
+    ], seen
+    assert [host for *_, host in seen] == [names[0], names[0], names[1], names[1]], seen
+    run = nbfsdp.last_run()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = one_process_losses(shell, reference, opt, 4, STEPS)
+    sharded = [sum(run.metric("loss", rank=r)[step] for r in range(4)) / 4 for step in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected))
+
+    # the controller and its schedulers listen on the address toward the nodes (or loopback), never every interface
+    controllers = [p for p in psutil.process_iter(["cmdline"]) if "ipyparallel.controller" in (p.info["cmdline"] or [])]
+    family = [p for c in controllers for p in (c, *c.children(recursive=True))]
+    listening = {c.laddr.ip for p in family for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert controllers and listening <= {slurm.machines.bridge_address, "127.0.0.1"}, listening
+
+    run_ok(shell, "%fsdp status")
+    status = capsys.readouterr().out
+    nodes = slurm.command("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()  # Slurm's hostlist of both
+    assert f"Slurm job {job}: RUNNING, nodes {nodes} (scancel {job} ends it)" in status, status
+    run_ok(shell, "%fsdp stop")
+    deadline = time.monotonic() + 30
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not slurm.jobs()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            "--nodes 2 --ranks-per-node 2 --partition gpu",
+            "--partition gpu: no such partition (sinfo: debug (default): 2 nodes)",
+        ),
+        ("--nodes 3 --ranks-per-node 1", "--nodes 3: partition debug has 2 nodes"),
+        ("--nodes 2", "--slurm needs --nodes N and --ranks-per-node K"),
+    ],
+)
+def test_bad_slurm_requests_fail_before_anything_is_submitted(slurm_notebook, slurm, flags, said):
+    error, _ = run_failing(slurm_notebook, f"%fsdp attach --slurm {flags}")
+    assert isinstance(error, UsageError) and said in str(error), error
+    assert not slurm.jobs()
+
+
+def test_no_slurm_on_the_path_is_said_before_anything_runs(shell, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    error, _ = run_failing(shell, "%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
+    assert isinstance(error, UsageError) and "no Slurm on the PATH here (sbatch, sinfo)" in str(error), error
+
+
+def test_a_killed_kernels_slurm_job_is_cancelled_and_detach_leaves_one_running(slurm, tmp_path):
+    """Issue 61, point 3 (in part): a kernel killed with SIGKILL leaves nothing in the queue within 60 s (its
+    reaper cancels the job by name, whatever the engines do); ``%fsdp detach`` leaves the job running on purpose
+    and says how to cancel it, and ``%unload_ext`` cancels the job it started."""
+    env = {**os.environ, "SLURM_CONF": str(slurm.conf), "IPYTHONDIR": str(tmp_path / "ipython"), "NBFSDP_PREWARM": "0"}
+    kernel = Kernel(env=env)
+    try:
+        reply, messages = kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
+        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
+        _, messages = kernel.execute("%fsdp detach")
+        job = slurm.jobs()[0].split()[0]
+        assert f"Slurm job {job} goes on running: scancel {job} ends it" in kernel.stdout(messages)
+        assert slurm.jobs() == [f"{job} RUNNING"]
+        slurm.command("scancel", job)
+        reply, messages = kernel.execute("%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
+        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
+        reply, messages = kernel.execute("%unload_ext nbfsdp")
+        assert reply["content"]["status"] == "ok" and _queue_empties(slurm, 30), slurm.jobs()
+        kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 2 --ranks-per-node 1\nimport os")
+        assert len(slurm.jobs()) == 1
+        _, messages = kernel.execute("print(os.getpid())")
+        os.killpg(int(kernel.stdout(messages).split()[-1]), signal.SIGKILL)  # as Jupyter kills a kernel
+        started = time.monotonic()
+        assert _queue_empties(slurm, 60), slurm.jobs()
+        print(f"queue empty {time.monotonic() - started:.1f} s after the kernel's SIGKILL")
+    finally:
+        kernel.shutdown()
+        for line in slurm.jobs():
+            slurm.command("scancel", line.split()[0])
+
+
+def _queue_empties(slurm, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not slurm.jobs()

@@ -14,7 +14,7 @@ import inspect
 import textwrap
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -22,6 +22,9 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from nbfsdp.kernel.planning.workload import Workload, autocast_dtype
 from nbfsdp.shared import config
 from nbfsdp.shared.limits import DEFAULT_TIMEOUT_SECONDS
+
+if TYPE_CHECKING:
+    from nbfsdp.kernel.cluster.slurm import SlurmRequest
 
 WORLD_SIZE_HELP = (
     "Number of ranks, one engine each (default: the number of GPUs, or 2 on CPU and with --device cpu; "
@@ -235,8 +238,20 @@ def explain_arguments(line: str) -> None:
     help="A directory the notebook and every host see (a shared file system), for live changes, cancel and "
     "--save-interval (default: a directory in the cluster's profile, shared where the hosts share a home).",
 )
+@argument("--slurm", action="store_true", help="Start the ranks as a Slurm job first (sbatch), then attach to them.")
+@argument("--nodes", type=int, metavar="N", default=None, help="With --slurm: the job's nodes.")
+@argument("--ranks-per-node", type=int, metavar="K", default=None, help="With --slurm: ranks (engines) a node.")
+@argument("--partition", metavar="P", default=None, help="With --slurm: the partition (default: Slurm's default).")
+@argument("--time", metavar="T", default=None, help="With --slurm: the job's time limit, as sbatch --time takes it.")
+@argument("--gpus-per-node", type=int, metavar="G", default=None, help="With --slurm: GPUs a node (sbatch's).")
+@argument("--account", metavar="A", default=None, help="With --slurm: the account to charge.")
+@argument(
+    "--sbatch-arg", action="append", default=[], metavar="ARG", help="With --slurm: one more sbatch option, as typed."
+)
 def attach_arguments(line: str) -> None:
-    """run the next cells on a running ipyparallel cluster nbfsdp did not start (any launcher, several hosts)"""
+    """run the next cells on a running ipyparallel cluster nbfsdp did not start (any launcher, several hosts), or
+    with --slurm on the ranks of a Slurm job it starts (--sbatch-arg=--exclusive passes an option that starts
+    with a dash)"""
 
 
 @magic_arguments()
@@ -301,6 +316,33 @@ def checkpoints_arguments(line: str) -> None:
 @argument("--release", action="store_true", help="Let every rank go of its failed frames now, and say what they held.")
 def debug_arguments(line: str) -> None:
     """the ranks that keep a failed cell's frames for %debug; --rank R walks one"""
+
+
+def slurm_request(args: argparse.Namespace) -> SlurmRequest | None:
+    """``%fsdp attach``'s Slurm flags as the job to start, checked; None without ``--slurm`` (where they are
+    refused)."""
+    from nbfsdp.kernel.cluster.slurm import SlurmRequest
+
+    only = {"--nodes": args.nodes, "--ranks-per-node": args.ranks_per_node, "--partition": args.partition,
+            "--time": args.time, "--gpus-per-node": args.gpus_per_node, "--account": args.account,
+            "--sbatch-arg": args.sbatch_arg or None}  # fmt: skip
+    if not args.slurm:
+        if given := [flag for flag, value in only.items() if value is not None]:
+            raise UsageError(f"{', '.join(given)} go with --slurm: the Slurm job nbfsdp starts")
+        return None
+    if args.cluster_id is not None:
+        raise UsageError("--cluster-id names a running cluster; --slurm starts one")
+    if args.nodes is None or args.ranks_per_node is None:
+        raise UsageError("--slurm needs --nodes N and --ranks-per-node K (the job's nodes, and engines a node)")
+    return SlurmRequest(
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        partition=args.partition,
+        time=args.time,
+        gpus_per_node=args.gpus_per_node,
+        account=args.account,
+        sbatch_args=args.sbatch_arg,
+    )
 
 
 DEBUG_RANK_HELP = (

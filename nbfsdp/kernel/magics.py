@@ -161,13 +161,35 @@ def _debug(magics: FSDPMagics, rest: str) -> None:
 
 def _attach(magics: FSDPMagics, rest: str) -> None:
     args = parse_argstring(flags.attach_arguments, rest)
-    magics.attach(args.profile, args.cluster_id, args.shared_dir)
+    request = flags.slurm_request(args)
+    if request is None:
+        magics.attach(args.profile, args.cluster_id, args.shared_dir)
+        return
+    from nbfsdp.kernel.cluster import slurm
+
+    if magics.session.active is not None:
+        raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then attach")
+    profile = args.profile or "nbfsdp-slurm"
+    cluster_id, job = slurm.start(request, profile)
+    try:
+        said = magics.session.attach(profile, cluster_id, args.shared_dir, job)
+    except BaseException:  # a job nothing attached to is cancelled at once
+        job.stop()
+        raise
+    for line in [*said, f"Slurm job {job.job_id} on {job.nodes()}"]:
+        print(f"nbfsdp: {line}")
 
 
 def _detach(magics: FSDPMagics, rest: str) -> None:
     _no_arguments("detach", rest)
-    attached = magics.session.detach()
-    print("nbfsdp: detached; the cluster goes on running" if attached else "nbfsdp: no cluster attached")
+    attached = magics.session.attached_cluster
+    job = attached.job if attached is not None else None
+    if not magics.session.detach():
+        print("nbfsdp: no cluster attached")
+    elif job is not None:
+        print(f"nbfsdp: detached; Slurm job {job.job_id} goes on running: scancel {job.job_id} ends it")
+    else:
+        print("nbfsdp: detached; the cluster goes on running")
 
 
 def _explain(magics: FSDPMagics, rest: str) -> None:
@@ -422,6 +444,7 @@ class FSDPMagics(Magics):
     def stop(self) -> None:
         """The extension unloads (or the kernel ends): an attached cluster is let go of, nbfsdp's own stopped."""
         self._debug_magic.remove()
+        self.session.end_job()  # a Slurm job nbfsdp started ends with the extension
         self.session.detach()
         self.session.stop()
 

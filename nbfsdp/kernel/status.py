@@ -20,7 +20,12 @@ def status(session: Session) -> None:
         print(f"nbfsdp: starting {world_size} engines in the background (since {seconds:.1f} s)")
         return
     world = cluster.world
-    if world is None and (attached := session.attached_cluster) is not None:
+    attached = session.attached_cluster
+    if attached is not None and (job := attached.job) is not None:
+        state, reason = job.state()
+        shown = f"{state} ({reason})" if reason and reason != "None" else state or "no longer in the queue"
+        print(f"Slurm job {job.job_id}: {shown}, nodes {job.nodes() or '-'} (scancel {job.job_id} ends it)")
+    if world is None and attached is not None:
         _attached_status(attached)
         return
     if world is None:

@@ -9,9 +9,11 @@ process is skipped.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +124,13 @@ def cluster_processes(private_dir: str) -> list[psutil.Process]:
     return [process for process in found.values() if alive(process.pid)]
 
 
+#: In a private directory: the Slurm job the cluster's engines run in (``nbfsdp.kernel.cluster.slurm``), by name.
+SLURM_JOB_FILE = "slurm-job.json"
+
+
 def end_cluster(private_dir: str | Path) -> None:
-    """Kill the cluster's processes (see ``cluster_processes``), then remove the directory.
+    """Kill the cluster's processes (see ``cluster_processes``), cancel its Slurm job if it has one, then remove
+    the directory.
 
     It looks again after each round of kills until it finds none: a process can fork between the look and
     its kill (the controller forks its schedulers early in its start), and one still starting must not
@@ -134,4 +141,16 @@ def end_cluster(private_dir: str | Path) -> None:
             with contextlib.suppress(psutil.Error):
                 ProcessRef(process.pid, process.create_time()).signal(signal.SIGKILL)
         time.sleep(SWEEP_PAUSE_SECONDS)
+    _cancel_slurm_job(Path(private_dir, SLURM_JOB_FILE))
     shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _cancel_slurm_job(noted: Path) -> None:
+    """``scancel --name`` the job the file names, with the Slurm configuration the kernel had."""
+    try:
+        job = json.loads(noted.read_text())
+    except (OSError, ValueError):
+        return
+    env = {**os.environ, **({"SLURM_CONF": job["slurm_conf"]} if job.get("slurm_conf") else {})}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["scancel", "--name", job["name"]], env=env, capture_output=True, timeout=30)

@@ -104,6 +104,8 @@ class HostIdentity:
     """The GPUs this engine sees (all of its host's, unless the engine's CUDA_VISIBLE_DEVICES narrows them)."""
     capability: tuple[int, int] | None = None
     """The compute capability of its host's oldest GPU (``nbfsdp.shared.devices.gpu_capability``); None without."""
+    slurm_procid: int | None = None
+    """``SLURM_PROCID`` where a Slurm step started the engine: its rank, as Slurm numbers the job's tasks."""
 
 
 @dataclass(kw_only=True, slots=True)

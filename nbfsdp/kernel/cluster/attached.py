@@ -17,7 +17,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 from IPython.core.error import UsageError
@@ -41,6 +41,9 @@ from nbfsdp.shared.config import ConfigError
 from nbfsdp.shared.devices import Devices
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.protocol import HostIdentity, WorldSetup
+
+if TYPE_CHECKING:
+    from nbfsdp.kernel.cluster.slurm import SlurmJob
 
 #: What attaching to a controller on the network without CurveZMQ prints (one line).
 CURVE_WARNING = (
@@ -107,6 +110,8 @@ class AttachedCluster:
         self._identities: dict[int, HostIdentity] = {}
         self.background_error: BaseException | None = None
         self.starting: tuple[int, float] | None = None  # never: there is nothing to start
+        self.job: SlurmJob | None = None
+        """The Slurm job nbfsdp started the engines as (``%fsdp attach --slurm``), which ``stop`` cancels."""
         if self.engines:  # every engine checks in now: its host, whether it sees the directory, its lifeline
             try:
                 self.placements = self.placements_for(self.engines)
@@ -287,10 +292,14 @@ class AttachedCluster:
         self.world = None
 
     def stop(self) -> None:
-        raise UsageError(
-            "nbfsdp did not start this cluster (it is attached): `%fsdp detach` lets go of it and leaves it "
-            "running; stop it where it was started (ipcluster stop)"
-        )
+        """A cluster nbfsdp started as a Slurm job (``job``) ends with it; any other is not nbfsdp's to stop."""
+        if self.job is None:
+            raise UsageError(
+                "nbfsdp did not start this cluster (it is attached): `%fsdp detach` lets go of it and leaves it "
+                "running; stop it where it was started (ipcluster stop)"
+            )
+        self.detach()
+        self.job.stop()
 
     def detach(self) -> None:
         """Let go of the cluster, which goes on running."""

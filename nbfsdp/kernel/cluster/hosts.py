@@ -60,11 +60,17 @@ def place(engines: dict[int, HostIdentity], world_size: int) -> list[Placement]:
     """The first ``world_size`` ranks over these engines (by engine id), host by host.
 
     Hosts are taken whole, in the order of their lowest engine id, so a subset fills hosts one after
-    another; within a host, engines go by id (a GPU each, in order)."""
+    another; within a host, engines go by id (a GPU each, in order). Engines a Slurm step started go by
+    ``SLURM_PROCID`` instead, so that each rank is Slurm's task of that number (and, Slurm laying tasks out in
+    blocks, its local rank ``SLURM_LOCALID``)."""
     if world_size > len(engines):
         raise ValueError(f"{world_size} ranks asked for, {len(engines)} engines in the cluster")
+    procids = {engine_id: identity.slurm_procid for engine_id, identity in engines.items()}
+    order = sorted(engines)
+    if all(procid is not None for procid in procids.values()):
+        order = sorted(engines, key=lambda engine_id: procids[engine_id] or 0)
     by_host: dict[str, list[int]] = {}
-    for engine_id in sorted(engines):
+    for engine_id in order:
         by_host.setdefault(engines[engine_id].key, []).append(engine_id)
     names = _host_names({key: engines[ids[0]].hostname for key, ids in by_host.items()})
     chosen: list[tuple[str, list[int]]] = []

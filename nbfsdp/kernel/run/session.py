@@ -36,6 +36,7 @@ from nbfsdp.ui.widget_events import pending_events
 
 if TYPE_CHECKING:
     from nbfsdp.kernel.cluster.attached import AttachedCluster
+    from nbfsdp.kernel.cluster.slurm import SlurmJob
 
 #: How long an interrupted ``%fsdp wait`` asks the ranks where they are before it ends them (they answer in ms).
 INTERRUPT_WHERE_SECONDS = 1.0
@@ -266,18 +267,33 @@ class Session:
             return []
         return self.held.models()
 
-    def attach(self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None) -> list[str]:
+    def attach(
+        self, profile: str | None, cluster_id: str | None, shared_dir: str | None = None, job: SlurmJob | None = None
+    ) -> list[str]:
         """Run the next cells on a running ipyparallel cluster nbfsdp did not start
-        (``nbfsdp.kernel.cluster.attached``), instead of its own, which stops; return what to say of it."""
+        (``nbfsdp.kernel.cluster.attached``), instead of its own, which stops; return what to say of it. ``job``:
+        the cluster is the Slurm job nbfsdp just started (``nbfsdp.kernel.cluster.slurm``), which ``stop``
+        cancels."""
         from nbfsdp.kernel.cluster.attached import AttachedCluster
 
         if self.active is not None:
             raise UsageError("a cell is running: `%fsdp wait` for it (or `%fsdp cancel`), then attach")
         attached = AttachedCluster(profile, cluster_id, shared_dir)
+        attached.job = job
+        self.end_job()
         self.detach()
         self.stop()
         self._own_cluster, self.cluster = self.cluster, attached
         return attached.summary()
+
+    def end_job(self) -> bool:
+        """Cancel the Slurm job nbfsdp started the attached cluster as, if any (the kernel's own cluster comes
+        back); whether there was one."""
+        job = self.attached_cluster.job if self.attached_cluster is not None else None
+        if job is not None:
+            self.detach()
+            job.stop()
+        return job is not None
 
     def attached_to(self, profile: str, cluster_id: str | None) -> bool:
         """The cells run on the cluster of ``profile`` (and ``cluster_id``, where given) already."""
@@ -326,7 +342,8 @@ class Session:
             self.active.thread.join()
             self.active.clean_up()
             self.active = None
-        self.cluster.stop()
+        if not self.end_job():  # a Slurm job nbfsdp started ends here; another attached cluster refuses
+            self.cluster.stop()
         self.held.forget()
         for directory in residence.free_left():
             print(f"nbfsdp: freed {directory}, where a failed move had left weights", file=sys.stderr)

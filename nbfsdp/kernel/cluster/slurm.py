@@ -1,0 +1,226 @@
+"""``%fsdp attach --slurm``: the ranks started as one Slurm job from the notebook, then attached as any running
+cluster is (``nbfsdp.kernel.cluster.attached``). Runs in the kernel.
+
+The engines are ipyparallel's own ``SlurmEngineSetLauncher`` job (``sbatch``, one ``srun`` step of nodes x
+ranks-per-node engines), its batch script written here from the flags. The controller runs on this machine and
+listens on its address toward the partition's nodes (the address its route to the first node leaves from), never
+every interface, with CurveZMQ on. Everything is checked with ``sinfo`` before anything is submitted.
+
+nbfsdp owns this job: ``%fsdp stop``, ``%unload_ext`` and the kernel's end cancel it, the last through the reaper
+(``nbfsdp.helpers.reaper``), which finds the controller by its working directory (the job's private directory,
+``--work-dir``) and cancels the job it names (``JOB_FILE``), however the kernel ended. ``%fsdp detach`` leaves the
+job running and says how to cancel it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ipyparallel as ipp
+from IPython.core.error import UsageError
+
+from nbfsdp.kernel.cluster import reaping
+from nbfsdp.shared.network import source_address
+from nbfsdp.shared.processes import SLURM_JOB_FILE
+
+#: How often the job's state and the engines registered are looked at while it starts.
+POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """``%fsdp attach --slurm``'s flags."""
+
+    nodes: int
+    ranks_per_node: int
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    account: str | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def batch_script(self) -> str:
+        """The job's script, as ``SlurmEngineSetLauncher`` fills it (``{cluster_id}``, ``{program_and_args}``)."""
+        options = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ranks_per_node}"]
+        options += [f"--partition={self.partition}"] if self.partition else []
+        options += [f"--time={self.time}"] if self.time else []
+        options += [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
+        options += [f"--account={self.account}"] if self.account else []
+        options += self.sbatch_args
+        lines = ["#!/bin/sh", "#SBATCH --job-name=nbfsdp-{cluster_id}", "#SBATCH --export=ALL"]
+        return "\n".join([*lines, *(f"#SBATCH {option}" for option in options), "srun {program_and_args}", ""])
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: list[str]
+    default: bool
+
+
+def partitions() -> list[Partition]:
+    """The partitions ``sinfo`` lists, each with its nodes; a UsageError where there is no Slurm here."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        raise UsageError("--slurm: no Slurm on the PATH here (sbatch, sinfo): run the notebook on a login node")
+    listed = subprocess.run(["sinfo", "-h", "-N", "-o", "%P %N"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        raise UsageError(f"--slurm: sinfo failed: {listed.stderr.strip()}")
+    found: dict[str, Partition] = {}
+    for line in listed.stdout.splitlines():
+        name, node = line.split()
+        key = name.rstrip("*")
+        found.setdefault(key, Partition(key, [], name.endswith("*"))).nodes.append(node)
+    return list(found.values())
+
+
+def check(request: SlurmRequest) -> Partition:
+    """The partition the job goes to, checked against what Slurm offers before anything is submitted."""
+    if request.nodes < 1 or request.ranks_per_node < 1:
+        raise UsageError("--nodes and --ranks-per-node must be at least 1")
+    offered = partitions()
+    described = "; ".join(f"{p.name}{' (default)' if p.default else ''}: {len(p.nodes)} nodes" for p in offered)
+    if request.partition is None:
+        partition = next((p for p in offered if p.default), None)
+        if partition is None:
+            raise UsageError(f"--slurm: Slurm has no default partition: pass --partition ({described})")
+    else:
+        partition = next((p for p in offered if p.name == request.partition), None)
+        if partition is None:
+            raise UsageError(f"--partition {request.partition}: no such partition (sinfo: {described})")
+    if request.nodes > len(partition.nodes):
+        raise UsageError(
+            f"--nodes {request.nodes}: partition {partition.name} has {len(partition.nodes)} nodes (sinfo: {described})"
+        )
+    return partition
+
+
+def controller_address(partition: Partition) -> str:
+    """This machine's address toward the partition's nodes: where the controller listens."""
+    shown = subprocess.run(["scontrol", "show", "node", "-o", partition.nodes[0]], capture_output=True, text=True)
+    fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+    return source_address(fields.get("NodeAddr", partition.nodes[0]))
+
+
+class SlurmJob:
+    """The running job and its controller: its id, state and nodes; ``stop`` cancels it."""
+
+    def __init__(self, cluster: ipp.Cluster, job_id: str, private_dir: str) -> None:
+        self.cluster, self.job_id, self.private_dir = cluster, job_id, private_dir
+
+    def state(self) -> tuple[str, str]:
+        """The job's state and Slurm's reason (``squeue``); ('', '') once it has left the queue."""
+        shown = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T|%r"], capture_output=True, text=True)
+        state, _, reason = shown.stdout.strip().partition("|")
+        return state, reason
+
+    def nodes(self) -> str:
+        shown = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%N"], capture_output=True, text=True)
+        return shown.stdout.strip()
+
+    def stop(self) -> None:
+        """Cancel the job (ipyparallel's ``scancel``) and end the controller; the reaper is told it is over."""
+        with contextlib.suppress(Exception):
+            self.cluster.stop_cluster_sync()
+        subprocess.run(["scancel", self.job_id], capture_output=True)
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
+    """Submit the job and start its controller; wait, saying the job's state as it changes, until every engine
+    has registered. The cluster id, and the job."""
+    partition = check(request)
+    address = controller_address(partition)
+    private_dir = tempfile.mkdtemp(prefix=f"{reaping.PRIVATE_DIR_PREFIX}slurm-")
+    reaping.note_kernel(private_dir, os.getpid())
+    reaping.start(os.getpid(), private_dir)
+    cluster_id = f"slurm-{secrets.token_hex(4)}"
+    cluster = ipp.Cluster(
+        profile=profile,
+        cluster_id=cluster_id,
+        controller_ip=address,
+        controller_args=[f"--work-dir={private_dir}"],  # what the reaper finds it by
+        engine_launcher_class="slurm",
+        n=request.ranks,
+        log_level=logging.WARNING,
+    )
+    cluster.config.SlurmEngineSetLauncher.batch_template = request.batch_script()
+    try:
+        _note_job(private_dir, f"nbfsdp-{cluster_id}")  # before sbatch: the reaper cancels it by its name
+        with _curve():
+            cluster.start_controller_sync()
+            cluster.start_engines_sync()
+        launcher = next(iter(cluster.engines.values()))
+        job = SlurmJob(cluster, str(launcher.job_id), private_dir)
+        print(f"nbfsdp: Slurm job {job.job_id} submitted: {request.nodes} nodes x {request.ranks_per_node} ranks")
+        _wait_for_engines(cluster, job, request.ranks)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            cluster.stop_cluster_sync()
+        shutil.rmtree(private_dir, ignore_errors=True)
+        raise
+    return cluster_id, job
+
+
+def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int) -> None:
+    """Until every engine registered; the job's state and the engines said as they change. A job that leaves
+    the queue first is a UsageError with its output's end."""
+    client = cluster.connect_client_sync()
+    said = ("", "", -1)
+    try:
+        while len(client.ids) < ranks:
+            state, reason = job.state()
+            now = (state, reason, len(client.ids))
+            if now != said:
+                print(
+                    f"nbfsdp: Slurm job {job.job_id}: {state or 'ended'}"
+                    + (f" ({reason})" if reason and reason != "None" else "")
+                    + f"; engines registered: {len(client.ids)}/{ranks}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = now
+            if not state:
+                output = Path(cluster.engines[next(iter(cluster.engines))].output_file)
+                tail = output.read_text()[-2000:] if output.exists() else ""
+                raise UsageError(f"Slurm job {job.job_id} ended before its engines registered:\n{tail}")
+            time.sleep(POLL_SECONDS)
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def _curve() -> Iterator[None]:
+    """CurveZMQ for the controller and the engines it is given to (``sbatch --export=ALL``), this start only."""
+    before = os.environ.get("IPP_ENABLE_CURVE")
+    os.environ["IPP_ENABLE_CURVE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("IPP_ENABLE_CURVE", None)
+        else:
+            os.environ["IPP_ENABLE_CURVE"] = before
+
+
+def _note_job(private_dir: str, name: str) -> None:
+    """What the reaper cancels (the job's name, known before it is submitted), with the Slurm configuration."""
+    path = Path(private_dir, SLURM_JOB_FILE)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps({"name": name, "slurm_conf": os.environ.get("SLURM_CONF")}))
+    partial.replace(path)
