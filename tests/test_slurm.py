@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -51,8 +52,9 @@ def test_a_job_runs_across_both_nodes_with_slurms_rank_layout(slurm, tmp_path):
     assert lines == [f"{first} 0 0 2", f"{first} 1 1 2", f"{second} 2 0 2", f"{second} 3 1 2"], lines
 
 
-#: Four steps over the 2 x 2 ranks, then each rank's view of itself beside Slurm's.
-TRAIN = """%%fsdp --mixed-precision FULL --wrap-cls Block
+#: Four steps over the 2 x 2 ranks, HYBRID_SHARD (a replica per node, each node sharding among its ranks), then each
+#: rank's view of itself beside Slurm's, and its shard and replicate groups.
+TRAIN = """%%fsdp --mixed-precision FULL --wrap-cls Block --sharding-strategy HYBRID_SHARD
 import os, socket
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 for step in range(STEPS):
@@ -63,6 +65,10 @@ for step in range(STEPS):
 mine = (rank, os.environ["LOCAL_RANK"], os.environ["SLURM_PROCID"], os.environ["SLURM_LOCALID"], socket.gethostname())
 seen = [None] * world_size
 torch.distributed.all_gather_object(seen, mine)
+mesh = next(model.parameters()).device_mesh
+groups = [None] * world_size
+own = tuple(tuple(torch.distributed.get_process_group_ranks(mesh.get_group(d))) for d in ("shard", "replicate"))
+torch.distributed.all_gather_object(groups, own)
 """
 
 
@@ -81,7 +87,8 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
 ):
     """Issue 61, points 2 and 3 (in part): ``%fsdp attach --slurm --nodes 2 --ranks-per-node 2`` submits one job
     through ipyparallel's Slurm launcher, says its id and state, and attaches; the ranks are Slurm's tasks
-    (``RANK`` = ``SLURM_PROCID``, ``LOCAL_RANK`` = ``SLURM_LOCALID``); training is the same math as one process;
+    (``RANK`` = ``SLURM_PROCID``, ``LOCAL_RANK`` = ``SLURM_LOCALID``); HYBRID_SHARD with a replica per node
+    trains as one process;
     the controller listens on the address toward the nodes only, with CurveZMQ; ``%fsdp status`` names the job
     and its nodes; ``%fsdp stop`` cancels it."""
     shell = slurm_notebook
@@ -103,6 +110,8 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
         (r, r % 2, r, r % 2) for r in range(4)
     ], seen
     assert [host for *_, host in seen] == [names[0], names[0], names[1], names[1]], seen
+    # shard groups inside each node, replicate groups across them
+    assert shell.user_ns["groups"] == [((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]
     run = nbfsdp.last_run()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     expected = one_process_losses(shell, reference, opt, 4, STEPS)
@@ -185,3 +194,26 @@ def _queue_empties(slurm, seconds: float) -> bool:
     while slurm.jobs() and time.monotonic() < deadline:
         time.sleep(0.2)
     return not slurm.jobs()
+
+
+def test_a_job_waiting_in_the_queue_is_said_with_slurms_reason_until_it_runs(slurm_notebook, slurm, capsys):
+    """While every node is taken by another job, the attach says the job is PENDING and why (Slurm's reason);
+    once that job ends, RUNNING, and the engines registering."""
+    blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--wrap", "sleep 300").stdout.split()[-1]
+
+    def free_the_nodes() -> None:
+        deadline = time.monotonic() + 60
+        while not any("PENDING" in job for job in slurm.jobs()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the notebook says the state it saw
+        slurm.command("scancel", blocker)
+
+    freeing = threading.Thread(target=free_the_nodes)
+    freeing.start()
+    try:
+        run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
+    finally:
+        freeing.join()
+    said = capsys.readouterr().err
+    pending = said.index("PENDING (Resources)")
+    assert pending < said.index(": RUNNING; engines registered"), said
