@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +18,7 @@ from IPython.core.error import UsageError
 
 import nbfsdp
 from benchmarks import slurm_hosts
+from nbfsdp.kernel.cluster.rank_calls import RankError
 from tests.conftest import one_process_losses, run_failing, run_ok
 from tests.test_kernel import Kernel
 
@@ -119,7 +121,12 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     torch.testing.assert_close(torch.tensor(sharded), torch.tensor(expected))
 
     # the controller and its schedulers listen on the address toward the nodes (or loopback), never every interface
-    controllers = [p for p in psutil.process_iter(["cmdline"]) if "ipyparallel.controller" in (p.info["cmdline"] or [])]
+    private_dir = nbfsdp._magics.session.attached_cluster.job.private_dir  # on the controller's command line
+    controllers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "ipyparallel.controller" in (line := p.info["cmdline"] or []) and f"--work-dir={private_dir}" in line
+    ]
     family = [p for c in controllers for p in (c, *c.children(recursive=True))]
     listening = {c.laddr.ip for p in family for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert controllers and listening <= {slurm.machines.bridge_address, "127.0.0.1"}, listening
@@ -129,10 +136,9 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     nodes = slurm.command("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()  # Slurm's hostlist of both
     assert f"Slurm job {job}: RUNNING, nodes {nodes} (scancel {job} ends it)" in status, status
     run_ok(shell, "%fsdp stop")
-    deadline = time.monotonic() + 30
-    while slurm.jobs() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not slurm.jobs()
+    assert _queue_empties(slurm, 30), slurm.jobs()
+    # the batch script and the engines' output went to the job's directories, not the notebook's
+    assert not [p.name for p in Path.cwd().iterdir() if p.name.startswith("slurm") or p.suffix == ".sbatch"]
 
 
 @pytest.mark.parametrize(
@@ -158,27 +164,15 @@ def test_no_slurm_on_the_path_is_said_before_anything_runs(shell, monkeypatch, t
     assert isinstance(error, UsageError) and "no Slurm on the PATH here (sbatch, sinfo)" in str(error), error
 
 
-def test_a_killed_kernels_slurm_job_is_cancelled_and_detach_leaves_one_running(slurm, tmp_path):
-    """Issue 61, point 3 (in part): a kernel killed with SIGKILL leaves nothing in the queue within 60 s (its
-    reaper cancels the job by name, whatever the engines do); ``%fsdp detach`` leaves the job running on purpose
-    and says how to cancel it, and ``%unload_ext`` cancels the job it started."""
+def test_a_killed_kernels_slurm_job_is_cancelled(slurm, tmp_path):
+    """Issue 61, point 3: a kernel killed with SIGKILL leaves nothing in the queue within 60 s (its reaper cancels
+    the job by name, whatever the engines do)."""
     env = {**os.environ, "SLURM_CONF": str(slurm.conf), "IPYTHONDIR": str(tmp_path / "ipython"), "NBFSDP_PREWARM": "0"}
     kernel = Kernel(env=env)
     try:
-        reply, messages = kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
-        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
-        _, messages = kernel.execute("%fsdp detach")
-        job = slurm.jobs()[0].split()[0]
-        assert f"Slurm job {job} goes on running: scancel {job} ends it" in kernel.stdout(messages)
-        assert slurm.jobs() == [f"{job} RUNNING"]
-        slurm.command("scancel", job)
-        reply, messages = kernel.execute("%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
-        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
-        reply, messages = kernel.execute("%unload_ext nbfsdp")
-        assert reply["content"]["status"] == "ok" and _queue_empties(slurm, 30), slurm.jobs()
-        kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 2 --ranks-per-node 1\nimport os")
-        assert len(slurm.jobs()) == 1
-        _, messages = kernel.execute("print(os.getpid())")
+        code = "%load_ext nbfsdp\n%fsdp attach --slurm --nodes 2 --ranks-per-node 1\nimport os\nprint(os.getpid())"
+        reply, messages = kernel.execute(code)
+        assert reply["content"]["status"] == "ok" and len(slurm.jobs()) == 1, kernel.stdout(messages)
         os.killpg(int(kernel.stdout(messages).split()[-1]), signal.SIGKILL)  # as Jupyter kills a kernel
         started = time.monotonic()
         assert _queue_empties(slurm, 60), slurm.jobs()
@@ -196,10 +190,12 @@ def _queue_empties(slurm, seconds: float) -> bool:
     return not slurm.jobs()
 
 
-def test_a_job_waiting_in_the_queue_is_said_with_slurms_reason_until_it_runs(slurm_notebook, slurm, capsys):
+def test_a_queued_job_is_said_until_it_runs_detach_leaves_it_and_unload_cancels_it(slurm_notebook, slurm, capsys):
     """While every node is taken by another job, the attach says the job is PENDING and why (Slurm's reason);
-    once that job ends, RUNNING, and the engines registering."""
-    blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--wrap", "sleep 300").stdout.split()[-1]
+    once that job ends, RUNNING, and the engines registering. ``%fsdp detach`` leaves the job running on purpose
+    and says how to cancel it; ``%unload_ext`` cancels the job nbfsdp started."""
+    blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300")
+    blocker = blocker.stdout.split()[-1]
 
     def free_the_nodes() -> None:
         deadline = time.monotonic() + 60
@@ -217,3 +213,43 @@ def test_a_job_waiting_in_the_queue_is_said_with_slurms_reason_until_it_runs(slu
     said = capsys.readouterr().err
     pending = said.index("PENDING (Resources)")
     assert pending < said.index(": RUNNING; engines registered"), said
+    job = slurm.jobs()[0].split()[0]
+    private_dir = nbfsdp._magics.session.attached_cluster.job.private_dir
+    run_ok(slurm_notebook, "%fsdp detach")  # on purpose: the job goes on, and the line says how to end it
+    assert f"Slurm job {job} goes on running: scancel {job} ends it" in capsys.readouterr().out
+    assert slurm.jobs() == [f"{job} RUNNING"]
+    slurm.command("scancel", job)
+    for process in psutil.process_iter(["cmdline"]):  # and its controller, which detach left running too
+        if f"--work-dir={private_dir}" in (process.info["cmdline"] or []):
+            process.kill()
+    run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
+    slurm_notebook.run_line_magic("unload_ext", "nbfsdp")  # ends the job nbfsdp started
+    assert _queue_empties(slurm, 30), slurm.jobs()
+    slurm_notebook.run_line_magic("load_ext", "nbfsdp")
+
+
+def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_cell(slurm_notebook, slurm):
+    """Issue 61, point 4 (in part): every process of the second node killed mid-cell (its slurmd, the job's step,
+    its engines) ends the cell within 10 s naming a rank of that node, the first node's ranks released; once the
+    job is cancelled from outside (``scancel``), the next cell says so instead of running."""
+    shell = slurm_notebook
+    run_ok(shell, "%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
+    job = slurm.jobs()[0].split()[0]
+    run_ok(shell, "%%fsdp\nimport torch\nfirst = rank")
+    lost = slurm.nodes[1]
+    killer = threading.Timer(3.0, slurm.machines.kill, args=(lost,))
+    killer.start()
+    error, elapsed = run_failing(
+        shell,
+        "%%fsdp\nimport time\nfor _ in range(600):\n    torch.distributed.all_reduce(torch.ones(1))\n"
+        "    time.sleep(0.05)",
+    )
+    killer.join()
+    assert isinstance(error, RankError) and error.rank == 1 and lost.name in str(error), error
+    assert elapsed < 3.0 + 10.0, elapsed
+    slurm.command("scancel", job)
+    error, _ = run_failing(shell, "%%fsdp --world-size 2\nsecond = rank")
+    # Slurm's word for it: CANCELLED, or COMPLETING while it waits for the lost node to report
+    said = str(error)
+    assert isinstance(error, UsageError) and f"Slurm job {job} is over (" in said, error
+    assert any(f"is over ({state}" in said for state in ("CANCELLED", "COMPLETING")), said

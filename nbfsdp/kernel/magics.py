@@ -187,6 +187,7 @@ def _detach(magics: FSDPMagics, rest: str) -> None:
     if not magics.session.detach():
         print("nbfsdp: no cluster attached")
     elif job is not None:
+        job.leave_running()
         print(f"nbfsdp: detached; Slurm job {job.job_id} goes on running: scancel {job.job_id} ends it")
     else:
         print("nbfsdp: detached; the cluster goes on running")

@@ -176,6 +176,11 @@ class AttachedCluster:
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
         ids = self._usable_ids()
+        if self.job is not None and len(ids) < world_size and (ended := self.job.ended()):
+            raise UsageError(
+                f"Slurm job {self.job.job_id} is over ({ended}): its engines are gone; `%fsdp attach --slurm ...` "
+                "starts another"
+            )
         if not 1 <= world_size <= len(ids):
             raise UsageError(f"--world-size {world_size}: the attached cluster has {len(ids)} engines")
         self._identities = {i: self._identities[i] for i in ids if i in self._identities}

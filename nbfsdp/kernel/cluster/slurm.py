@@ -33,7 +33,7 @@ from IPython.core.error import UsageError
 
 from nbfsdp.kernel.cluster import reaping
 from nbfsdp.shared.network import source_address
-from nbfsdp.shared.processes import SLURM_JOB_FILE
+from nbfsdp.shared.processes import SLURM_JOB_FILE, end_cluster
 
 #: How often the job's state and the engines registered are looked at while it starts.
 POLL_SECONDS = 0.5
@@ -55,9 +55,10 @@ class SlurmRequest:
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def batch_script(self) -> str:
-        """The job's script, as ``SlurmEngineSetLauncher`` fills it (``{cluster_id}``, ``{program_and_args}``)."""
-        options = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ranks_per_node}"]
+    def batch_script(self, output: str) -> str:
+        """The job's script, as ``SlurmEngineSetLauncher`` fills it (``{cluster_id}``, ``{program_and_args}``); the
+        engines' output to ``output`` (``%j``: the job id)."""
+        options = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ranks_per_node}", f"--output={output}"]
         options += [f"--partition={self.partition}"] if self.partition else []
         options += [f"--time={self.time}"] if self.time else []
         options += [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
@@ -129,16 +130,30 @@ class SlurmJob:
         state, _, reason = shown.stdout.strip().partition("|")
         return state, reason
 
+    def ended(self) -> str:
+        """'' while the job is queued or runs; else how it ended, as Slurm says it (``CANCELLED``, ``TIMEOUT``,
+        ``NODE_FAIL``..., with its reason), read with ``scontrol`` (which keeps an ended job for ``MinJobAge``)."""
+        shown = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True)
+        fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+        state, reason = fields.get("JobState", ""), fields.get("Reason", "None")
+        if state in ("PENDING", "CONFIGURING", "RUNNING"):
+            return ""
+        return f"{state}{f', {reason}' if reason != 'None' else ''}" if state else "no longer known to Slurm"
+
     def nodes(self) -> str:
         shown = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%N"], capture_output=True, text=True)
         return shown.stdout.strip()
+
+    def leave_running(self) -> None:
+        """``%fsdp detach``: the job and its controller go on after the kernel; the reaper is told to let them be."""
+        shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def stop(self) -> None:
         """Cancel the job (ipyparallel's ``scancel``) and end the controller; the reaper is told it is over."""
         with contextlib.suppress(Exception):
             self.cluster.stop_cluster_sync()
         subprocess.run(["scancel", self.job_id], capture_output=True)
-        shutil.rmtree(self.private_dir, ignore_errors=True)
+        end_cluster(self.private_dir)  # what a stop that failed (its engines gone) left: the controller, its schedulers
 
 
 def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
@@ -158,8 +173,13 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
         engine_launcher_class="slurm",
         n=request.ranks,
         log_level=logging.WARNING,
+        shutdown_atexit=False,  # the reaper ends it with the kernel, unless `%fsdp detach` left it running
     )
-    cluster.config.SlurmEngineSetLauncher.batch_template = request.batch_script()
+    log_dir = Path(cluster.profile_dir, "log")  # the profile's: where the nodes can write (a shared home)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster.config.SlurmEngineSetLauncher.batch_template = request.batch_script(str(log_dir / "nbfsdp-%j.out"))
+    # the script itself in the job's private directory, not in the notebook's (ipyparallel writes it in the cwd)
+    cluster.config.SlurmEngineSetLauncher.batch_file_name = str(Path(private_dir, "engines.sbatch"))
     try:
         _note_job(private_dir, f"nbfsdp-{cluster_id}")  # before sbatch: the reaper cancels it by its name
         with _curve():
@@ -168,7 +188,7 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
         launcher = next(iter(cluster.engines.values()))
         job = SlurmJob(cluster, str(launcher.job_id), private_dir)
         print(f"nbfsdp: Slurm job {job.job_id} submitted: {request.nodes} nodes x {request.ranks_per_node} ranks")
-        _wait_for_engines(cluster, job, request.ranks)
+        _wait_for_engines(cluster, job, request.ranks, log_dir / f"nbfsdp-{job.job_id}.out")
     except BaseException:
         with contextlib.suppress(Exception):
             cluster.stop_cluster_sync()
@@ -177,7 +197,7 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
     return cluster_id, job
 
 
-def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int) -> None:
+def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int, output: Path) -> None:
     """Until every engine registered; the job's state and the engines said as they change. A job that leaves
     the queue first is a UsageError with its output's end."""
     client = cluster.connect_client_sync()
@@ -196,7 +216,6 @@ def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int) -> None:
                 )
                 said = now
             if not state:
-                output = Path(cluster.engines[next(iter(cluster.engines))].output_file)
                 tail = output.read_text()[-2000:] if output.exists() else ""
                 raise UsageError(f"Slurm job {job.job_id} ended before its engines registered:\n{tail}")
             time.sleep(POLL_SECONDS)
