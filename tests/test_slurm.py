@@ -164,12 +164,17 @@ def test_no_slurm_on_the_path_is_said_before_anything_runs(shell, monkeypatch, t
     assert isinstance(error, UsageError) and "no Slurm on the PATH here (sbatch, sinfo)" in str(error), error
 
 
-def test_a_killed_kernels_slurm_job_is_cancelled(slurm, tmp_path):
-    """Issue 61, point 3: a kernel killed with SIGKILL leaves nothing in the queue within 60 s (its reaper cancels
-    the job by name, whatever the engines do)."""
+def test_unload_and_a_killed_kernel_cancel_the_slurm_job(slurm, tmp_path):
+    """Issue 61, point 3: ``%unload_ext`` cancels the job nbfsdp started; a kernel killed with SIGKILL leaves
+    nothing in the queue within 60 s (its reaper cancels the job by name, whatever the engines do). In a kernel of
+    their own: the suite's notebook keeps its extension loaded."""
     env = {**os.environ, "SLURM_CONF": str(slurm.conf), "IPYTHONDIR": str(tmp_path / "ipython"), "NBFSDP_PREWARM": "0"}
     kernel = Kernel(env=env)
     try:
+        reply, messages = kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
+        assert reply["content"]["status"] == "ok" and len(slurm.jobs()) == 1, kernel.stdout(messages)
+        reply, _ = kernel.execute("%unload_ext nbfsdp")
+        assert reply["content"]["status"] == "ok" and _queue_empties(slurm, 30), slurm.jobs()
         code = "%load_ext nbfsdp\n%fsdp attach --slurm --nodes 2 --ranks-per-node 1\nimport os\nprint(os.getpid())"
         reply, messages = kernel.execute(code)
         assert reply["content"]["status"] == "ok" and len(slurm.jobs()) == 1, kernel.stdout(messages)
@@ -190,10 +195,10 @@ def _queue_empties(slurm, seconds: float) -> bool:
     return not slurm.jobs()
 
 
-def test_a_queued_job_is_said_until_it_runs_detach_leaves_it_and_unload_cancels_it(slurm_notebook, slurm, capsys):
+def test_a_queued_job_is_said_until_it_runs_and_detach_leaves_it(slurm_notebook, slurm, capsys):
     """While every node is taken by another job, the attach says the job is PENDING and why (Slurm's reason);
     once that job ends, RUNNING, and the engines registering. ``%fsdp detach`` leaves the job running on purpose
-    and says how to cancel it; ``%unload_ext`` cancels the job nbfsdp started."""
+    and says how to cancel it."""
     blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300")
     blocker = blocker.stdout.split()[-1]
 
@@ -222,10 +227,6 @@ def test_a_queued_job_is_said_until_it_runs_detach_leaves_it_and_unload_cancels_
     for process in psutil.process_iter(["cmdline"]):  # and its controller, which detach left running too
         if f"--work-dir={private_dir}" in (process.info["cmdline"] or []):
             process.kill()
-    run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
-    slurm_notebook.run_line_magic("unload_ext", "nbfsdp")  # ends the job nbfsdp started
-    assert _queue_empties(slurm, 30), slurm.jobs()
-    slurm_notebook.run_line_magic("load_ext", "nbfsdp")
 
 
 def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_cell(slurm_notebook, slurm):
