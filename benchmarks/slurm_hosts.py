@@ -25,6 +25,11 @@ from benchmarks import namespaces
 
 SLURMCTLD, SLURMD, MUNGED = "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"
 PARTITION = "debug"
+#: A second partition on the same nodes, open to these accounts only (``AllowAccounts``; with no accounting daemon
+#: Slurm knows no account, so a job there waits for ever: what nbfsdp checks before submitting is the list).
+ACCOUNTS_PARTITION, ACCOUNTS = "teach", ("course", "research")
+GPUS_PER_NODE = 4
+FAKE_GPU_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random")
 #: How long the daemons may take to show every node idle (a second, measured on 2 cores).
 READY_SECONDS = 60
 
@@ -124,6 +129,10 @@ def _start_munged(directory: Path) -> Path:
 def _write_config(cluster: SlurmHosts, directory: Path, socket: Path) -> None:
     (directory / "state").mkdir()
     (directory / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=yes\n")
+    # GPUs a node says it has, so that Slurm binds them to tasks (CUDA_VISIBLE_DEVICES) as it does real ones: device
+    # files that exist on every machine stand for them (the way Slurm's own test suite fakes GPUs)
+    fake = ",".join(FAKE_GPU_FILES[:GPUS_PER_NODE])
+    (directory / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={fake}\n")
     names = ",".join(node.name for node in cluster.nodes)
     lines = [
         "ClusterName=nbfsdp",
@@ -155,11 +164,14 @@ def _write_config(cluster: SlurmHosts, directory: Path, socket: Path) -> None:
         "SlurmdTimeout=30",
         "InactiveLimit=0",
         "KillWait=5",
+        "GresTypes=gpu",
         *(
-            f"NodeName={node.name} NodeAddr={node.address} CPUs={cluster.cpus_per_node} RealMemory=1000 State=UNKNOWN"
+            f"NodeName={node.name} NodeAddr={node.address} CPUs={cluster.cpus_per_node} RealMemory=1000 "
+            f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
             for node in cluster.nodes
         ),
         f"PartitionName={PARTITION} Nodes={names} Default=YES MaxTime=INFINITE State=UP",
+        f"PartitionName={ACCOUNTS_PARTITION} Nodes={names} State=UP AllowAccounts={','.join(ACCOUNTS)}",
     ]
     cluster.conf.write_text("\n".join(lines) + "\n")
 

@@ -90,6 +90,27 @@ def test_device_cuda_shares_a_hosts_gpus_among_its_ranks_each_gpu_an_nccl_host_o
         devices(place(without, 4), without, "cuda")
 
 
+def test_ranks_a_launcher_bound_to_gpus_of_their_own_take_the_one_they_see():
+    """Slurm's ``--gpus-per-task 1`` (or ``--gpu-bind single:1``) gives each task of a node its own GPU: the engine
+    sees one (``CUDA_VISIBLE_DEVICES`` 0 or 1), takes it as its device 0, and the host is not short of GPUs; where
+    every task sees the node's GPUs (``--gpus-per-node``: ``0,1`` each) ranks take ``LOCAL_RANK``'s, as before;
+    tasks whose lists meet share, as any host's do."""
+
+    def device(visible: list[str], gpus: int, requested: str | None = None) -> Devices:
+        engines = {
+            i: HostIdentity(hostname=h, key=h, pid=i, gpus=gpus, visible_gpus=visible[i % 2])
+            for i, h in enumerate(["a", "a", "b", "b"])
+        }
+        return devices(place(engines, 4), engines, requested)
+
+    assert device(["0", "1"], 1) == Devices("cuda", 4, 4, rank_gpus=(0, 0, 0, 0))
+    assert device(["0,1", "0,1"], 2) == Devices("cuda", 4, 4, rank_gpus=(0, 1, 0, 1))
+    with pytest.raises(ConfigError, match=r"GPU of its own, or none has one: a has 2 ranks and 1 GPU"):
+        device(["0", "0"], 1)
+    shared = device(["0", "0"], 1, requested="cuda")
+    assert shared.rank_gpus == (0, 0, 0, 0) and shared.nccl_hosts == ("a-0", "a-1", "b-0", "b-1")
+
+
 def test_the_environment_names_the_host_outright(monkeypatch):
     monkeypatch.setenv(engine_hosts.HOST_ID_VARIABLE, "rack3-node7")
     assert engine_hosts.identity().key == "rack3-node7"

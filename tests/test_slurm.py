@@ -4,8 +4,10 @@ made or the packages are missing (``make test`` installs them as root)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import re
 import signal
 import threading
 import time
@@ -32,8 +34,52 @@ def slurm(tmp_path_factory):
     why = slurm_hosts.why_not()
     if why:
         pytest.skip(why)
-    with slurm_hosts.slurm(2, tmp_path_factory.mktemp("slurm")) as cluster:
+    # 4 CPUs a node: a 2 x 2 world beside the timed kernel's job of 2 ranks
+    with slurm_hosts.slurm(2, tmp_path_factory.mktemp("slurm"), cpus_per_node=4) as cluster:
         yield cluster
+
+
+#: The job of the kernel that runs beside the module's other tests: one node, a GPU bound to each of its two tasks,
+#: a time limit of a minute (Slurm's least; slurmctld looks at limits every 30 s, so it ends 60 to 90 s after it
+#: started, while the tests between run).
+TIMED_ATTACH = "%fsdp attach --slurm --nodes 1 --ranks-per-node 2 --time 1 --sbatch-arg=--gpus-per-task=1 "
+#: Each rank's CUDA_VISIBLE_DEVICES, then what the notebook's session heard from each engine of its host.
+VISIBLE = """%%fsdp
+import os, torch
+visible = [None] * world_size
+torch.distributed.all_gather_object(visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
+"""
+HEARD = """import nbfsdp
+print(visible, sorted(i.visible_gpus for i in nbfsdp._magics.session.attached_cluster.identities().values()))"""
+
+
+#: The timed kernel's job: the other tests look at the queue without it.
+TIMED_JOBS: set[str] = set()
+
+
+def _jobs(slurm) -> list[str]:
+    """The queue (``JOBID STATE``) but for the timed kernel's job."""
+    return [line for line in slurm.jobs() if line.split()[0] not in TIMED_JOBS]
+
+
+@pytest.fixture(scope="module")
+def timed_kernel(slurm, tmp_path_factory):
+    """A kernel of its own whose Slurm job has a time limit of one minute, on the first node (the node-lost test
+    kills the second); started by the first test that asks for it, ended after the module."""
+    ipython = tmp_path_factory.mktemp("timed-ipython")
+    env = {**os.environ, "SLURM_CONF": str(slurm.conf), "IPYTHONDIR": str(ipython), "NBFSDP_PREWARM": "0"}
+    kernel = Kernel(env=env)
+    try:
+        code = f"%load_ext nbfsdp\n{TIMED_ATTACH}--sbatch-arg=--nodelist={slurm.nodes[0].name}"
+        reply, messages = kernel.execute(code)
+        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
+        TIMED_JOBS.add(re.search(r"Slurm job (\d+)", kernel.stdout(messages))[1])
+        yield kernel
+    finally:
+        with contextlib.suppress(Exception):  # the last test shuts it down itself
+            kernel.shutdown()
+        for line in slurm.jobs():
+            slurm.command("scancel", line.split()[0])
 
 
 def test_a_job_runs_across_both_nodes_with_slurms_rank_layout(slurm, tmp_path):
@@ -46,12 +92,62 @@ def test_a_job_runs_across_both_nodes_with_slurms_rank_layout(slurm, tmp_path):
     submitted = slurm.command("sbatch", "--nodes=2", "--ntasks-per-node=2", f"--output={out}", "--wrap", step)
     assert submitted.returncode == 0 and submitted.stdout.startswith("Submitted batch job"), submitted.stderr
     deadline = time.monotonic() + 60
-    while slurm.jobs() and time.monotonic() < deadline:
+    while _jobs(slurm) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not slurm.jobs()
+    assert not _jobs(slurm)
     lines = sorted(out.read_text().splitlines(), key=lambda line: int(line.split()[1]))
     first, second = (node.name for node in slurm.nodes)
     assert lines == [f"{first} 0 0 2", f"{first} 1 1 2", f"{second} 2 0 2", f"{second} 3 1 2"], lines
+
+
+def test_a_queued_job_is_said_until_it_runs_and_detach_leaves_it(slurm_notebook, slurm, capsys):
+    """While every node is taken by another job, the attach says the job is PENDING and why (Slurm's reason);
+    once that job ends, RUNNING, and the engines registering. ``%fsdp detach`` leaves the job running on purpose
+    and says how to cancel it."""
+    blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300")
+    blocker = blocker.stdout.split()[-1]
+    deadline = time.monotonic() + 30
+    while f"{blocker} RUNNING" not in _jobs(slurm) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+    def free_the_nodes() -> None:
+        deadline = time.monotonic() + 60
+        while not any(j.endswith("PENDING") and j.split()[0] != blocker for j in _jobs(slurm)):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # the notebook says the state it saw
+        slurm.command("scancel", blocker)
+
+    freeing = threading.Thread(target=free_the_nodes)
+    freeing.start()
+    try:
+        run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
+    finally:
+        freeing.join()
+    said = capsys.readouterr().err
+    pending = said.index("PENDING (Resources)")
+    assert pending < said.index(": RUNNING; engines registered"), said
+    job = _jobs(slurm)[0].split()[0]
+    private_dir = nbfsdp._magics.session.attached_cluster.job.private_dir
+    run_ok(slurm_notebook, "%fsdp detach")  # on purpose: the job goes on, and the line says how to end it
+    assert f"Slurm job {job} goes on running: scancel {job} ends it" in capsys.readouterr().out
+    assert _jobs(slurm) == [f"{job} RUNNING"], (TIMED_JOBS, slurm.jobs())
+    slurm.command("scancel", job)
+    for process in psutil.process_iter(["cmdline"]):  # and its controller, which detach left running too
+        if f"--work-dir={private_dir}" in (process.info["cmdline"] or []):
+            process.kill()
+
+
+def test_each_rank_keeps_the_gpus_slurm_bound_to_its_task(timed_kernel):
+    """Issue 61, point 2 (GPUs from Slurm's binding, on GPUs Slurm believes the nodes have: ``gres.conf`` device
+    files stand for them, as in Slurm's own tests): with ``--gpus-per-task 1`` each task sees its own GPU
+    (``CUDA_VISIBLE_DEVICES`` 0 and 1), the ranks keep what Slurm set, and the session knows each engine's list,
+    so that on GPUs each rank takes the one it sees (``tests/test_hosts.py`` for that choice: no GPU here)."""
+    reply, messages = timed_kernel.execute(f"{VISIBLE}\n")
+    assert reply["content"]["status"] == "ok", (reply["content"], timed_kernel.stdout(messages))
+    reply, messages = timed_kernel.execute(HEARD)
+    assert timed_kernel.stdout(messages).strip() == "['0', '1'] ['0', '1']", (reply["content"], messages)
 
 
 #: Four steps over the 2 x 2 ranks, HYBRID_SHARD (a replica per node, each node sharding among its ranks), then each
@@ -67,6 +163,8 @@ for step in range(STEPS):
 mine = (rank, os.environ["LOCAL_RANK"], os.environ["SLURM_PROCID"], os.environ["SLURM_LOCALID"], socket.gethostname())
 seen = [None] * world_size
 torch.distributed.all_gather_object(seen, mine)
+visible = [None] * world_size
+torch.distributed.all_gather_object(visible, os.environ.get("CUDA_VISIBLE_DEVICES"))
 mesh = next(model.parameters()).device_mesh
 groups = [None] * world_size
 own = tuple(tuple(torch.distributed.get_process_group_ranks(mesh.get_group(d))) for d in ("shard", "replicate"))
@@ -95,7 +193,7 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     and its nodes; ``%fsdp stop`` cancels it."""
     shell = slurm_notebook
     reference = copy.deepcopy(tiny_model)
-    run_ok(shell, "%fsdp attach --slurm --nodes 2 --ranks-per-node 2")
+    run_ok(shell, "%fsdp attach --slurm --nodes 2 --ranks-per-node 2 --gpus-per-node 2")
     said = capsys.readouterr()
     job = said.out.split("Slurm job ")[1].split()[0]
     assert f"Slurm job {job} submitted: 2 nodes x 2 ranks" in said.out, said.out
@@ -103,7 +201,7 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     names = [node.name for node in slurm.nodes]
     assert f"attached to 4 engines on 2 hosts ({names[0]} 2, {names[1]} 2)" in said.out, said.out
     assert "IPP_ENABLE_CURVE" not in said.err  # CurveZMQ on: no warning
-    assert slurm.jobs() == [f"{job} RUNNING"]
+    assert _jobs(slurm) == [f"{job} RUNNING"], (TIMED_JOBS, slurm.jobs())
 
     shell.user_ns["STEPS"] = STEPS
     run_ok(shell, TRAIN)
@@ -112,6 +210,9 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
         (r, r % 2, r, r % 2) for r in range(4)
     ], seen
     assert [host for *_, host in seen] == [names[0], names[0], names[1], names[1]], seen
+    # each node's two GPUs (Slurm's --gpus-per-node) seen by both its ranks, who take LOCAL_RANK's of them
+    visible = shell.user_ns["visible"]
+    assert visible[0] == visible[1] and visible[2] == visible[3] and all(len(v.split(",")) == 2 for v in visible)
     # shard groups inside each node, replicate groups across them
     assert shell.user_ns["groups"] == [((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]
     run = nbfsdp.last_run()
@@ -136,9 +237,12 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     nodes = slurm.command("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()  # Slurm's hostlist of both
     assert f"Slurm job {job}: RUNNING, nodes {nodes} (scancel {job} ends it)" in status, status
     run_ok(shell, "%fsdp stop")
-    assert _queue_empties(slurm, 30), slurm.jobs()
+    assert _queue_empties(slurm, 30), _jobs(slurm)
     # the batch script and the engines' output went to the job's directories, not the notebook's
     assert not [p.name for p in Path.cwd().iterdir() if p.name.startswith("slurm") or p.suffix == ".sbatch"]
+
+
+NODE = "2 nodes of 4 CPUs, gpu:4"
 
 
 @pytest.mark.parametrize(
@@ -146,16 +250,29 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     [
         (
             "--nodes 2 --ranks-per-node 2 --partition gpu",
-            "--partition gpu: no such partition (sinfo: debug (default): 2 nodes)",
+            f"--partition gpu: no such partition (sinfo: debug (default): {NODE}; teach: {NODE})",
         ),
         ("--nodes 3 --ranks-per-node 1", "--nodes 3: partition debug has 2 nodes"),
         ("--nodes 2", "--slurm needs --nodes N and --ranks-per-node K"),
+        ("--nodes 1 --ranks-per-node 1 --partition teach --account nope", "partition teach allows accounts course, re"),
+        ("--nodes 1 --ranks-per-node 1 --partition teach", "no --account: partition teach allows accounts course"),
+        # what only sbatch knows, asked of it with --test-only: CPUs and GPUs a node, the time, any option
+        (
+            "--nodes 1 --ranks-per-node 5",
+            f"Slurm refuses this job: Requested node configuration is not available (sinfo: debug (default): {NODE})",
+        ),
+        ("--nodes 1 --ranks-per-node 1 --gpus-per-node 5", "Requested node configuration is not available"),
+        ("--nodes 1 --ranks-per-node 1 --time soon", "Slurm refuses this job: Invalid --time specification"),
+        (
+            "--nodes 1 --ranks-per-node 1 --sbatch-arg=--colour",
+            "Slurm refuses this job: unrecognized option '--colour'",
+        ),
     ],
 )
 def test_bad_slurm_requests_fail_before_anything_is_submitted(slurm_notebook, slurm, flags, said):
     error, _ = run_failing(slurm_notebook, f"%fsdp attach --slurm {flags}")
     assert isinstance(error, UsageError) and said in str(error), error
-    assert not slurm.jobs()
+    assert not _jobs(slurm)
 
 
 def test_no_slurm_on_the_path_is_said_before_anything_runs(shell, monkeypatch, tmp_path):
@@ -172,61 +289,28 @@ def test_unload_and_a_killed_kernel_cancel_the_slurm_job(slurm, tmp_path):
     kernel = Kernel(env=env)
     try:
         reply, messages = kernel.execute("%load_ext nbfsdp\n%fsdp attach --slurm --nodes 1 --ranks-per-node 1")
-        assert reply["content"]["status"] == "ok" and len(slurm.jobs()) == 1, kernel.stdout(messages)
+        assert reply["content"]["status"] == "ok" and len(_jobs(slurm)) == 1, kernel.stdout(messages)
         reply, _ = kernel.execute("%unload_ext nbfsdp")
-        assert reply["content"]["status"] == "ok" and _queue_empties(slurm, 30), slurm.jobs()
+        assert reply["content"]["status"] == "ok" and _queue_empties(slurm, 30), _jobs(slurm)
         code = "%load_ext nbfsdp\n%fsdp attach --slurm --nodes 2 --ranks-per-node 1\nimport os\nprint(os.getpid())"
         reply, messages = kernel.execute(code)
-        assert reply["content"]["status"] == "ok" and len(slurm.jobs()) == 1, kernel.stdout(messages)
+        assert reply["content"]["status"] == "ok" and len(_jobs(slurm)) == 1, kernel.stdout(messages)
         os.killpg(int(kernel.stdout(messages).split()[-1]), signal.SIGKILL)  # as Jupyter kills a kernel
         started = time.monotonic()
-        assert _queue_empties(slurm, 60), slurm.jobs()
+        assert _queue_empties(slurm, 60), _jobs(slurm)
         print(f"queue empty {time.monotonic() - started:.1f} s after the kernel's SIGKILL")
     finally:
         kernel.shutdown()
-        for line in slurm.jobs():
+        for line in _jobs(slurm):
             slurm.command("scancel", line.split()[0])
 
 
 def _queue_empties(slurm, seconds: float) -> bool:
+    """Whether the queue empties (but for the timed kernel's job) within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while slurm.jobs() and time.monotonic() < deadline:
+    while _jobs(slurm) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return not slurm.jobs()
-
-
-def test_a_queued_job_is_said_until_it_runs_and_detach_leaves_it(slurm_notebook, slurm, capsys):
-    """While every node is taken by another job, the attach says the job is PENDING and why (Slurm's reason);
-    once that job ends, RUNNING, and the engines registering. ``%fsdp detach`` leaves the job running on purpose
-    and says how to cancel it."""
-    blocker = slurm.command("sbatch", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300")
-    blocker = blocker.stdout.split()[-1]
-
-    def free_the_nodes() -> None:
-        deadline = time.monotonic() + 60
-        while not any("PENDING" in job for job in slurm.jobs()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)  # the notebook says the state it saw
-        slurm.command("scancel", blocker)
-
-    freeing = threading.Thread(target=free_the_nodes)
-    freeing.start()
-    try:
-        run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
-    finally:
-        freeing.join()
-    said = capsys.readouterr().err
-    pending = said.index("PENDING (Resources)")
-    assert pending < said.index(": RUNNING; engines registered"), said
-    job = slurm.jobs()[0].split()[0]
-    private_dir = nbfsdp._magics.session.attached_cluster.job.private_dir
-    run_ok(slurm_notebook, "%fsdp detach")  # on purpose: the job goes on, and the line says how to end it
-    assert f"Slurm job {job} goes on running: scancel {job} ends it" in capsys.readouterr().out
-    assert slurm.jobs() == [f"{job} RUNNING"]
-    slurm.command("scancel", job)
-    for process in psutil.process_iter(["cmdline"]):  # and its controller, which detach left running too
-        if f"--work-dir={private_dir}" in (process.info["cmdline"] or []):
-            process.kill()
+    return not _jobs(slurm)
 
 
 def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_cell(slurm_notebook, slurm):
@@ -235,7 +319,7 @@ def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_c
     job is cancelled from outside (``scancel``), the next cell says so instead of running."""
     shell = slurm_notebook
     run_ok(shell, "%fsdp attach --slurm --nodes 2 --ranks-per-node 1")
-    job = slurm.jobs()[0].split()[0]
+    job = _jobs(slurm)[0].split()[0]
     run_ok(shell, "%%fsdp\nimport torch\nfirst = rank")
     lost = slurm.nodes[1]
     killer = threading.Timer(3.0, slurm.machines.kill, args=(lost,))
@@ -254,3 +338,25 @@ def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_c
     said = str(error)
     assert isinstance(error, UsageError) and f"Slurm job {job} is over (" in said, error
     assert any(f"is over ({state}" in said for state in ("CANCELLED", "COMPLETING")), said
+
+
+def test_a_job_over_its_time_limit_says_so_and_a_kernel_shut_down_cancels_its_job(timed_kernel, slurm):
+    """Issue 61, points 3 and 4: the timed kernel's job, a minute old at least, ends by its limit; the next cell
+    says so in Slurm's word (``TIMEOUT``) rather than running. A new job, then the kernel shut down as Jupyter
+    shuts one down (a shutdown request, not a kill): the queue empties."""
+    deadline = time.monotonic() + 120
+    while any(line.split()[0] in TIMED_JOBS for line in slurm.jobs()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    reply, messages = timed_kernel.execute("%%fsdp\nx = 1")
+    said = reply["content"].get("evalue", "")
+    assert reply["content"]["status"] == "error" and "is over (TIMEOUT" in said, (said, timed_kernel.stdout(messages))
+    pinned = f"--sbatch-arg=--nodelist={slurm.nodes[0].name}"  # the other node was lost in an earlier test
+    reply, messages = timed_kernel.execute(f"%fsdp attach --slurm --nodes 1 --ranks-per-node 1 {pinned}")
+    job = re.search(r"Slurm job (\d+)", timed_kernel.stdout(messages))[1]
+    assert reply["content"]["status"] == "ok" and f"{job} RUNNING" in slurm.jobs(), timed_kernel.stdout(messages)
+    timed_kernel.client.stop_channels()
+    timed_kernel.manager.shutdown_kernel(now=False)  # Jupyter's "Shut Down Kernel": the kernel ends itself
+    deadline = time.monotonic() + 30  # (the node-lost test's job may still wait for its lost node: not this one)
+    while any(line.split()[0] == job for line in slurm.jobs()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [line for line in slurm.jobs() if line.split()[0] == job], slurm.jobs()

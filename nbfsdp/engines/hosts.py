@@ -38,20 +38,24 @@ def identity() -> HostIdentity:
     hostname = socket.gethostname()
     gpus = torch.cuda.device_count()  # NVML's count: no CUDA context is made
     capability = gpu_capability() if gpus else None
-    procid = int(os.environ["SLURM_PROCID"]) if os.environ.get("SLURM_PROCID", "").isdigit() else None
     override = os.environ.get(HOST_ID_VARIABLE)
     if override:
-        return HostIdentity(
-            hostname=hostname, key=override, pid=os.getpid(), gpus=gpus, capability=capability, slurm_procid=procid
-        )
-    try:
-        namespace = os.readlink("/proc/self/ns/net")  # e.g. net:[4026531840]: one per network namespace
-    except OSError:
-        namespace = ""
-    boot = _read("/proc/sys/kernel/random/boot_id")  # one per booted kernel: a machine, or a VM
-    key = f"{hostname}|{boot}|{namespace}"
+        key = override
+    else:
+        try:
+            namespace = os.readlink("/proc/self/ns/net")  # e.g. net:[4026531840]: one per network namespace
+        except OSError:
+            namespace = ""
+        boot = _read("/proc/sys/kernel/random/boot_id")  # one per booted kernel: a machine, or a VM
+        key = f"{hostname}|{boot}|{namespace}"
     return HostIdentity(
-        hostname=hostname, key=key, pid=os.getpid(), gpus=gpus, capability=capability, slurm_procid=procid
+        hostname=hostname,
+        key=key,
+        pid=os.getpid(),
+        gpus=gpus,
+        capability=capability,
+        slurm_procid=int(os.environ["SLURM_PROCID"]) if os.environ.get("SLURM_PROCID", "").isdigit() else None,
+        visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 

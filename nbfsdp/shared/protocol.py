@@ -106,6 +106,9 @@ class HostIdentity:
     """The compute capability of its host's oldest GPU (``nbfsdp.shared.devices.gpu_capability``); None without."""
     slurm_procid: int | None = None
     """``SLURM_PROCID`` where a Slurm step started the engine: its rank, as Slurm numbers the job's tasks."""
+    visible_gpus: str | None = None
+    """The engine's ``CUDA_VISIBLE_DEVICES`` as its launcher set it (Slurm's GPU binding: ``0,1`` for a task that
+    shares its node's GPUs, ``1`` for one bound to its own); None where unset."""
 
 
 @dataclass(kw_only=True, slots=True)

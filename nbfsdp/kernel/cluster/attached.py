@@ -176,11 +176,7 @@ class AttachedCluster:
     def placements_for(self, world_size: int) -> list[Placement]:
         """The ranks of a world of ``world_size``, host by host (each engine asked its host once)."""
         ids = self._usable_ids()
-        if self.job is not None and len(ids) < world_size and (ended := self.job.ended()):
-            raise UsageError(
-                f"Slurm job {self.job.job_id} is over ({ended}): its engines are gone; `%fsdp attach --slurm ...` "
-                "starts another"
-            )
+        self._say_if_job_over(len(ids), world_size)
         if not 1 <= world_size <= len(ids):
             raise UsageError(f"--world-size {world_size}: the attached cluster has {len(ids)} engines")
         self._identities = {i: self._identities[i] for i in ids if i in self._identities}
@@ -191,6 +187,14 @@ class AttachedCluster:
         for engine_id, answer in set_up_every_rank(self.client, {i: i for i in new}, hosts.check_in, arguments).items():
             self._identities[engine_id], self._sees_private_dir[engine_id] = answer
         return place(self._identities, world_size)
+
+    def _say_if_job_over(self, usable: int, wanted: int) -> None:
+        """Fewer engines than wanted, of a Slurm job that has ended: a UsageError in Slurm's word for how."""
+        if self.job is not None and usable < wanted and (ended := self.job.ended()):
+            raise UsageError(
+                f"Slurm job {self.job.job_id} is over ({ended}): its engines are gone; `%fsdp attach --slurm ...` "
+                "starts another"
+            )
 
     def identities(self) -> dict[int, HostIdentity]:
         """What each engine said of itself when it checked in (its host, pid and GPUs), by engine id."""
@@ -207,7 +211,9 @@ class AttachedCluster:
 
     def default_world_size(self, device: str | None = None) -> int:
         """Every engine of the cluster."""
-        return self.engines
+        ids = self._usable_ids()
+        self._say_if_job_over(len(ids), len(self.client.ids) or 1)
+        return len(ids)
 
     def host_replicas(self, world_size: int) -> int:
         """HYBRID_SHARD's replicas across hosts: one per host, each host sharding the model among its ranks.

@@ -94,16 +94,18 @@ def devices(placements: list[Placement], engines: dict[int, HostIdentity], reque
     torchrun), on the CPU (gloo) where no engine sees one; hosts short of GPUs beside hosts with enough are
     a ConfigError naming each, with its ranks and GPUs. ``cuda``: every rank on a GPU of its host, local rank
     ``l`` on GPU ``l mod G`` (several to a GPU where the host has fewer GPUs than ranks); a host without any
-    is a ConfigError naming it. ``cpu``: gloo."""
+    is a ConfigError naming it. ``cpu``: gloo. Where a launcher bound each engine of a host to GPUs of its own
+    (Slurm's ``--gpus-per-task``, ``--gpu-bind``: each sees other GPUs), every rank there takes the first it sees."""
     world_size = len(placements)
     requested = requested_device(requested)
     gpus = {p.engine_id: engines[p.engine_id].gpus for p in placements}
     if requested == "cpu" or (requested == "auto" and not any(gpus.values())):
         return Devices("cpu", world_size)
+    bound = _bound_hosts(placements, engines)
     short = {
         p.host: (p.local_world_size, gpus[p.engine_id])
         for p in placements
-        if gpus[p.engine_id] < (p.local_world_size if requested == "auto" else 1)
+        if gpus[p.engine_id] < (p.local_world_size if requested == "auto" and p.host not in bound else 1)
     }
     if short:
         listed = ", ".join(
@@ -111,17 +113,35 @@ def devices(placements: list[Placement], engines: dict[int, HostIdentity], reque
         )
         rule = "every rank needs a GPU of its own, or none has one" if requested == "auto" else "--device cuda"
         raise ConfigError(f"{rule}: {listed}")
-    per_host = {p.host: min(gpus[p.engine_id], p.local_world_size) for p in placements}
+    per_host = {
+        p.host: p.local_world_size if p.host in bound else min(gpus[p.engine_id], p.local_world_size)
+        for p in placements
+    }
     shared = any(p.local_world_size > per_host[p.host] for p in placements)
     capabilities = [engines[p.engine_id].capability for p in placements]
     return Devices(
         "cuda",
         world_size,
         sum(per_host.values()),
-        rank_gpus=tuple(p.local_rank % per_host[p.host] for p in placements),
+        rank_gpus=tuple(0 if p.host in bound else p.local_rank % per_host[p.host] for p in placements),
         nccl_hosts=tuple(f"{p.host}-{p.local_rank // per_host[p.host]}" for p in placements) if shared else (),
         capability=min((c for c in capabilities if c is not None), default=None),  # the oldest GPU decides
     )
+
+
+def _bound_hosts(placements: list[Placement], engines: dict[int, HostIdentity]) -> set[str]:
+    """The hosts whose engines each see GPUs no other engine of that host sees (``CUDA_VISIBLE_DEVICES`` lists
+    that do not meet, as Slurm binds a task's GPUs): their ranks own what they see."""
+    seen: dict[str, list[set[str]]] = {}
+    for p in placements:
+        visible = engines[p.engine_id].visible_gpus
+        listed = {gpu for gpu in (visible or "").split(",") if gpu}
+        seen.setdefault(p.host, []).append(listed if visible is not None and engines[p.engine_id].gpus else set())
+    return {
+        host
+        for host, sets in seen.items()
+        if len(sets) > 1 and all(sets) and sum(len(s) for s in sets) == len(set().union(*sets))
+    }
 
 
 def _host_names(hostnames: dict[str, str]) -> dict[str, str]:

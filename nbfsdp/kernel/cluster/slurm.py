@@ -15,6 +15,7 @@ job running and says how to cancel it.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import logging
 import os
@@ -55,16 +56,21 @@ class SlurmRequest:
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def batch_script(self, output: str) -> str:
-        """The job's script, as ``SlurmEngineSetLauncher`` fills it (``{cluster_id}``, ``{program_and_args}``); the
-        engines' output to ``output`` (``%j``: the job id)."""
-        options = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ranks_per_node}", f"--output={output}"]
+    @property
+    def options(self) -> list[str]:
+        """The job's ``sbatch`` options from the flags (as the batch script and ``sbatch --test-only`` give them)."""
+        options = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.ranks_per_node}"]
         options += [f"--partition={self.partition}"] if self.partition else []
         options += [f"--time={self.time}"] if self.time else []
         options += [f"--gpus-per-node={self.gpus_per_node}"] if self.gpus_per_node else []
         options += [f"--account={self.account}"] if self.account else []
-        options += self.sbatch_args
+        return options + self.sbatch_args
+
+    def batch_script(self, output: str) -> str:
+        """The job's script, as ``SlurmEngineSetLauncher`` fills it (``{cluster_id}``, ``{program_and_args}``); the
+        engines' output to ``output`` (``%j``: the job id)."""
         lines = ["#!/bin/sh", "#SBATCH --job-name=nbfsdp-{cluster_id}", "#SBATCH --export=ALL"]
+        options = [*self.options, f"--output={output}"]
         return "\n".join([*lines, *(f"#SBATCH {option}" for option in options), "srun {program_and_args}", ""])
 
 
@@ -73,42 +79,84 @@ class Partition:
     name: str
     nodes: list[str]
     default: bool
+    cpus: str
+    """CPUs a node (``sinfo``'s ``%c``: ``4``, or ``4+`` where nodes differ)."""
+    gres: str
+    """Generic resources a node, GPUs among them (``gpu:2``; ``(null)`` where none)."""
+
+    def __str__(self) -> str:
+        gres = f", {self.gres}" if self.gres not in ("", "(null)") else ""
+        return f"{self.name}{' (default)' if self.default else ''}: {len(self.nodes)} nodes of {self.cpus} CPUs{gres}"
 
 
 def partitions() -> list[Partition]:
     """The partitions ``sinfo`` lists, each with its nodes; a UsageError where there is no Slurm here."""
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         raise UsageError("--slurm: no Slurm on the PATH here (sbatch, sinfo): run the notebook on a login node")
-    listed = subprocess.run(["sinfo", "-h", "-N", "-o", "%P %N"], capture_output=True, text=True)
+    listed = subprocess.run(["sinfo", "-h", "-N", "-o", "%P %N %c %G"], capture_output=True, text=True)
     if listed.returncode != 0:
         raise UsageError(f"--slurm: sinfo failed: {listed.stderr.strip()}")
     found: dict[str, Partition] = {}
     for line in listed.stdout.splitlines():
-        name, node = line.split()
+        name, node, cpus, gres = line.split()
         key = name.rstrip("*")
-        found.setdefault(key, Partition(key, [], name.endswith("*"))).nodes.append(node)
+        found.setdefault(key, Partition(key, [], name.endswith("*"), cpus, gres)).nodes.append(node)
     return list(found.values())
 
 
 def check(request: SlurmRequest) -> Partition:
-    """The partition the job goes to, checked against what Slurm offers before anything is submitted."""
+    """The partition the job goes to, checked against what Slurm offers before anything is submitted: the
+    partition, its nodes, the accounts it allows, then the whole request by ``sbatch --test-only`` (CPUs and GPUs
+    a node, the time limit, every ``--sbatch-arg``), each refusal naming what ``sinfo`` lists."""
     if request.nodes < 1 or request.ranks_per_node < 1:
         raise UsageError("--nodes and --ranks-per-node must be at least 1")
     offered = partitions()
-    described = "; ".join(f"{p.name}{' (default)' if p.default else ''}: {len(p.nodes)} nodes" for p in offered)
+    described = "; ".join(str(p) for p in offered)
     if request.partition is None:
         partition = next((p for p in offered if p.default), None)
         if partition is None:
-            raise UsageError(f"--slurm: Slurm has no default partition: pass --partition ({described})")
+            raise UsageError(f"--slurm: Slurm has no default partition: pass --partition (sinfo: {described})")
     else:
         partition = next((p for p in offered if p.name == request.partition), None)
         if partition is None:
             raise UsageError(f"--partition {request.partition}: no such partition (sinfo: {described})")
     if request.nodes > len(partition.nodes):
-        raise UsageError(
-            f"--nodes {request.nodes}: partition {partition.name} has {len(partition.nodes)} nodes (sinfo: {described})"
-        )
+        raise UsageError(f"--nodes {request.nodes}: partition {partition.name} has {len(partition.nodes)} nodes")
+    _check_account(request.account, partition.name)
+    tried = subprocess.run(
+        ["sbatch", "--test-only", *request.options, "--output=/dev/null", "--wrap", "true"],
+        capture_output=True,
+        text=True,
+    )
+    if tried.returncode != 0:
+        said = [line.split(": ", 1)[-1].removeprefix("error: ") for line in tried.stderr.splitlines() if line.strip()]
+        raise UsageError(f"--slurm: Slurm refuses this job: {'; '.join(said)} (sinfo: {partition})")
     return partition
+
+
+def _check_account(account: str | None, partition: str) -> None:
+    """The accounts the partition allows or denies (``scontrol show partition``), and where Slurm keeps accounts
+    (``sacctmgr``, with its database daemon) this user's. ``sbatch --test-only`` passes an account it would hold
+    for ever with "Job's account not known", so this is checked here."""
+    shown = subprocess.run(["scontrol", "show", "partition", "-o", partition], capture_output=True, text=True)
+    fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+    allowed = fields.get("AllowAccounts", "ALL")
+    if allowed != "ALL" and account not in allowed.split(","):
+        given = f"--account {account}" if account else "no --account"
+        raise UsageError(f"{given}: partition {partition} allows accounts {allowed.replace(',', ', ')}")
+    if account and account in fields.get("DenyAccounts", "").split(","):
+        raise UsageError(f"--account {account}: partition {partition} denies it")
+    if not account or shutil.which("sacctmgr") is None:
+        return
+    user = getpass.getuser()
+    listed = subprocess.run(
+        ["sacctmgr", "-nP", "show", "associations", "where", f"user={user}", "format=account"],
+        capture_output=True,
+        text=True,
+    )
+    mine = sorted({line.strip() for line in listed.stdout.splitlines() if line.strip()})
+    if listed.returncode == 0 and mine and account not in mine:
+        raise UsageError(f"--account {account}: {user}'s accounts are {', '.join(mine)} (sacctmgr)")
 
 
 def controller_address(partition: Partition) -> str:
