@@ -31,6 +31,9 @@ Benchmarks (each module's docstring says what it measures and how):
 9. ``hosts``        2 hosts x 2 ranks (network namespaces, an SSH-launched cluster ``%fsdp attach``-ed): the
                     step-time loop vs ``torchrun --nnodes 2``, and the bytes each host receives / its shards;
                     skipped where namespaces cannot be made
+   ``slurm``        2 nodes x 2 ranks through a real Slurm (network namespaces): ``%fsdp attach --slurm`` to ready
+                    vs ``sbatch`` + ``srun torchrun`` to its first collective, and the step-time loop vs
+                    ``srun torchrun --nnodes 2``; skipped where Slurm cannot be made
 10. ``weight_moves`` a 1B bf16 model with AdamW state living on the ranks moved 4 -> 2 -> 4 ranks vs
                     ``%fsdp save`` + ``%fsdp load`` of the same vs DCP's save and load direct; the kernel's growth
 
@@ -69,6 +72,7 @@ from benchmarks import (
     pretrained,
     read_only_cell,
     report,
+    slurm,
     step_time,
     timeline_cost,
     warm_cell,
@@ -98,6 +102,7 @@ BENCHMARKS = {
         gpu_loop,
         checkpoint,
         hosts,
+        slurm,
         weight_moves,
     )  # fmt: skip
 }
@@ -120,6 +125,7 @@ RUN_ORDER = (
     "checkpoint",
     "weight_moves",
     "hosts",
+    "slurm",
     "gpu",
     "gpu_loop",
 )
@@ -180,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name}: {timings[name]:.0f} s", file=sys.stderr, flush=True)
     finally:
         ctx.close_warm_kernel()
-    children = [
-        f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in [*psutil.Process().children(recursive=True), *_orphans(mark)]
-    ]
+    children = []
+    for process in [*psutil.Process().children(recursive=True), *_orphans(mark)]:
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile is not left over
+            children.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
     extra = {
         "quick": args.quick,
         "seconds": {**timings, "total": time.perf_counter() - started},

@@ -57,7 +57,7 @@ from benchmarks import launch, loops, notebook_loop, step_time
 from benchmarks import namespaces as namespace_hosts
 from benchmarks.context import CPU_ONLY, NO_PREWARM, Context
 from benchmarks.kernel import Kernel
-from benchmarks.measurement import Measurement, in_turn, median
+from benchmarks.measurement import Measurement, median
 
 NAME = "hosts"
 HOSTS = 2
@@ -316,31 +316,21 @@ def compare(kernel: Kernel, machines: namespace_hosts.Hosts, cluster, sizes: loo
         with _paused(session):
             return torchrun_on_hosts(machines, sizes)
 
-    sides = {"torchrun": torchrun_alone, "%%fsdp": lambda: notebook_loop.run(kernel, WORLD_SIZE, sizes)}
-    a_rounds, b_rounds, a_cpu, b_cpu, a_other, b_other, order, first = [], [], [], [], [], [], [], {}
-    for index in range(rounds):
-        turn = in_turn("torchrun", "%%fsdp", index)
-        order.append(turn[0])
-        ran = {side: _with_other_load(machines, sides[side]) for side in turn}
-        a, b = ran["torchrun"], ran["%%fsdp"]
-        a_rounds.append(loops.median_step(a["step_times"], sizes))
-        b_rounds.append(loops.median_step(b["step_times"], sizes))
-        a_cpu.append(loops.median_step(a["step_cpu_times"], sizes))
-        b_cpu.append(loops.median_step(b["step_cpu_times"], sizes))
-        a_other.append(a["other_cores"])
-        b_other.append(b["other_cores"])
-        if index == 0:
-            first = {"torchrun": a, "fsdp": b}
+    sides = {
+        "torchrun": lambda: _with_other_load(machines, torchrun_alone),
+        "%%fsdp": lambda: _with_other_load(machines, lambda: notebook_loop.run(kernel, WORLD_SIZE, sizes)),
+    }
+    compared = step_time.alternate(sides, sizes, rounds)
+    a_runs, b_runs = compared.pop("torchrun_runs"), compared.pop("fsdp_runs")
     return {
         "world_size": WORLD_SIZE,
         "hosts": HOSTS,
         "sizes": sizes.as_dict(),
-        "first_side_each_round": order,
         "session_processes_stopped_for_torchrun": {name: len(found) for name, found in session().items()},
-        **step_time.side_by_side(a_rounds, b_rounds, a_cpu, b_cpu, first),
-        "torchrun_other_cores": a_other,
-        "fsdp_other_cores": b_other,
-        "threads_torchrun": first["torchrun"]["torch_threads"],
+        **compared,
+        "torchrun_other_cores": [run["other_cores"] for run in a_runs],
+        "fsdp_other_cores": [run["other_cores"] for run in b_runs],
+        "threads_torchrun": a_runs[0]["torch_threads"],
     }
 
 

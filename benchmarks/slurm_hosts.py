@@ -25,6 +25,8 @@ from benchmarks import namespaces
 
 SLURMCTLD, SLURMD, MUNGED = "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"
 PARTITION = "debug"
+#: The same nodes under the name the walk-through in ``docs/guide/hosts.md`` uses.
+GPU_PARTITION = "gpu"
 #: A second partition on the same nodes, open to these accounts only (``AllowAccounts``; with no accounting daemon
 #: Slurm knows no account, so a job there waits for ever: what nbfsdp checks before submitting is the list).
 ACCOUNTS_PARTITION, ACCOUNTS = "teach", ("course", "research")
@@ -32,6 +34,8 @@ GPUS_PER_NODE = 4
 FAKE_GPU_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random")
 #: How long the daemons may take to show every node idle (a second, measured on 2 cores).
 READY_SECONDS = 60
+#: How long a daemon may take to end once told to, before it is killed (their state is thrown away with the run).
+STOP_SECONDS = 2
 
 
 @dataclass
@@ -97,9 +101,10 @@ def slurm(nodes: int, directory: Path, cpus_per_node: int = 2) -> Iterator[Slurm
                 process.terminate()
             for process in cluster.daemons.values():
                 try:
-                    process.wait(10)
+                    process.wait(STOP_SECONDS)
                 except subprocess.TimeoutExpired:
                     process.kill()
+                    process.wait()
             with suppress(FileNotFoundError, ValueError, ProcessLookupError):
                 os.kill(int((directory / "munged.pid").read_text()), 15)
 
@@ -171,6 +176,7 @@ def _write_config(cluster: SlurmHosts, directory: Path, socket: Path) -> None:
             for node in cluster.nodes
         ),
         f"PartitionName={PARTITION} Nodes={names} Default=YES MaxTime=INFINITE State=UP",
+        f"PartitionName={GPU_PARTITION} Nodes={names} MaxTime=INFINITE State=UP",
         f"PartitionName={ACCOUNTS_PARTITION} Nodes={names} State=UP AllowAccounts={','.join(ACCOUNTS)}",
     ]
     cluster.conf.write_text("\n".join(lines) + "\n")

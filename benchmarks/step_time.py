@@ -65,6 +65,31 @@ def parity(a_losses: list[float], b_losses: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(a_losses, b_losses, strict=True)), default=0.0)
 
 
+def alternate(sides: dict[str, Callable[[], dict]], sizes: loops.LoopSizes, rounds: int) -> dict:
+    """``rounds`` rounds of torchrun (A, ``sides["torchrun"]``) and the cell (B, ``sides["%%fsdp"]``) in
+    ``in_turn``'s order: ``side_by_side`` of their per-round medians, each round's first side, and every round's
+    results of each side (``torchrun_runs``, ``fsdp_runs``) for what a benchmark reads beyond the steps."""
+    a_runs, b_runs, first_sides = [], [], []
+    for index in range(rounds):
+        order = in_turn("torchrun", "%%fsdp", index)
+        first_sides.append(order[0])
+        ran = {side: sides[side]() for side in order}
+        a_runs.append(ran["torchrun"])
+        b_runs.append(ran["%%fsdp"])
+
+    def medians(runs: list[dict], key: str) -> list[float]:
+        return [loops.median_step(run[key], sizes) for run in runs]
+
+    compared = side_by_side(
+        medians(a_runs, "step_times"),
+        medians(b_runs, "step_times"),
+        medians(a_runs, "step_cpu_times"),
+        medians(b_runs, "step_cpu_times"),
+        {"torchrun": a_runs[0], "fsdp": b_runs[0]},
+    )
+    return {"first_side_each_round": first_sides, **compared, "torchrun_runs": a_runs, "fsdp_runs": b_runs}
+
+
 def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int, device: str = "cpu") -> dict:
     """Alternate torchrun (A) and ``%%fsdp`` (B) rounds of the loop; per-round medians and the first round's
     losses, units and threads of each side."""
@@ -82,25 +107,13 @@ def compare(kernel: Kernel, world_size: int, sizes: loops.LoopSizes, rounds: int
         return notebook_loop.run(kernel, world_size, sizes, log_each_step=True)
 
     sides = {"torchrun": torchrun_alone, "%%fsdp": fsdp_cell}
-    a_rounds, b_rounds, first, first_sides = [], [], {}, []
-    a_cpu_rounds, b_cpu_rounds = [], []
-    for index in range(rounds):
-        order = in_turn("torchrun", "%%fsdp", index)
-        first_sides.append(order[0])
-        ran = {side: sides[side]() for side in order}
-        a, b = ran["torchrun"], ran["%%fsdp"]
-        a_rounds.append(loops.median_step(a["step_times"], sizes))
-        b_rounds.append(loops.median_step(b["step_times"], sizes))
-        a_cpu_rounds.append(loops.median_step(a["step_cpu_times"], sizes))
-        b_cpu_rounds.append(loops.median_step(b["step_cpu_times"], sizes))
-        if index == 0:
-            first = {"torchrun": a, "fsdp": b}
+    compared = alternate(sides, sizes, rounds)
+    first = {"torchrun": compared.pop("torchrun_runs")[0], "fsdp": compared.pop("fsdp_runs")[0]}
     return {
         "world_size": world_size,
         "sizes": sizes.as_dict(),
-        "first_side_each_round": first_sides,
         "world_stopped_for_torchrun": stopped_for_torchrun,
-        **side_by_side(a_rounds, b_rounds, a_cpu_rounds, b_cpu_rounds, first),
+        **compared,
         "step_times_torchrun_s": first["torchrun"]["step_times"],
         "step_times_fsdp_s": first["fsdp"]["step_times"],
         "threads_torchrun": {

@@ -17,6 +17,7 @@ import builtins
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ def main(config_path: str, out_path: str) -> None:
     with open(config_path) as file:
         config = json.load(file)
     device_type = config.pop("device")
+    # benchmarks.slurm: when rank 0 leaves its first collective ("only": then end, no loop)
+    mark_ready = config.pop("mark_ready", False)
     sizes = loops.LoopSizes(**{k: v for k, v in config.items() if k != "params"})
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
@@ -40,6 +43,17 @@ def main(config_path: str, out_path: str) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if mark_ready:
+        dist.barrier()
+        ready_at = time.time()
+        if mark_ready == "only":  # the start-up alone
+            if rank == 0:  # whole or not there: the launcher may read it while the job still ends
+                partial = f"{out_path}.partial"
+                with open(partial, "w") as file:
+                    json.dump({"ready_at": ready_at}, file)
+                os.replace(partial, out_path)
+            dist.destroy_process_group()
+            return
 
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(loops.setup_source(sizes), "<setup>", "exec"), namespace)
@@ -72,6 +86,8 @@ def main(config_path: str, out_path: str) -> None:
         }
         if sizes.from_loader:
             result["global_batches"] = namespace["global_batches"]
+        if mark_ready:
+            result["ready_at"] = ready_at
         with open(out_path, "w") as file:
             json.dump(result, file)
     dist.barrier()

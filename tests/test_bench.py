@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpt2_loop, gpu_loop
+from benchmarks import gpt2_loop, gpu_loop, slurm_hosts
 from benchmarks import namespaces as namespace_hosts
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
     "step_time", "dataloader", "warm_cell", "cold_start", "transfer", "read_only_cell", "lora_cell",
     "pretrained", "log_overhead", "where_ledger", "explain_suggest", "timeline", "overlap", "gpu", "gpu_loop",
-    "checkpoint", "hosts", "weight_moves",
+    "checkpoint", "hosts", "slurm", "weight_moves",
 )  # fmt: skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]
@@ -80,6 +80,9 @@ def test_every_benchmark_reports_numeric_medians(bench):
             continue
         if name == "hosts" and namespace_hosts.why_not():
             assert result == {"skipped": namespace_hosts.why_not()}
+            continue
+        if name == "slurm" and slurm_hosts.why_not():
+            assert result == {"skipped": slurm_hosts.why_not()}
             continue
         assert "error" not in result, result.get("error")
         assert result["measurements"], name
@@ -232,6 +235,21 @@ def test_hosts_row_counts_what_each_host_received_against_its_ranks_shards(bench
     assert idle["unit"] == "cores" and 0 <= idle["value"] < 2 and idle["ok"] is None
     assert result["idle_session"]["processes"]["engines"] == 8  # 4 engines and their nannies, over 2 hosts
     assert [m["ok"] for m in transfer] == [True, True]
+
+
+def test_slurm_rows_time_the_attach_and_the_torchrun_job_each_to_its_ranks_meeting(bench):
+    """``--quick`` runs the ready rows: ``%fsdp attach --slurm`` and its first cell, and a batch job of ``srun
+    torchrun`` whose rank 0 says when it left its first collective, each a start-up of seconds on the test's Slurm;
+    the step-time row says why it was not measured."""
+    _, results, _ = bench
+    result = results["benchmarks"]["slurm"]
+    if "skipped" in result:  # only where Slurm cannot be made (not root, no packages): never in CI
+        pytest.skip(result["skipped"])
+    attach, torchrun = result["attach_ready_s"], result["torchrun_ready_s"]
+    assert len(attach) == len(torchrun) == 1 and 1.0 < attach[0] < 120 and 1.0 < torchrun[0] < 120, result
+    ready, steps = result["measurements"]
+    assert ready["a"] == torchrun[0] and ready["b"] == attach[0] and ready["value"] == attach[0] / torchrun[0]
+    assert steps["value"] is None and "not measured under --quick" in steps["note"]
 
 
 def test_no_processes_left_behind(bench):

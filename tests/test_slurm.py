@@ -249,8 +249,8 @@ NODE = "2 nodes of 4 CPUs, gpu:4"
     ("flags", "said"),
     [
         (
-            "--nodes 2 --ranks-per-node 2 --partition gpu",
-            f"--partition gpu: no such partition (sinfo: debug (default): {NODE}; teach: {NODE})",
+            "--nodes 2 --ranks-per-node 2 --partition a100",
+            f"--partition a100: no such partition (sinfo: debug (default): {NODE}; gpu: {NODE}; teach: {NODE})",
         ),
         ("--nodes 3 --ranks-per-node 1", "--nodes 3: partition debug has 2 nodes"),
         ("--nodes 2", "--slurm needs --nodes N and --ranks-per-node K"),
@@ -313,6 +313,53 @@ def _queue_empties(slurm, seconds: float) -> bool:
     return not _jobs(slurm)
 
 
+def walkthrough_cells() -> list[str]:
+    """The cells of ``docs/guide/hosts.md``'s Slurm walk-through, as written."""
+    page = (Path(__file__).parents[1] / "docs" / "guide" / "hosts.md").read_text()
+    section = page.split("## Slurm from the notebook")[1].split("\n## ")[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+
+
+def _shown(line: str) -> str:
+    """A line of output the page shows, as a pattern: its job id, node names and counts of engines stand for any."""
+    pattern = re.escape(line)
+    for example in (r"node\[17\-18\]", "node17,node18", "node17", "node18"):
+        pattern = pattern.replace(example, r"\S+")
+    return pattern.replace("4242", r"\d+").replace("0/4", r"\d/4")
+
+
+def test_a_job_over_its_time_limit_says_so_the_walkthrough_runs_as_written_and_shutting_down_cancels_its_job(
+    timed_kernel, slurm
+):
+    """Issue 61, points 3, 4 and 6: the timed kernel's job, a minute old at least, ends by its limit; the next
+    cell says so in Slurm's word (``TIMEOUT``) rather than running. Then the walk-through of ``docs/guide/hosts.md``
+    runs cell by cell as written, each saying what the page shows; and the kernel, shut down as Jupyter shuts one
+    down (a shutdown request, not a kill), cancels its job."""
+    deadline = time.monotonic() + 120
+    while any(line.split()[0] in TIMED_JOBS for line in slurm.jobs()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    reply, messages = timed_kernel.execute("%%fsdp\nx = 1")
+    said = reply["content"].get("evalue", "")
+    assert reply["content"]["status"] == "error" and "is over (TIMEOUT" in said, (said, timed_kernel.stdout(messages))
+    said = ""
+    for cell in walkthrough_cells():
+        reply, messages = timed_kernel.execute(cell)
+        said += timed_kernel.stdout(messages)
+        assert reply["content"]["status"] == "ok", (cell, reply["content"], timed_kernel.stdout(messages))
+        lines = cell.rstrip().splitlines()
+        shown = lines[len(lines) - next(i for i, line in enumerate(reversed(lines)) if not line.startswith("# ")) :]
+        for line in shown:  # what the page shows the cell saying, said (but PENDING, said only while it waits)
+            assert "PENDING" in line or re.search(_shown(line[2:]), said), (line, said)
+    job = re.search(r"Slurm job (\d+) submitted", said)[1]
+    assert f"{job} RUNNING" in slurm.jobs(), slurm.jobs()
+    timed_kernel.client.stop_channels()
+    timed_kernel.manager.shutdown_kernel(now=False)  # Jupyter's "Shut Down Kernel": the kernel ends itself
+    deadline = time.monotonic() + 30
+    while any(line.split()[0] == job for line in slurm.jobs()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [line for line in slurm.jobs() if line.split()[0] == job], slurm.jobs()
+
+
 def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_cell(slurm_notebook, slurm):
     """Issue 61, point 4 (in part): every process of the second node killed mid-cell (its slurmd, the job's step,
     its engines) ends the cell within 10 s naming a rank of that node, the first node's ranks released; once the
@@ -338,25 +385,3 @@ def test_a_node_lost_mid_cell_is_named_and_a_cancelled_job_is_said_in_the_next_c
     said = str(error)
     assert isinstance(error, UsageError) and f"Slurm job {job} is over (" in said, error
     assert any(f"is over ({state}" in said for state in ("CANCELLED", "COMPLETING")), said
-
-
-def test_a_job_over_its_time_limit_says_so_and_a_kernel_shut_down_cancels_its_job(timed_kernel, slurm):
-    """Issue 61, points 3 and 4: the timed kernel's job, a minute old at least, ends by its limit; the next cell
-    says so in Slurm's word (``TIMEOUT``) rather than running. A new job, then the kernel shut down as Jupyter
-    shuts one down (a shutdown request, not a kill): the queue empties."""
-    deadline = time.monotonic() + 120
-    while any(line.split()[0] in TIMED_JOBS for line in slurm.jobs()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    reply, messages = timed_kernel.execute("%%fsdp\nx = 1")
-    said = reply["content"].get("evalue", "")
-    assert reply["content"]["status"] == "error" and "is over (TIMEOUT" in said, (said, timed_kernel.stdout(messages))
-    pinned = f"--sbatch-arg=--nodelist={slurm.nodes[0].name}"  # the other node was lost in an earlier test
-    reply, messages = timed_kernel.execute(f"%fsdp attach --slurm --nodes 1 --ranks-per-node 1 {pinned}")
-    job = re.search(r"Slurm job (\d+)", timed_kernel.stdout(messages))[1]
-    assert reply["content"]["status"] == "ok" and f"{job} RUNNING" in slurm.jobs(), timed_kernel.stdout(messages)
-    timed_kernel.client.stop_channels()
-    timed_kernel.manager.shutdown_kernel(now=False)  # Jupyter's "Shut Down Kernel": the kernel ends itself
-    deadline = time.monotonic() + 30  # (the node-lost test's job may still wait for its lost node: not this one)
-    while any(line.split()[0] == job for line in slurm.jobs()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [line for line in slurm.jobs() if line.split()[0] == job], slurm.jobs()

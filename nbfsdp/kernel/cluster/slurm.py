@@ -4,7 +4,8 @@ cluster is (``nbfsdp.kernel.cluster.attached``). Runs in the kernel.
 The engines are ipyparallel's own ``SlurmEngineSetLauncher`` job (``sbatch``, one ``srun`` step of nodes x
 ranks-per-node engines), its batch script written here from the flags. The controller runs on this machine and
 listens on its address toward the partition's nodes (the address its route to the first node leaves from), never
-every interface, with CurveZMQ on. Everything is checked with ``sinfo`` before anything is submitted.
+every interface, with CurveZMQ on. Everything is checked before anything is submitted (``sinfo``, the partition's
+accounts, ``sbatch --test-only``).
 
 nbfsdp owns this job: ``%fsdp stop``, ``%unload_ext`` and the kernel's end cancel it, the last through the reaper
 (``nbfsdp.helpers.reaper``), which finds the controller by its working directory (the job's private directory,
@@ -101,7 +102,7 @@ def partitions() -> list[Partition]:
         name, node, cpus, gres = line.split()
         key = name.rstrip("*")
         found.setdefault(key, Partition(key, [], name.endswith("*"), cpus, gres)).nodes.append(node)
-    return list(found.values())
+    return sorted(found.values(), key=lambda p: (not p.default, p.name))  # sinfo -N lists them in no set order
 
 
 def check(request: SlurmRequest) -> Partition:
