@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -79,17 +81,20 @@ def slurm(nodes: int, directory: Path, cpus_per_node: int = 2) -> Iterator[Slurm
     """A Slurm cluster of ``nodes`` nodes of ``cpus_per_node`` CPUs in partition ``debug``, every node idle; its
     daemons and hosts ended after."""
     directory.mkdir(parents=True, exist_ok=True)
+    # the daemons' Unix sockets (munge's, each slurmstepd's in its spool) under a short path: a socket's path has
+    # at most 108 bytes, and a test's or a benchmark's temporary directory can be deep
+    sockets = Path(tempfile.mkdtemp(prefix="nbfsdp-slurm-", dir="/tmp"))
     with namespaces.hosts(nodes + 1, directory / "hosts") as machines:
         controller, *node_hosts = machines.hosts
         cluster = SlurmHosts(machines, controller, node_hosts, directory / "slurm.conf", cpus_per_node)
         try:
-            socket = _start_munged(directory)
-            _write_config(cluster, directory, socket)
+            socket = _start_munged(directory, sockets / "munge.socket")
+            _write_config(cluster, directory, socket, sockets)
             cluster.daemons["slurmctld"] = _in_host(
                 controller, f"exec {SLURMCTLD} -D -i -f {cluster.conf}", directory / "slurmctld.out", cluster.env
             )
             for node in node_hosts:
-                (directory / f"spool-{node.name}").mkdir()
+                (sockets / f"spool-{node.name}").mkdir()
                 # slurmd 22.05 starts its cgroup plugin whatever tracks the processes: v1 hierarchies mounted here
                 mount = "mount -t tmpfs tmpfs /sys/fs/cgroup"
                 start = f"{mount} && exec {SLURMD} -D -N {node.name} -f {cluster.conf}"
@@ -107,14 +112,14 @@ def slurm(nodes: int, directory: Path, cpus_per_node: int = 2) -> Iterator[Slurm
                     process.wait()
             with suppress(FileNotFoundError, ValueError, ProcessLookupError):
                 os.kill(int((directory / "munged.pid").read_text()), 15)
+            shutil.rmtree(sockets, ignore_errors=True)
 
 
-def _start_munged(directory: Path) -> Path:
-    """munge's daemon for this run alone: its own key and socket in ``directory``."""
+def _start_munged(directory: Path, socket: Path) -> Path:
+    """munge's daemon for this run alone: its own key in ``directory``, its socket ``socket``."""
     key = directory / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
     key.chmod(0o600)
-    socket = directory / "munge.socket"
     subprocess.run(
         [
             MUNGED,
@@ -131,7 +136,7 @@ def _start_munged(directory: Path) -> Path:
     return socket
 
 
-def _write_config(cluster: SlurmHosts, directory: Path, socket: Path) -> None:
+def _write_config(cluster: SlurmHosts, directory: Path, socket: Path, spools: Path) -> None:
     (directory / "state").mkdir()
     (directory / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=yes\n")
     # GPUs a node says it has, so that Slurm binds them to tasks (CUDA_VISIBLE_DEVICES) as it does real ones: device
@@ -150,7 +155,7 @@ def _write_config(cluster: SlurmHosts, directory: Path, socket: Path) -> None:
         "SlurmctldPort=6817",
         "SlurmdPort=6818",
         f"StateSaveLocation={directory / 'state'}",
-        f"SlurmdSpoolDir={directory}/spool-%n",
+        f"SlurmdSpoolDir={spools}/spool-%n",
         f"SlurmctldPidFile={directory / 'slurmctld.pid'}",
         f"SlurmdPidFile={directory}/slurmd-%n.pid",
         f"SlurmctldLogFile={directory / 'slurmctld.log'}",

@@ -231,6 +231,12 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     family = [p for c in controllers for p in (c, *c.children(recursive=True))]
     listening = {c.laddr.ip for p in family for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert controllers and listening <= {slurm.machines.bridge_address, "127.0.0.1"}, listening
+    # nor on the nodes: the ranks' sockets (gloo's, the world's store on rank 0) listen on the node's address
+    for node in slurm.nodes:
+        listed = slurm.machines.run(node, "ss", "-H", "-ltnp").stdout.splitlines()
+        ours = [line for line in listed if '"python' in line]
+        anywhere = [line for line in ours if line.split()[3].rsplit(":", 1)[0] in ("0.0.0.0", "*", "[::]")]
+        assert ours and not anywhere, listed
 
     run_ok(shell, "%fsdp status")
     status = capsys.readouterr().out
@@ -273,6 +279,17 @@ def test_bad_slurm_requests_fail_before_anything_is_submitted(slurm_notebook, sl
     error, _ = run_failing(slurm_notebook, f"%fsdp attach --slurm {flags}")
     assert isinstance(error, UsageError) and said in str(error), error
     assert not _jobs(slurm)
+
+
+def test_a_job_slurm_would_hold_for_ever_is_cancelled_with_its_reason(slurm_notebook, slurm):
+    """An account the partition lists but Slurm does not know (no accounting daemon here knows any): Slurm holds
+    the job ("Job's account not known"), for ever; the attach says Slurm's reason and cancels it at once, where it
+    waited until interrupted."""
+    error, elapsed = run_failing(slurm_notebook, "%fsdp attach --slurm --nodes 1 --ranks-per-node 1 --partition "
+                                 "teach --account course")  # fmt: skip
+    said = str(error)
+    assert isinstance(error, UsageError) and "would wait for ever (Job's account not known" in said, error
+    assert elapsed < 20 and _queue_empties(slurm, 10), (elapsed, _jobs(slurm))
 
 
 def test_no_slurm_on_the_path_is_said_before_anything_runs(shell, monkeypatch, tmp_path):

@@ -39,6 +39,9 @@ from nbfsdp.shared.processes import SLURM_JOB_FILE, end_cluster
 
 #: How often the job's state and the engines registered are looked at while it starts.
 POLL_SECONDS = 0.5
+#: Words of the reasons a pending job never leaves by itself (``squeue``'s ``%r``): held (a launch that failed is
+#: requeued held), or refused by what its partition allows.
+NEVER_STARTS = ("held", "not known", "InvalidAccount", "InvalidQOS", "PartitionConfig", "BadConstraints", "NotAllowed")
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,8 @@ def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int, output: P
             if not state:
                 tail = output.read_text()[-2000:] if output.exists() else ""
                 raise UsageError(f"Slurm job {job.job_id} ended before its engines registered:\n{tail}")
+            if state == "PENDING" and any(word.lower() in reason.lower() for word in NEVER_STARTS):
+                raise UsageError(f"Slurm job {job.job_id} would wait for ever ({reason}): cancelled")
             time.sleep(POLL_SECONDS)
     finally:
         client.close()
