@@ -142,8 +142,7 @@ def _check_account(account: str | None, partition: str) -> None:
     """The accounts the partition allows or denies (``scontrol show partition``), and where Slurm keeps accounts
     (``sacctmgr``, with its database daemon) this user's. ``sbatch --test-only`` passes an account it would hold
     for ever with "Job's account not known", so this is checked here."""
-    shown = subprocess.run(["scontrol", "show", "partition", "-o", partition], capture_output=True, text=True)
-    fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+    fields = _scontrol_show("partition", partition)
     allowed = fields.get("AllowAccounts", "ALL")
     if allowed != "ALL" and account not in allowed.split(","):
         given = f"--account {account}" if account else "no --account"
@@ -163,10 +162,15 @@ def _check_account(account: str | None, partition: str) -> None:
         raise UsageError(f"--account {account}: {user}'s accounts are {', '.join(mine)} (sacctmgr)")
 
 
+def _scontrol_show(kind: str, name: str) -> dict[str, str]:
+    """``scontrol show KIND NAME``'s fields (one line, ``Key=Value``; empty where Slurm knows no such one)."""
+    shown = subprocess.run(["scontrol", "show", kind, "-o", name], capture_output=True, text=True)
+    return dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+
+
 def controller_address(partition: Partition) -> str:
     """This machine's address toward the partition's nodes: where the controller listens."""
-    shown = subprocess.run(["scontrol", "show", "node", "-o", partition.nodes[0]], capture_output=True, text=True)
-    fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+    fields = _scontrol_show("node", partition.nodes[0])
     return source_address(fields.get("NodeAddr", partition.nodes[0]))
 
 
@@ -185,8 +189,7 @@ class SlurmJob:
     def ended(self) -> str:
         """'' while the job is queued or runs; else how it ended, as Slurm says it (``CANCELLED``, ``TIMEOUT``,
         ``NODE_FAIL``..., with its reason), read with ``scontrol`` (which keeps an ended job for ``MinJobAge``)."""
-        shown = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True)
-        fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+        fields = _scontrol_show("job", self.job_id)
         state, reason = fields.get("JobState", ""), fields.get("Reason", "None")
         if state in ("PENDING", "CONFIGURING", "RUNNING"):
             return ""
