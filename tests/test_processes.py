@@ -150,3 +150,12 @@ def test_stop_kills_what_still_runs_for_the_cluster_and_reaps_the_reaper():
     assert stray.wait(5) == -signal.SIGKILL
     assert gone(server) and not psutil.pid_exists(watcher)  # the reaper is reaped, not left a zombie
     assert removed(directory, 1) and processes.cluster_processes(directory) == []
+
+
+def test_a_local_engine_is_one_process_with_no_nanny(shell, cluster):
+    """ipyparallel's nanny (a process each engine starts and waits for: 0.3 s of CPU) is left out on this
+    machine: the kernel signals its fork server's engines itself."""
+    shell.run_cell_magic("fsdp", "--world-size 2", "x = 1")
+    engines = psutil.Process(cluster._fork_server.pid).children()
+    assert len(engines) == 2
+    assert [engine.children() for engine in engines] == [[], []]

@@ -26,13 +26,20 @@ HEARTBEAT_MS = 500
 HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 
 
+#: No nanny: ipyparallel's nanny is a second process an engine starts and waits for (Python, zmq and ipyparallel
+#: imported anew, 0.3 s of CPU an engine, measured) to relay signals to engines on other hosts and to tell the
+#: controller at once when its engine dies. The kernel signals these engines itself (they are its fork server's
+#: children on this machine) and hears their deaths from the fork server.
+ENGINE_FLAGS = ("--IPEngine.enable_nanny=False",)
+
+
 class ForkedEngineLauncher(LocalEngineLauncher):
     """One engine, forked by the engine set's fork server."""
 
     def start(self) -> None:
         env = os.environ.copy()
         env.update(self.get_env())
-        argv = ["ipengine", *ipyparallel_private.engine_arguments(self)]
+        argv = ["ipengine", *ipyparallel_private.engine_arguments(self), *ENGINE_FLAGS]
         fork_server = self.parent.fork_server
         pid = fork_server.spawn(argv, env, cwd=os.path.abspath(self.work_dir), output=self.output_file)
         # the engine as the server forked it: ipyparallel signals and stops it through this psutil.Process,
