@@ -185,12 +185,15 @@ def watch_redraws(cell: Locator, wanted: int = 3) -> list[str]:
 
 def click_toggle(cell: Locator) -> str | None:
     """Tick the running cell's activation-checkpointing box; why it could not be, or None. Clicked as soon as
-    the dashboard shows: on a machine with no idle CPU the figure is not redrawn (its worker takes idle CPU
-    only), and watching for redraws first would use up the cell's run."""
+    the timeline panel's table shows the cell's first captured step (its second), the "before" of the toggle:
+    clicked earlier, as on a loaded machine whose first step outlasted the first drawing, the change takes effect
+    from that second step and no step is captured before it. Not after a redraw: on a machine with no idle CPU
+    the figure is not redrawn (its worker takes idle CPU only), and watching for redraws would use up the run."""
     checkbox = cell.locator(".widget-checkbox", has_text=TOGGLE).locator("input[type=checkbox]")
-    while not checkbox.count():
+    captured = cell.locator(f".widget-html.{PANEL_CLASS}", has_text=re.compile(r"now: step \d+"))
+    while not (checkbox.count() and captured.count()):
         if not running(cell):
-            return f"the running cell's dashboard had no {TOGGLE!r} checkbox"
+            return f"the running cell's dashboard had no {TOGGLE!r} checkbox or no captured step"
         time.sleep(0.2)
     if not running(cell):
         return f"the training cell ended before its {TOGGLE!r} checkbox could be clicked"

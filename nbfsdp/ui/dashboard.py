@@ -191,7 +191,10 @@ class LiveDashboard:
         self.note(f"explain predicts a peak of {max(peaks) / 2**20:,.0f} MiB a rank, traced with {described}")
 
     def rank_state(self, rank: int, state: str) -> None:
+        """A rank's state in its row (stopped at a breakpoint, dead, running again), shown at once: a row is no
+        drawing to pace, and a rank stopped at a breakpoint holds the kernel at its prompt, where none falls due."""
         self._states[rank] = state
+        self._status.value = self._status_table()
 
     def mark_ranks(self, marks: dict[int, str], note: str) -> None:
         """A hang report's ranks (``--hang-report``): each marked in its row, the stuck one first, shown at once
