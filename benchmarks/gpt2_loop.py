@@ -38,6 +38,9 @@ class Sizes:
     warmup: int
     """Leading steps left out of the median (lazy init, AdamW's state, the allocator growing)."""
     seed: int = 0
+    vocab: int = 50257
+    """GPT-2's; the quick sizes' is small: on a CPU without bf16 instructions (AVX2 only) the head's bf16 matmul
+    over 50,257 tokens took a quick step to seconds (torch's fallback there runs bf16 at under 1 GFLOP/s)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,7 +48,7 @@ class Sizes:
 
 #: GPT-2 124M at the document's batch; a tiny one for ``--quick`` and the CPU test of the benchmark itself.
 FULL = Sizes(layers=12, width=768, heads=12, batch=16, sequence=512, steps=40, warmup=10)
-QUICK = Sizes(layers=2, width=64, heads=2, batch=4, sequence=64, steps=8, warmup=3)
+QUICK = Sizes(layers=2, width=64, heads=2, batch=4, sequence=64, steps=8, warmup=3, vocab=1024)
 #: The modules both FSDP sides shard one by one (``GPT2Block`` is GPT-2's ``_no_split_modules``).
 WRAP_CLS = "GPT2Block"
 
@@ -73,7 +76,7 @@ class Tokens(Dataset):
 
 
 config = GPT2Config(
-    n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=SEQUENCE,
+    n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, n_positions=SEQUENCE, vocab_size=VOCAB,
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
 )
 torch.manual_seed(SEED)

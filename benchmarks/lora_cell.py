@@ -17,7 +17,8 @@ adapters come back), alternating, each side first in turn:
 - for the record, once, the same step followed by a write to every parameter (``p.add_(0)`` under
   ``no_grad``), so the whole model comes back: what every LoRA cell cost before issue 44, over A.
 
-``--quick``: a 2-layer model of hidden 256 (17.8M parameters, mostly its embeddings), fewer cells. Run alone:
+``--quick``: a 2-layer model of hidden 256 and a vocabulary of 1,024 (1.9M parameters), fewer cells: on a CPU
+without bf16 instructions (AVX2 only) its bf16 head over 32,000 tokens took each quick cell seconds. Run alone:
 ``python -m benchmarks --only lora_cell``.
 """
 
@@ -30,10 +31,9 @@ from benchmarks.measurement import Measurement, in_turn, median, round_interval
 NAME = "lora_cell"
 RATIO_TARGET = 1.1
 MiB = 2**20
-#: name -> (hidden, intermediate, layers, heads, kv heads), vocabulary ``VOCAB``
-SIZES = {"246M": (1024, 2816, 16, 16, 4)}
-QUICK_SIZES = {"tiny": (256, 688, 2, 8, 2)}
-VOCAB = 32000
+#: name -> (hidden, intermediate, layers, heads, kv heads, vocabulary)
+SIZES = {"246M": (1024, 2816, 16, 16, 4, 32000)}
+QUICK_SIZES = {"tiny": (256, 688, 2, 8, 2, 1024)}
 #: Tokens a rank trains on in a step: (batch, sequence).
 BATCH = (2, 64)
 
@@ -74,19 +74,19 @@ GATHERED = 'print(json.dumps(nbfsdp.last_run().gathered_bytes.get("model", 0)))'
 
 
 def one_size(ctx: Context, size: tuple, samples: int) -> dict:
-    hidden, intermediate, layers, heads, kv = size
+    hidden, intermediate, layers, heads, kv, vocab = size
     kernel = Kernel(env={**NO_PREWARM, **CPU_ONLY})
     try:
         kernel.execute(SETUP)
         kernel.execute("%%fsdp --world-size 2\nready = 1")  # the world up, with no model
         build = BUILD.format(
-            vocab=VOCAB, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv=kv
+            vocab=vocab, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads, kv=kv
         )  # fmt: skip
         kernel.execute(build, timeout=900)
         found = kernel.execute(SIZES_OF).json()
         first = kernel.execute(FIRST, timeout=900).elapsed  # the shards sent, the optimizer made on the ranks
-        no_gather = STEP.format(flags=" --no-gather", vocab=VOCAB, batch=BATCH)
-        gathering = STEP.format(flags="", vocab=VOCAB, batch=BATCH)
+        no_gather = STEP.format(flags=" --no-gather", vocab=vocab, batch=BATCH)
+        gathering = STEP.format(flags="", vocab=vocab, batch=BATCH)
         a: list[float] = []
         b: list[float] = []
         gathered: list[int] = []
@@ -107,7 +107,7 @@ def one_size(ctx: Context, size: tuple, samples: int) -> dict:
         ctx.shutdown(kernel)
     return {
         **found,
-        "size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads"), size, strict=True)),
+        "size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"), size, strict=True)),
         "tokens_per_rank": list(BATCH),
         "first_cell_ms": first * 1000,
         "a": a,
