@@ -4,9 +4,6 @@ A notebook says what it needs in its metadata, ``{"nbfsdp": {"min_torch": "2.8",
 in its first cell for a reader. Below that torch, or without that library, each of its cells is reported
 skipped with the reason, before nbval starts its kernel: the floor run (torch 2.6, ``make test-floor-course``)
 runs every notebook that can run there, and names the others.
-
-A notebook with a cell slower than the suite's 300 s hang guard allows on a loaded machine says so too,
-``{"nbfsdp": {"cell_timeout_s": 1800, "why_slow": "..."}}``: its cells get that guard instead.
 """
 
 from __future__ import annotations
@@ -35,9 +32,6 @@ def pytest_collection_modifyitems(config, items):
         notebook = getattr(item.parent, "nb", None)
         if notebook is None:
             continue
-        needs = notebook.metadata.get("nbfsdp", {})
-        reason = why_skipped(needs)
+        reason = why_skipped(notebook.metadata.get("nbfsdp", {}))
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))  # -rs prints the notebook beside it
-        elif "cell_timeout_s" in needs:
-            item.add_marker(pytest.mark.timeout(needs["cell_timeout_s"]))

@@ -99,10 +99,14 @@ local_bytes = sum(p.to_local().nbytes for p in big.parameters())
 
 
 def _killed_and_unregistered(cluster) -> None:
-    """Kill rank 1's engine and wait until the controller has let it go (its heartbeats stopped): ipyparallel then
-    refuses a call to it outright, before any message is sent."""
+    """Kill rank 1's engine and wait until the controller has let it go: ipyparallel then refuses a call to it
+    outright, before any message is sent. Local engines run without ipyparallel's nanny, so the controller would
+    let go after 30 s of missed heartbeats; the test sends the hub the message a nanny sends when its engine ends
+    (``unregistration_request``, which the hub's heartbeat failure also ends in), and waits seconds, not 30."""
     engine_id = cluster.world.engine_ids[1]
     os.kill(cluster.world.pids[1], signal.SIGKILL)
+    client = cluster.client
+    client.session.send(client._query_socket, "unregistration_request", content={"id": engine_id})
     deadline = time.monotonic() + 60
     while engine_id in cluster.client.ids:
         assert time.monotonic() < deadline, "the controller kept a killed engine for a minute"
