@@ -53,6 +53,7 @@ def bench_tmp(tmp_path_factory):
 #: quick benchmark, hosts, takes 45 s alone.
 SILENT_LIMIT_S = 600
 INTERRUPTED_GRACE_S = 60
+KILLED_GRACE_S = 10
 
 
 def _run_until_silent(command: list[str], env: dict[str, str]) -> tuple[int, str, str]:
@@ -82,6 +83,7 @@ def _run_until_silent(command: list[str], env: dict[str, str]) -> tuple[int, str
             for member in tree:
                 with contextlib.suppress(psutil.Error):
                     member.kill()
+            _wait_until_ended(tree, KILLED_GRACE_S)  # a kill is delivered, not done: seen running just after, once
             stderr.append(f"\n(interrupted: nothing printed for {SILENT_LIMIT_S} s after the line above)\n")
             break
         time.sleep(1)
@@ -89,6 +91,20 @@ def _run_until_silent(command: list[str], env: dict[str, str]) -> tuple[int, str
     for reader in readers:
         reader.join()
     return process.returncode, "".join(stdout), "".join(stderr)
+
+
+def _wait_until_ended(processes: list[psutil.Process], seconds: float) -> None:
+    """Until each process has ended or is a zombie (an orphan whose reaper is slow to reap), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_running(process) for process in processes):
+        time.sleep(0.1)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(scope="module")
