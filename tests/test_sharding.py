@@ -8,9 +8,11 @@ import time
 
 import pytest
 import torch.nn as nn
+from IPython.core.error import UsageError
 
 import nbfsdp
 from benchmarks import procmem
+from nbfsdp.kernel.cluster import local
 from nbfsdp.shared import transfer
 from tests.conftest import run_failing, run_ok
 
@@ -138,3 +140,17 @@ def test_an_engine_that_died_before_its_shards_arrive_fails_the_cell_at_once(she
     run_ok(shell, "%%fsdp --world-size 2\nout = fresh.weight.shape\n")  # the next cell restarts the world
     assert shell.user_ns["out"] == (64, 64)
     del shell.user_ns["fresh"], shell.user_ns["out"]
+
+
+def test_engines_not_registered_in_time_are_said_in_one_line_and_the_next_cell_starts_them(shell, monkeypatch):
+    """An engine start past its time (seen once in a fresh-clone run, torch 2.6's engines on a busy machine): a
+    UsageError saying so, not ipyparallel's TimeoutError from inside nbfsdp; the next cell starts them again."""
+    run_ok(shell, "%fsdp stop")
+    monkeypatch.setattr(local, "ENGINE_START_TIMEOUT", 0.001)  # registering takes two heartbeats: 1 s at least
+    error, _ = run_failing(shell, "%%fsdp --world-size 2\nout = 1\n")
+    assert isinstance(error, UsageError), error
+    assert "nbfsdp: 0 of 2 engines registered with the controller within 0 s" in str(error), error
+    assert "the next cell starts them again" in str(error)
+    monkeypatch.undo()
+    run_ok(shell, "%%fsdp --world-size 2\nout = 1\n")
+    assert shell.user_ns.pop("out") == 1

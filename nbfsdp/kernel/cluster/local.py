@@ -348,7 +348,17 @@ class FSDPCluster:
         self._client = self._cluster.connect_client_sync()
         import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
 
-        self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
+        try:
+            self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
+        except TimeoutError:  # ipyparallel's, from inside this call: said as what it means, and what comes next
+            from IPython.core.error import UsageError
+
+            registered = len(self._client.ids)
+            raise UsageError(
+                f"nbfsdp: {registered} of {world_size} engines registered with the controller within "
+                f"{ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
+                f"{self._private_dir}); the next cell starts them again"
+            ) from None
         self._engine_layout = engine_layout(devices)
 
     def cluster_pids(self) -> list[int]:
