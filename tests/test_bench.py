@@ -29,6 +29,7 @@ from benchmarks import gpt2_loop, gpu_loop, slurm_hosts
 from benchmarks import namespaces as namespace_hosts
 from benchmarks.measurement import MIN_ROUNDS_FOR_INTERVAL, Measurement, round_interval
 from benchmarks.report import markdown
+from nbfsdp.shared import processes
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = (
@@ -93,18 +94,11 @@ def _run_until_silent(command: list[str], env: dict[str, str]) -> tuple[int, str
     return process.returncode, "".join(stdout), "".join(stderr)
 
 
-def _wait_until_ended(processes: list[psutil.Process], seconds: float) -> None:
+def _wait_until_ended(members: list[psutil.Process], seconds: float) -> None:
     """Until each process has ended or is a zombie (an orphan whose reaper is slow to reap), at most ``seconds``."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_running(process) for process in processes):
+    while time.monotonic() < deadline and any(processes.alive(member.pid) for member in members):
         time.sleep(0.1)
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @pytest.fixture(scope="module")
