@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,3 +162,53 @@ def test_launched_pids_are_the_controller_then_each_engine(tmp_path):
         cluster.stop_cluster_sync()
         _end_groups(groups)
     assert left_behind(pids, 10) == []
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free on loopback a moment ago (the controller binds them after: what ipyparallel itself does)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for each in sockets:
+            each.bind(("127.0.0.1", 0))
+        return [each.getsockname()[1] for each in sockets]
+
+
+def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log(tmp_path):
+    """A port the controller chose, taken before its queue's process binds it: the controller and its engines
+    run on, the queue is gone, and ``controller_failure`` names the error. Here the port is the engines' mux
+    queue's (the third of ipyparallel's pool: registration, control, mux), held by this test."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = _free_ports(40)
+    ports[2] = taken.getsockname()[1]
+    broken = ipp.Cluster(
+        profile_dir=str(tmp_path / "broken"),
+        controller_ip="127.0.0.1",
+        log_level=logging.ERROR,
+        controller_args=[f"--ports={','.join(map(str, ports))}"],
+    )
+    healthy = ipp.Cluster(profile_dir=str(tmp_path / "healthy"), controller_ip="127.0.0.1", log_level=logging.ERROR)
+    groups: set[int] = set()
+    try:
+        broken.start_controller_sync()
+        groups |= {os.getpgid(pid) for pid in ipyparallel_private.launched_pids(broken)}
+        deadline = time.monotonic() + 30
+        while (failure := ipyparallel_private.controller_failure(broken)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert failure is not None and "Address already in use" in failure, failure
+        assert str(ports[2]) in failure
+        # a whole controller, asked once its engine has registered (when nbfsdp asks): nothing to name
+        healthy.start_controller_sync()
+        healthy.start_engines_sync(1)
+        groups |= {os.getpgid(pid) for pid in ipyparallel_private.launched_pids(healthy)}
+        with healthy.connect_client_sync() as client:
+            client.wait_for_engines(1, timeout=60, interactive=False)
+            assert client[:].apply_sync(os.getpid)  # the mux queue answers
+        assert ipyparallel_private.controller_failure(healthy) is None
+    finally:
+        taken.close()
+        for cluster in (broken, healthy):
+            with contextlib.suppress(Exception):
+                cluster.stop_cluster_sync()
+        _end_groups(groups)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_process",
+    "controller_failure",
     "engine_arguments",
     "engine_connection_file",
     "launched_pids",
@@ -89,6 +90,29 @@ def launched_pids(cluster: ipp.Cluster) -> list[int]:
     """
     engines = [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
     return [launcher.pid for launcher in [cluster.controller, *engines]]
+
+
+def controller_failure(cluster: ipp.Cluster) -> str | None:
+    """The error that ended one of the controller's queues as it started, or None when none did.
+
+    The controller forks a process for each queue (``zmq.devices.ProcessMonitoredQueue``), which binds the port
+    the controller chose for it moments before, by binding port 0 and closing it (``select_random_ports``). On a
+    busy machine another program may take the port in between; the queue's process then ends with ``ZMQError:
+    Address already in use`` while the controller and its engines go on, and every request through that queue
+    waits forever (seen once in a fresh-clone suite, three clusters starting at once on 2 cores: the first
+    ``apply_sync`` never returned). Relies on the controller launcher's ``output_file``, where ipyparallel sends
+    the controller's output and with it the queue process's traceback; read once the engines have registered,
+    by when every queue has bound (the engines connect to them to register).
+    """
+    try:
+        with open(cluster.controller.output_file, errors="replace") as log:
+            lines = log.read().splitlines()
+    except OSError:
+        return None
+    if not any(line.startswith("Traceback (most recent call last)") for line in lines):
+        return None
+    errors = [line for line in lines if line and not line[0].isspace() and "Error" in line.partition(":")[0]]
+    return errors[-1] if errors else "a traceback in its log"
 
 
 def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:

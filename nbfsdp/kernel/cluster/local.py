@@ -321,7 +321,7 @@ class FSDPCluster:
             if client is not None:
                 client.close()
 
-    def _start_engines(self, devices: Devices) -> None:
+    def _start_engines(self, devices: Devices, *, again_if_broken: bool = True) -> None:
         if self._cluster is not None:
             # a restart (another size, a rank died) keeps the fork server: it has imported everything once
             self._stop_engines_and_controller()
@@ -359,6 +359,17 @@ class FSDPCluster:
                 f"{ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
                 f"{self._private_dir}); the next cell starts them again"
             ) from None
+        failure = ipyparallel_private.controller_failure(self._cluster)
+        if failure is not None:  # a queue lost its port as the controller started: requests through it never return
+            if again_if_broken:
+                self._start_engines(devices, again_if_broken=False)
+                return
+            from IPython.core.error import UsageError
+
+            raise UsageError(
+                f"nbfsdp: the controller lost one of its queues as it started, twice ({failure}: a port it chose "
+                f"was taken before it could bind it); the next cell starts it again"
+            )
         self._engine_layout = engine_layout(devices)
 
     def cluster_pids(self) -> list[int]:
