@@ -348,13 +348,12 @@ def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_worki
 
 
 #: A one-rank gloo world with the flight recorder on, two collectives, then its entries as JSON: in a process of its
-#: own, so that no process group an earlier test left in this one can hold it up. Twice, on torch 2.6 in a fresh
-#: clone's floor run beside the suite, it printed nothing in 120 s: where it waits goes to stderr before that.
-# The tensors stay referenced until the group is destroyed: on torch 2.6 and 2.7 the group's destructor holds the
-# GIL while it joins gloo's worker threads, and a worker dropping the last reference to a collective's tensor
-# takes the GIL to free its Python object (pytorch#56297; fixed in 2.8 by pytorch#154976). Beside the suite the
-# worker lagged often enough to deadlock this process in three fresh-clone runs (faulthandler, the third time: the
-# main thread in destroy_process_group, a GIL-waiting thread with no Python frame).
+#: own, so that no process group an earlier test left in this one can hold it up; where it waits goes to stderr
+#: before its 120 s. Its tensors stay referenced until the group is destroyed: on torch 2.6 and 2.7 the group's
+#: destructor holds the GIL while it joins gloo's worker threads, and a worker dropping the last reference to a
+#: collective's tensor takes the GIL to free its Python object (pytorch#56297; fixed in 2.8 by pytorch#154976).
+#: Beside the suite that deadlocked this process in three fresh-clone floor runs (faulthandler, the third time: the
+#: main thread in destroy_process_group, a GIL-waiting thread with no Python frame).
 FLIGHTS = """
 import faulthandler
 faulthandler.dump_traceback_later(100, exit=True)
