@@ -20,8 +20,10 @@ FLOOR_TESTS  = $(shell grep -l "mark.floor" tests/test_*.py)
 
 # The suite's test files run on this many pytest-xdist workers, each file whole on one (its module fixtures, and
 # nbval's kernel of a notebook, stay in one process): the ranks' processes leave one of 2 cores idle about half
-# the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers)
-TEST_WORKERS ?= 2
+# the time when one file runs at a time (the tests: 31 min on 2 cores, 22 with two workers), and two workers still
+# left 12% of the cores idle (waits on Slurm's time limits, sshd, hang timeouts): 25:43 of tests with three, 26:59
+# with two, the same tree on the same machine (CONTRIBUTING.md)
+TEST_WORKERS ?= 3
 
 .PHONY: lab test test-floor test-floor-course test-gpu check typecheck browser sshd slurm lint site-check clean bench docs
 

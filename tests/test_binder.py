@@ -37,6 +37,10 @@ def test_the_binder_environment_runs_the_quick_start(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, dict(os.environ))
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
     env.pop("PYTHONPATH", None)
+    # pip byte-compiles every module it installs (torch's, JupyterLab's: thousands the quick start never imports);
+    # compiled as imported instead, once, into .pyc files the next process reads. What gets installed is the same
+    env["PIP_NO_COMPILE"] = "1"
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PIP_RETRIES"] = "0"  # this machine reaches package registries only: PyTorch's own index fails fast
     # Binder's CPU index gives a CPU build; where that index is out of reach, the newest torch pip finds may be a
     # CUDA build of several GB (5.8 GB seen here), so pin the release this suite runs on, which Binder's index has

@@ -19,7 +19,7 @@ import torch
 import nbfsdp
 from nbfsdp.shared.network import loopback_interface
 from tests.conftest import gone, gpu, left_behind, removed, run_ok
-from tests.test_kernel import Kernel
+from tests.test_kernel import Kernel, warm_kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -85,29 +85,36 @@ def test_a_stale_cluster_of_an_earlier_kernel_is_cleaned_up_by_the_next(shell, c
     kernel.manager.cleanup_resources()
 
 
-def test_interrupt_ends_a_cell_whose_ranks_are_stuck_in_a_collective():
-    kernel = Kernel()
-    try:
-        kernel.execute("%load_ext nbfsdp\nimport torch, torch.nn as nn")
-        kernel.execute("model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))")
-        # after FSDP has run, a peer blocked in gloo is not woken by its group being destroyed
-        stuck = """%%fsdp --world-size 2 --timeout 120
+@pytest.fixture(scope="module")
+def interrupted_kernel():
+    """One kernel with a world of 2 for the interrupt tests below: each leaves a working world behind and needs
+    no fresh kernel (a kernel's start and its first world cost seconds of CPU)."""
+    kernel = warm_kernel("%load_ext nbfsdp\nimport torch, torch.nn as nn, nbfsdp")
+    yield kernel
+    kernel.shutdown()
+
+
+def test_interrupt_ends_a_cell_whose_ranks_are_stuck_in_a_collective(interrupted_kernel):
+    kernel = interrupted_kernel
+    kernel.execute("model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))")
+    # after FSDP has run, a peer blocked in gloo is not woken by its group being destroyed; rank 1 loops in
+    # Python without joining, sleeping rather than spinning (a spin took a core from the machine until the interrupt)
+    stuck = """%%fsdp --world-size 2 --timeout 120
+import time
 import torch.distributed as dist
 model(torch.randn(2, 8)).sum().backward()
 if rank == 0:
     dist.all_reduce(torch.ones(1))
 else:
     while True:
-        pass
+        time.sleep(0.01)
 """
-        started = time.monotonic()
-        reply, _ = kernel.execute(stuck, interrupt_after=3.0)
-        assert reply["content"]["ename"] == "KeyboardInterrupt"
-        assert time.monotonic() - started < 3.0 + 30.0  # a hang guard: the stuck collective waits 120 s
-        reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
-        assert reply["content"]["status"] == "ok" and "[rank 1] back 1" in kernel.stdout(messages)
-    finally:
-        kernel.shutdown()
+    started = time.monotonic()
+    reply, _ = kernel.execute(stuck, interrupt_after=3.0)
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - started < 3.0 + 30.0  # a hang guard: the stuck collective waits 120 s
+    reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
+    assert reply["content"]["status"] == "ok" and "[rank 1] back 1" in kernel.stdout(messages)
 
 
 HANG = """%%fsdp --world-size 2 --async
@@ -119,36 +126,32 @@ if rank == 0:
 """
 
 
-def test_an_interrupted_wait_on_a_hang_says_where_rank_0_was_and_the_next_cell_runs():
+def test_an_interrupted_wait_on_a_hang_says_where_rank_0_was_and_the_next_cell_runs(interrupted_kernel):
     """Course 14's hang, as a user meets it: ``%fsdp where``, then ``%fsdp wait`` interrupted. CPython 3.11's
     interrupted ``Thread.join`` marked the background run's thread ended while it still ran: nbfsdp finished a run
     with no outcome (an ``AssertionError`` of its own), and the next cell met the engine killed meanwhile."""
-    kernel = Kernel()
-    try:
-        kernel.execute("%load_ext nbfsdp\nimport torch, nbfsdp")
-        reply, _ = kernel.execute("%%fsdp --world-size 2\npass")
+    kernel = interrupted_kernel
+    reply, _ = kernel.execute("%%fsdp --world-size 2\npass")  # the world runs before the hang starts
+    assert reply["content"]["status"] == "ok", reply["content"]
+    reply, _ = kernel.execute(HANG)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    deadline = time.monotonic() + 30  # a hang guard: the ranks reach the hang within a second
+    said = ""
+    while "rank 0: waiting in all_reduce" not in said and time.monotonic() < deadline:
+        _, messages = kernel.execute("%fsdp where")
+        said = kernel.stdout(messages)
+    assert "rank 0: waiting in all_reduce" in said, said
+    started = time.monotonic()
+    reply, messages = kernel.execute("%fsdp wait", interrupt_after=3.0)
+    assert reply["content"]["status"] == "ok", reply["content"]  # ended cleanly: no error, no traceback
+    out = kernel.stdout(messages)
+    assert "nbfsdp: interrupted; rank 0 was in all_reduce #" in out and "<fsdp-cell-" in out, out
+    assert "results are not brought back" in out
+    assert time.monotonic() - started < 3.0 + 30.0  # a hang guard: the collective would wait --timeout
+    for _ in range(2):  # the next cell runs (on fresh engines, the stuck one having been killed), and the next
+        reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
         assert reply["content"]["status"] == "ok", reply["content"]
-        reply, _ = kernel.execute(HANG)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        deadline = time.monotonic() + 30  # a hang guard: the ranks reach the hang within a second
-        said = ""
-        while "rank 0: waiting in all_reduce" not in said and time.monotonic() < deadline:
-            _, messages = kernel.execute("%fsdp where")
-            said = kernel.stdout(messages)
-        assert "rank 0: waiting in all_reduce" in said, said
-        started = time.monotonic()
-        reply, messages = kernel.execute("%fsdp wait", interrupt_after=3.0)
-        assert reply["content"]["status"] == "ok", reply["content"]  # ended cleanly: no error, no traceback
-        out = kernel.stdout(messages)
-        assert "nbfsdp: interrupted; rank 0 was in all_reduce #" in out and "<fsdp-cell-" in out, out
-        assert "results are not brought back" in out
-        assert time.monotonic() - started < 3.0 + 30.0  # a hang guard: the collective would wait --timeout
-        for _ in range(2):  # the next cell runs (on fresh engines, the stuck one having been killed), and the next
-            reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('back', rank)")
-            assert reply["content"]["status"] == "ok", reply["content"]
-            assert all(f"[rank {r}] back {r}" in kernel.stdout(messages) for r in range(2))
-    finally:
-        kernel.shutdown()
+        assert all(f"[rank {r}] back {r}" in kernel.stdout(messages) for r in range(2))
 
 
 def _shared_memory_files(pid: int) -> set[str]:

@@ -41,8 +41,10 @@ _forget = forget_after_each_test("lm", "kept")
 
 @pytest.fixture(autouse=True)
 def _a_world_of_its_own(shell):
-    """The shell is shared: an earlier test's world may hold other models, which a save without --model names."""
-    run_ok(shell, "%fsdp stop")
+    """The shell is shared: an earlier test's world may hold other models, which a save without --model names.
+    Its engines killed, the next cell starts a new world that holds none; the fork server stays (a ``%fsdp stop``
+    would start a new one, its imports seconds of CPU a test)."""
+    nbfsdp._magics.session.cluster.kill_engines()
 
 
 #: Small enough that each tiny model takes 3 files or more.

@@ -73,7 +73,7 @@ def test_interval_saves_and_autoresume_continue_bitwise_exactly(shell, tmp_path,
 
     folder = tmp_path / "ckpt"
     flags = f"--save-folder {folder} --save-interval 4"
-    run_ok(shell, "%fsdp stop")
+    # the same world: fresh objects and the seed cell repeat the reference's start (a stop here cost a cluster start)
     run_ok(shell, "model, opt, sched, loader = fresh()\nstop = 12")
     run_ok(shell, SEED.format(n=2))
     run_ok(shell, TRAIN.format(flags=flags))

@@ -115,7 +115,6 @@ def _sequence(shell, tmp_path: Path, *, through_save_and_load: bool, capsys) -> 
     """The phases in order, from fresh objects; between phases either nothing (the cell moves the model) or an
     explicit ``%fsdp save`` and a ``--load-path`` of it on the next cell. Each phase's rank-0 losses, and the
     final state as a plain model, optimizer and scheduler in the kernel read back."""
-    run_ok(shell, "%fsdp stop")
     run_ok(shell, "model, opt, sched, loader = fresh()")
     losses, lines = [], []
     for index, flags in enumerate(PHASES):
@@ -145,6 +144,9 @@ def _sequence(shell, tmp_path: Path, *, through_save_and_load: bool, capsys) -> 
 
 
 def test_a_model_on_the_ranks_moves_between_worlds_and_settings_as_through_save_and_load(shell, tmp_path, capsys):
+    # one fresh cluster for both sequences: the reference's first phase runs in the world of 4 the moved sequence
+    # ended in, as a fresh one would (its objects are new, all sent; the ranks draw no random numbers)
+    run_ok(shell, "%fsdp stop")
     run_ok(shell, NOTEBOOK)
     before = _our_shared_memory()
     moved, moved_state = _sequence(shell, tmp_path, through_save_and_load=False, capsys=capsys)
@@ -199,8 +201,9 @@ def test_a_lora_model_on_a_frozen_base_read_by_the_ranks_moves_alike(shell, tmp_
     shell.user_ns["tokens"] = torch.randint(0, 96, (3, 4, 12), generator=torch.Generator().manual_seed(11))
     run_ok(shell, "import torch, transformers, peft, nbfsdp")
     results = {}
+    # fresh ranks, without another test's ``opt``; the saved way's first cell, at 2 ranks, is a new world again
+    run_ok(shell, "%fsdp stop")
     for way in ("moved", "saved"):
-        run_ok(shell, "%fsdp stop")
         shell.user_ns.pop("opt", None)
         run_ok(shell, f"torch.manual_seed(0)\nbase = nbfsdp.from_pretrained({str(directory)!r})\n"
                f"model = peft.get_peft_model(base, {LORA})")  # fmt: skip
@@ -312,8 +315,7 @@ def test_a_rank_killed_during_a_move_leaves_the_model_in_shared_memory_for_the_n
     assert f"read from {checkpoint}, where a failed move left them" in capsys.readouterr().out
     moved = _rank0_losses()
     assert not checkpoint.parent.exists()  # freed once a world holds the model
-    run_ok(shell, "%fsdp stop")
-    run_ok(shell, "model, opt, sched, loader = fresh()")
+    run_ok(shell, "model, opt, sched, loader = fresh()")  # new objects, all sent to the same world of 4
     run_ok(shell, TRAIN_FIXED.format(flags=f"--world-size 4 --load-path {tmp_path / 'reference'}"))
     assert moved == _rank0_losses()
 

@@ -2,7 +2,8 @@
 
 Each test starts its own kernel with its own ``NBFSDP_PREWARM`` (the rest of the suite runs with 0, see
 conftest.py), and leaves no engine behind: every ipyparallel process a kernel started must be gone once the
-kernel is.
+kernel is. The values that start nothing share one kernel instead: ``%load_ext`` reads the variable when it
+runs, so each of those tests sets it in that kernel, loads nbfsdp, and unloads it after.
 """
 
 from __future__ import annotations
@@ -113,6 +114,33 @@ def kernels():
         assert left_behind(kernel.seen, 30) == [], "engines or a controller outlived their kernel"
 
 
+@pytest.fixture(scope="module")
+def foreground_kernel():
+    """The kernel the values that start nothing share (a kernel's start and its first import of torch cost
+    seconds of CPU); at the end it is shut down and leaves no engine behind."""
+    kernel = PrewarmKernel("0")
+    yield kernel
+    kernel.cluster_processes()
+    kernel.shutdown()
+    assert left_behind(kernel.seen, 30) == [], "engines or a controller outlived their kernel"
+
+
+@pytest.fixture
+def kernel_with_prewarm(foreground_kernel):
+    """``kernel_with_prewarm(value)``: the shared kernel, its ``NBFSDP_PREWARM`` set to ``value`` for the next
+    ``%load_ext nbfsdp``; afterwards nbfsdp is unloaded and every cluster process it started is gone, so the
+    next test loads it afresh."""
+
+    def set_prewarm(value: str) -> PrewarmKernel:
+        foreground_kernel.output(f"import os as _os\n_os.environ['NBFSDP_PREWARM'] = {value!r}")
+        return foreground_kernel
+
+    yield set_prewarm
+    foreground_kernel.cluster_processes()
+    foreground_kernel.output("%unload_ext nbfsdp")
+    assert left_behind(foreground_kernel.seen, 30) == [], "engines or a controller outlived the unload"
+
+
 def _timed(kernel: PrewarmKernel, code: str) -> tuple[str, float]:
     started = time.monotonic()
     out = kernel.output(code)
@@ -151,8 +179,8 @@ def test_a_cell_right_after_load_ext_runs_once_the_background_imports_are_done(k
     kernel.output("import torch.distributed.fsdp")  # what failed: a circular-import error from inside torch
 
 
-def test_prewarm_off_starts_nothing_and_a_cell_still_works(kernels):
-    kernel = kernels("0")
+def test_prewarm_off_starts_nothing_and_a_cell_still_works(kernel_with_prewarm):
+    kernel = kernel_with_prewarm("0")
     kernel.output("%load_ext nbfsdp")
     time.sleep(3)
     assert kernel.cluster_processes() == []
@@ -196,8 +224,8 @@ def test_what_each_value_asks_for(monkeypatch, capsys, value, world_size):
 
 
 @pytest.mark.parametrize("value", ["lots", "65", "-2"])
-def test_a_bad_value_warns_with_the_valid_ones_and_starts_nothing(kernels, value):
-    kernel = kernels(value)
+def test_a_bad_value_warns_with_the_valid_ones_and_starts_nothing(kernel_with_prewarm, value):
+    kernel = kernel_with_prewarm(value)
     reply, messages = kernel.execute("%load_ext nbfsdp")
     assert reply["content"]["status"] == "ok", reply["content"]
     warning = kernel.stderr(messages)
@@ -237,10 +265,12 @@ def test_a_kernel_gone_while_the_engines_start_leaves_none_behind(kernels, how):
 
 def _first_child_running(parent: int, module: str, within: float) -> psutil.Process:
     """``parent``'s child running ``python -m module``, seen within about a millisecond of its start: only
-    processes new since the call are looked at (``psutil.Process.children`` reads every process each time)."""
+    processes new since the call are looked at (``psutil.Process.children`` reads every process each time), and
+    the look sleeps a millisecond between rounds (without, it took a whole core from the start it waits for)."""
     deadline = time.monotonic() + within
     others = set(psutil.pids())
     while time.monotonic() < deadline:
+        time.sleep(0.001)
         for pid in set(psutil.pids()) - others:
             with contextlib.suppress(psutil.Error):
                 process = psutil.Process(pid)

@@ -47,14 +47,15 @@ def _collectives(capture: dict) -> Counter:
 
 @pytest.mark.parametrize(
     ("ws", "flags", "gathers_per_block", "reductions"),
+    # by world size, 4 then 2 (the tests below run at 2): another size restarts the controller and engines
     [
-        (2, "", 2, ("reduce_scatter",)),  # FULL_SHARD: each block gathered in forward and again in backward
-        (4, "", 2, ("reduce_scatter",)),
-        (2, "--sharding-strategy SHARD_GRAD_OP", 1, ("reduce_scatter",)),  # kept gathered into backward
+        (4, "", 2, ("reduce_scatter",)),  # FULL_SHARD: each block gathered in forward and again in backward
         (4, "--sharding-strategy HYBRID_SHARD --replicas 2", 2, ("reduce_scatter", "all_reduce")),
         (4, "--reshard-after-forward 2", 2, ("reduce_scatter",)),  # backward's gather inside a pair of ranks
+        (2, "", 2, ("reduce_scatter",)),
+        (2, "--sharding-strategy SHARD_GRAD_OP", 1, ("reduce_scatter",)),  # kept gathered into backward
     ],
-    ids=["full-ws2", "full-ws4", "shard-grad-op-ws2", "hybrid-ws4", "reshard-to-2-ws4"],
+    ids=["full-ws4", "hybrid-ws4", "reshard-to-2-ws4", "full-ws2", "shard-grad-op-ws2"],
 )
 def test_each_captured_step_holds_every_collective_fsdp2_issues(
     shell, tiny_model, ws, flags, gathers_per_block, reductions

@@ -296,23 +296,21 @@ def test_each_units_state_and_a_gathered_parameters_shard_on_real_units(shell, t
     assert ns["lifted"] is (torch.__version__ >= "2.7")
 
 
-#: Two gloo ranks with a 1 s timeout lifted to 60 s: rank 1 joins the all_reduce 2 s late.
+#: One of two gloo ranks with a 1 s timeout lifted to 60 s: rank 1 joins the all_reduce 2 s late. Each rank is a
+#: process the test starts (``mp.spawn`` would add a third process importing torch, to start them).
 LIFTED = """
-import datetime, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+import datetime, sys, time, torch, torch.distributed as dist
 from nbfsdp.shared import torch_private
-def rank_main(rank, store):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=1))
-    torch_private.set_collective_timeout(datetime.timedelta(seconds=60))
-    if rank == 1:
-        time.sleep(2)
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    sys.stdout.write(f"{rank} {total.item()}\\n")  # one write: the two ranks' lines do not interleave
-    sys.stdout.flush()
-    dist.destroy_process_group()
-if __name__ == "__main__":
-    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=1))
+torch_private.set_collective_timeout(datetime.timedelta(seconds=60))
+if rank == 1:
+    time.sleep(2)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(rank, total.item())
+dist.destroy_process_group()
 """
 
 
@@ -321,13 +319,21 @@ def test_a_lifted_collective_timeout_lets_a_late_rank_join(tmp_path):
     on 2.6 gloo keeps the first one)."""
     if torch.__version__ < "2.7":
         pytest.skip("torch < 2.7: gloo keeps a group's first timeout")
-    script = tmp_path / "lifted.py"
-    script.write_text(LIFTED)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(done.stdout.splitlines()) == ["0 2.0", "1 2.0"], done.stdout
+    command = [sys.executable, "-c", LIFTED]
+    ranks = [
+        subprocess.Popen(
+            [*command, str(rank), str(tmp_path / "store")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(2)
+    ]
+    try:
+        ended = [process.communicate(timeout=60) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()  # one left waiting for a rank that failed; nothing, for one that ended
+    for rank, (process, (_, stderr)) in enumerate(zip(ranks, ended, strict=True)):
+        assert process.returncode == 0, f"rank {rank}: {stderr[-2000:]}"
+    assert [stdout.strip() for stdout, _ in ended] == ["0 2.0", "1 2.0"], ended
 
 
 def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_working(tmp_path):

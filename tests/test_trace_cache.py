@@ -4,6 +4,9 @@ see, and AdamW's step extrapolated from a few layers. Each must give the bytes a
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -116,16 +119,26 @@ def test_layers_that_are_not_alike_are_traced_whole():
     assert (cut.traced, cut.stretched) == (4, 0)  # three cuts tried, then the whole
 
 
-def test_suggestions_replayed_from_shared_recordings_peak_as_their_own_plans():
-    """A suggestion's plan reuses the recordings of the plans before it (the same units, dtypes and inputs):
-    its peak is what explaining its settings anew gives."""
+@pytest.fixture(scope="module")
+def suggested() -> tuple[nn.Module, dict, nbfsdp.Plan, str]:
+    """One ``--suggest`` search (seconds of tracing) for the tests of its suggestions and of its progress line:
+    the model, the settings asked, the plan, and what it wrote to stderr."""
     model = _llama(26)
     ids = torch.empty(16, 32, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, "labels": ids}
     # the margin (768 MiB of CUDA context, 8% for the allocator) and 14.6 MB for the step: the asked step's
     # 20.0 MB does not fit, checkpointing, PURE, micro-batches and more ranks do
     asked = {"world_size": 4, "device": "cpu", "wrap_cls": "LlamaDecoderLayer", "batch": batch}
-    planned = nbfsdp.explain(model, **asked, device_memory="783MiB", suggest=True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        planned = nbfsdp.explain(model, **asked, device_memory="783MiB", suggest=True)
+    return model, asked, planned, said.getvalue()
+
+
+def test_suggestions_replayed_from_shared_recordings_peak_as_their_own_plans(suggested):
+    """A suggestion's plan reuses the recordings of the plans before it (the same units, dtypes and inputs):
+    its peak is what explaining its settings anew gives."""
+    model, asked, planned, _ = suggested
     assert not planned.fits and len(planned.suggestions) >= 5, planned
     for option in planned.suggestions:
         settings = dict(option.change_settings)
@@ -137,12 +150,8 @@ def test_suggestions_replayed_from_shared_recordings_peak_as_their_own_plans():
         assert alone.peak == option.peak, option.change
 
 
-def test_explain_suggest_says_how_far_its_search_is(capsys):
-    model = _llama(26)
-    ids = torch.empty(16, 32, dtype=torch.long, device="meta")
-    batch = {"input_ids": ids, "labels": ids}
-    nbfsdp.explain(model, world_size=4, batch=batch, device_memory="783MiB", suggest=True, wrap_cls="LlamaDecoderLayer")
-    said = capsys.readouterr().err
+def test_explain_suggest_says_how_far_its_search_is(suggested):
+    said = suggested[3]
     assert "nbfsdp: --suggest: 1 of " in said and "settings traced in" in said.splitlines()[-1], said
 
 

@@ -69,26 +69,6 @@ def test_a_rank_waiting_in_a_collective_the_other_never_issued_is_named(shell, c
     assert all(f"[rank {r}] back {r}" in out for r in range(2)), out
 
 
-def test_where_the_flight_recorder_records_each_ranks_last_collectives_are_shown(shell, monkeypatch):
-    """torch's flight recorder (on by default on NCCL worlds; asked for here on gloo, which torch 2.13 records
-    too): its last entries come with each rank's answer, so ``%fsdp where`` and the hang report show them."""
-    if not hasattr(__import__("torch")._C._distributed_c10d, "_dump_fr_trace"):
-        pytest.skip("this torch's flight recorder records NCCL only")
-    run_ok(shell, "%fsdp stop")  # the engines take the variable when they start
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
-    try:
-        where, _ = _asked_while_it_hangs(shell, BRANCH)
-        first, second = where.positions
-        assert first.flights and second.flights
-        ours = first.flights[-1]
-        assert ours["op"] == "gloo:all_reduce" and ours["sizes"] == [[3]]
-        assert ours["seq"] == second.flights[-1]["seq"] + 1  # rank 0 issued one more than rank 1
-        assert "    flight recorder: " in str(where) and f"gloo:all_reduce #{ours['seq']} of group" in str(where)
-        run_ok(shell, "%fsdp interrupt")
-    finally:
-        run_ok(shell, "%fsdp stop")
-
-
 def test_collectives_issued_in_another_order_are_named_with_their_number(shell):
     where, _ = _asked_while_it_hangs(shell, REORDERED)
     assert [p.inside["op"] for p in where.positions] == ["all_reduce", "broadcast"]
@@ -112,6 +92,27 @@ def test_after_a_cell_that_trained_every_rank_issued_the_same_collectives(shell,
     assert "every rank has issued the same collectives" in said and "no rank is waiting" in said
     counts = {p.count((0, 1)) for p in nbfsdp.where().positions}
     assert len(counts) == 1 and counts.pop() >= 3 * 2  # FSDP2's gathers and reductions, counted on both ranks
+
+
+def test_where_the_flight_recorder_records_each_ranks_last_collectives_are_shown(shell, monkeypatch):
+    """torch's flight recorder (on by default on NCCL worlds; asked for here on gloo, which torch 2.13 records
+    too): its last entries come with each rank's answer, so ``%fsdp where`` and the hang report show them."""
+    if not hasattr(__import__("torch")._C._distributed_c10d, "_dump_fr_trace"):
+        pytest.skip("this torch's flight recorder records NCCL only")
+    # the last of the hangs: it stops the world at its start and at its end, and the tests below start none
+    run_ok(shell, "%fsdp stop")  # the engines take the variable when they start
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    try:
+        where, _ = _asked_while_it_hangs(shell, BRANCH)
+        first, second = where.positions
+        assert first.flights and second.flights
+        ours = first.flights[-1]
+        assert ours["op"] == "gloo:all_reduce" and ours["sizes"] == [[3]]
+        assert ours["seq"] == second.flights[-1]["seq"] + 1  # rank 0 issued one more than rank 1
+        assert "    flight recorder: " in str(where) and f"gloo:all_reduce #{ours['seq']} of group" in str(where)
+        run_ok(shell, "%fsdp interrupt")
+    finally:
+        run_ok(shell, "%fsdp stop")
 
 
 def test_where_and_interrupt_without_a_run_say_so(shell, capsys):
