@@ -81,48 +81,12 @@ def _attachable(directory):
             os.environ["IPYTHONDIR"] = before
 
 
-class _SharedHosts:
-    """The module's hosts and cluster, started when a test first asks and shared by the tests after it (a start
-    costs tens of seconds); a test that kills a host takes them (``taken``), and the next to ask starts fresh ones."""
-
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
-        self._tmp_path_factory = tmp_path_factory
-        self._running: contextlib.ExitStack | None = None
-        self._held: tuple = ()
-
-    def get(self) -> tuple:
-        if self._running is None:
-            directory = self._tmp_path_factory.mktemp("hosts")
-            with contextlib.ExitStack() as starting:
-                machines, cluster = starting.enter_context(_attachable(directory))
-                machines.kernel_only = directory / "kernel-only"
-                self._held, self._running = (machines, cluster), starting.pop_all()
-        return self._held
-
-    @contextlib.contextmanager
-    def taken(self):
-        """The hosts for a test that breaks them: stopped after it, whether it passed or failed."""
-        try:
-            yield self.get()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        running, self._running, self._held = self._running, None, ()
-        if running is not None:
-            running.close()
-
-
 @pytest.fixture(scope="module")
-def shared_hosts(tmp_path_factory):
-    hosts = _SharedHosts(tmp_path_factory)
-    yield hosts
-    hosts.close()
-
-
-@pytest.fixture
-def two_hosts(shared_hosts):
-    return shared_hosts.get()
+def two_hosts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hosts")
+    with _attachable(directory) as (machines, cluster):
+        machines.kernel_only = directory / "kernel-only"
+        yield machines, cluster
 
 
 @pytest.fixture(autouse=True)
@@ -489,43 +453,43 @@ def test_the_debugger_reaches_the_ranks_on_the_other_host(shell, two_hosts, monk
 
 # ipyparallel's SSH launcher watches each engine over ssh; those watchers fail once their host is gone
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_host_killed_mid_cell_ends_the_cell_in_seconds_and_the_next_runs_on_the_rest(shell, shared_hosts):
+def test_a_host_killed_mid_cell_ends_the_cell_in_seconds_and_the_next_runs_on_the_rest(shell, two_hosts):
     """The ranks left on the living host wait in a collective that the dead host's ranks will never join; the
     kernel tells them on their lifelines to release it, so the next cell runs on them at once, the same
     engines (not killed: they are not nbfsdp's), instead of after --timeout (118 s here, before). Last in the
-    file: it takes the module's cluster, which no test after it could use."""
-    with shared_hosts.taken() as (machines, _):
-        run_ok(shell, "%fsdp attach --profile gpus")
-        run_ok(shell, PIDS)
-        pids = shell.user_ns["pids"]
-        previous = nbfsdp.last_run()
-        killed: list[float] = []
+    file: it breaks the module's hosts, which no test after it could use."""
+    machines, _ = two_hosts
+    run_ok(shell, "%fsdp attach --profile gpus")
+    run_ok(shell, PIDS)
+    pids = shell.user_ns["pids"]
+    previous = nbfsdp.last_run()
+    killed: list[float] = []
 
-        def kill_once_every_rank_runs() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                run = nbfsdp.last_run()
-                if run is not previous and len(run.metrics) == 4:
-                    machines.kill(machines.hosts[1])  # every process of the host: its engines, nanny, sshd
-                    killed.append(time.monotonic())
-                    return
-                time.sleep(0.05)
+    def kill_once_every_rank_runs() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            run = nbfsdp.last_run()
+            if run is not previous and len(run.metrics) == 4:
+                machines.kill(machines.hosts[1])  # every process of the host: its engines, nanny, sshd
+                killed.append(time.monotonic())
+                return
+            time.sleep(0.05)
 
-        threading.Thread(target=kill_once_every_rank_runs, daemon=True).start()
-        training = (
-            "%%fsdp --timeout 120\nimport time, torch\nnbfsdp.log(running=1)\n"
-            "for _ in range(100000):\n    torch.distributed.all_reduce(torch.ones(1)); time.sleep(0.01)"
-        )
-        error, _ = run_failing(shell, training)
-        ended = time.monotonic() - killed[0]
-        assert isinstance(error, RankError), error
-        assert ended < 10, ended  # not the controller's half-minute of missed heartbeats, nor the 120 s timeout
-        lost = machines.hosts[1].name
-        assert f"rank 2 on {lost}" in str(error) and f"engine 3 on {lost}" in str(error), error
-        started = time.monotonic()
-        run_ok(shell, PIDS + "import socket\nwhere = socket.gethostname()")
-        took = time.monotonic() - started
-        print(f"the cell ended {ended:.1f} s after the kill; the next cell took {took:.1f} s")
-        assert took < 30, took  # a hang guard: without the release it waits out the 120 s timeout
-        assert nbfsdp.last_run().world_size == 2 and shell.user_ns["where"] == machines.hosts[0].name
-        assert shell.user_ns["pids"] == pids[:2]  # the same engines: released, not killed
+    threading.Thread(target=kill_once_every_rank_runs, daemon=True).start()
+    training = (
+        "%%fsdp --timeout 120\nimport time, torch\nnbfsdp.log(running=1)\n"
+        "for _ in range(100000):\n    torch.distributed.all_reduce(torch.ones(1)); time.sleep(0.01)"
+    )
+    error, _ = run_failing(shell, training)
+    ended = time.monotonic() - killed[0]
+    assert isinstance(error, RankError), error
+    assert ended < 10, ended  # not the controller's half-minute of missed heartbeats, nor the 120 s timeout
+    lost = machines.hosts[1].name
+    assert f"rank 2 on {lost}" in str(error) and f"engine 3 on {lost}" in str(error), error
+    started = time.monotonic()
+    run_ok(shell, PIDS + "import socket\nwhere = socket.gethostname()")
+    took = time.monotonic() - started
+    print(f"the cell ended {ended:.1f} s after the kill; the next cell took {took:.1f} s")
+    assert took < 30, took  # a hang guard: without the release it waits out the 120 s timeout
+    assert nbfsdp.last_run().world_size == 2 and shell.user_ns["where"] == machines.hosts[0].name
+    assert shell.user_ns["pids"] == pids[:2]  # the same engines: released, not killed
