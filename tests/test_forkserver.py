@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import glob
 import os
 import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
+from IPython.core.error import UsageError
 
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
-from tests.conftest import gone, run_ok
+from tests.conftest import gone, run_failing, run_ok
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,3 +76,83 @@ def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
         server.spawn(["ipengine"], dict(os.environ), cwd=str(tmp_path), output=str(tmp_path / "engine.log"))
     server.stop()
     assert gone(server.pid)
+
+
+class HeldController(threading.Thread):
+    """The next cluster's controller as a busy machine has it: stopped (SIGSTOP) once its connection files are
+    written, before any engine can register; resumed ``hold`` seconds after the engine asked to register (its
+    log says so), ``meanwhile`` done first with the engine's process."""
+
+    def __init__(self, cluster, hold: float, meanwhile: Callable[[psutil.Process], None] = lambda engine: None):
+        super().__init__(daemon=True)
+        self.cluster, self.hold, self.meanwhile = cluster, hold, meanwhile
+        self.held_for: float | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        controller = None
+        try:
+            private_dir = _soon(lambda: self.cluster._private_dir)
+            _soon(lambda: glob.glob(f"{private_dir}/security/ipcontroller-*-engine.json"))
+            controller = _soon(lambda: _child_with(f"--profile-dir={private_dir}", "controller"))
+            controller.suspend()
+            log = _soon(lambda: glob.glob(f"{private_dir}/log/ipengine-*.log"))[0]
+            _soon(lambda: "Registering with controller" in Path(log).read_text())
+            asked = time.monotonic()
+            self.meanwhile(_soon(lambda: psutil.Process(self.cluster._fork_server.pid).children()[0]))
+            time.sleep(max(0.0, asked + self.hold - time.monotonic()))
+            self.held_for = time.monotonic() - asked
+        except BaseException as error:
+            self.error = error
+        finally:
+            if controller is not None:
+                controller.resume()
+
+
+def _soon(value: Callable, within: float = 60.0):
+    """``value()`` once it is truthy (polled every 10 ms)."""
+    deadline = time.monotonic() + within
+    while not (found := value()):
+        assert time.monotonic() < deadline, "not within a minute"
+        time.sleep(0.01)
+    return found
+
+
+def _child_with(*words: str) -> psutil.Process | None:
+    """This process's child whose command line holds every word."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if all(any(word in part for part in child.cmdline()) for word in words):
+                return child
+    return None
+
+
+@pytest.mark.floor
+def test_an_engine_waits_for_a_controller_too_busy_to_answer_its_registration(shell, cluster):
+    """Seen in CI on a loaded machine (torch 2.6's floor run beside the suite): the controller answered an
+    engine's registration after ipyparallel's 5 s, the engine gave up and exited, and the cell waited 120 s for
+    it. Held 12 s, past the engine's 5 s and the kernel client's 10 s, the world still starts."""
+    run_ok(shell, "%fsdp stop")
+    held = HeldController(cluster, hold=12.0)
+    held.start()
+    run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+    held.join()
+    assert held.error is None, held.error
+    assert held.held_for >= 12.0
+    assert shell.user_ns.pop("out") == 2
+
+
+def test_an_engine_that_ends_before_it_registers_fails_the_cell_at_once_with_its_output(shell, cluster):
+    run_ok(shell, "%fsdp stop")
+    held = HeldController(cluster, hold=1.0, meanwhile=psutil.Process.kill)
+    held.start()
+    error, elapsed = run_failing(shell, "%%fsdp --world-size 2\nout = world_size\n")
+    held.join()
+    assert held.error is None, held.error
+    assert isinstance(error, UsageError), error
+    assert "an engine killed by SIGKILL" in str(error) and "before it registered with the controller" in str(error)
+    assert "Registering with controller" in str(error)  # the end of the engine's own output
+    assert "the next cell starts the engines again" in str(error)
+    assert elapsed < 30  # not the 120 s the engines are given to register
+    run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+    assert shell.user_ns.pop("out") == 2

@@ -31,6 +31,7 @@ __all__ = [
     "controller_failure",
     "engine_arguments",
     "engine_connection_file",
+    "engine_outputs",
     "launched_pids",
     "read_engine_connection",
     "running_cluster_ids",
@@ -88,8 +89,19 @@ def launched_pids(cluster: ipp.Cluster) -> list[int]:
     when its stop notice runs on the loop it was started on, which a ``_sync`` call outside a running loop
     closes.
     """
-    engines = [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
-    return [launcher.pid for launcher in [cluster.controller, *engines]]
+    return [launcher.pid for launcher in [cluster.controller, *_engine_launchers(cluster)]]
+
+
+def engine_outputs(cluster: ipp.Cluster) -> dict[int, str]:
+    """Each engine the cluster started: its process id and the file its output goes to (its log).
+
+    Relies on what ``launched_pids`` does, and on each engine launcher's ``output_file``.
+    """
+    return {launcher.pid: launcher.output_file for launcher in _engine_launchers(cluster)}
+
+
+def _engine_launchers(cluster: ipp.Cluster) -> list[LocalEngineLauncher]:
+    return [launcher for engine_set in cluster.engines.values() for launcher in engine_set.launchers.values()]
 
 
 def controller_failure(cluster: ipp.Cluster) -> str | None:

@@ -19,6 +19,7 @@ from traitlets import Instance
 
 from nbfsdp.kernel.cluster import ipyparallel_private
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
+from nbfsdp.kernel.cluster.world import ENGINE_START_TIMEOUT
 
 #: The controller's heartbeat. It registers an engine at the second beat after the engine connects, so at
 #: ipyparallel's 3 s a cold start idles up to 6 s; an engine silent for 30 s is still dropped, as before.
@@ -30,7 +31,15 @@ HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 #: imported anew, 0.3 s of CPU an engine, measured) to relay signals to engines on other hosts and to tell the
 #: controller at once when its engine dies. The kernel signals these engines itself (they are its fork server's
 #: children on this machine) and hears their deaths from the fork server.
-ENGINE_FLAGS = ("--IPEngine.enable_nanny=False",)
+#:
+#: The registration timeout: at ipyparallel's 5 s an engine whose controller (on this machine, its connection
+#: files written) was too busy to answer that soon gave up and exited, and the cell waited out its whole start
+#: time for an engine that was gone (seen in CI on a loaded machine, reproduced by stopping the controller for
+#: 6 s). A controller here is late, not absent: the engine waits as long as the kernel waits for it.
+ENGINE_FLAGS = ("--IPEngine.enable_nanny=False", f"--IPEngine.timeout={ENGINE_START_TIMEOUT:.0f}")
+
+#: The kernel's client waits as long for the controller's first reply (ipyparallel's 10 s), for the same reason.
+CLIENT_TIMEOUT = ENGINE_START_TIMEOUT
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):

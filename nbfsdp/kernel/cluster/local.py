@@ -107,6 +107,15 @@ def _how_it_ended(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _last_lines(path: str, count: int = 12) -> str:
+    """The file's last ``count`` lines ('' if it cannot be read)."""
+    try:
+        with open(path, errors="replace") as file:
+            return "".join(file.readlines()[-count:]).rstrip()
+    except OSError:
+        return ""
+
+
 def _joining(
     devices: Devices, timeout: float, private_dir: str, generation: int, script_store: tuple[str, int]
 ) -> dict[int, tuple[WorldSetup]]:
@@ -336,7 +345,7 @@ class FSDPCluster:
             ]
         else:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
-        from nbfsdp.kernel.cluster.launcher import forked_cluster
+        from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, forked_cluster
 
         assert self._private_dir is not None  # start_fork_server made it
         self._cluster = forked_cluster(self._private_dir)
@@ -345,20 +354,10 @@ class FSDPCluster:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
             self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
         self.processes_started += world_size
-        self._client = self._cluster.connect_client_sync()
+        self._client = self._cluster.connect_client_sync(timeout=CLIENT_TIMEOUT)
         import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
 
-        try:
-            self._client.wait_for_engines(world_size, timeout=ENGINE_START_TIMEOUT, interactive=False)
-        except TimeoutError:  # ipyparallel's, from inside this call: said as what it means, and what comes next
-            from IPython.core.error import UsageError
-
-            registered = len(self._client.ids)
-            raise UsageError(
-                f"nbfsdp: {registered} of {world_size} engines registered with the controller within "
-                f"{ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
-                f"{self._private_dir}); the next cell starts them again"
-            ) from None
+        self._wait_for_registration(world_size)
         failure = ipyparallel_private.controller_failure(self._cluster)
         if failure is not None:  # a queue lost its port as the controller started: requests through it never return
             if again_if_broken:
@@ -371,6 +370,36 @@ class FSDPCluster:
                 f"was taken before it could bind it); the next cell starts it again"
             )
         self._engine_layout = engine_layout(devices)
+
+    def _wait_for_registration(self, world_size: int) -> None:
+        """Until ``world_size`` engines have registered; an engine that ends first fails the start at once, with
+        how it ended and the end of its output. ipyparallel's ``wait_for_engines`` would wait out its timeout:
+        an engine's stop notice never reaches it here (see ``ipyparallel_private.launched_pids``)."""
+        from IPython.core.error import UsageError
+
+        assert self._client is not None and self._cluster is not None and self._fork_server is not None
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._client.wait_for_engines(world_size, timeout=max(0.0, min(left, 0.5)), interactive=False)
+                return
+            except TimeoutError:  # ipyparallel's: said as what it means, and what comes next
+                pass
+            for pid, output in ipyparallel_private.engine_outputs(self._cluster).items():
+                code = self._fork_server.wait(pid, timeout=0)
+                if code is not None:
+                    raise UsageError(
+                        f"nbfsdp: an engine {_how_it_ended(code)} before it registered with the controller; "
+                        f"the end of its output ({output}):\n{_last_lines(output)}\nthe next cell starts the "
+                        "engines again"
+                    )
+            if left <= 0:
+                raise UsageError(
+                    f"nbfsdp: {len(self._client.ids)} of {world_size} engines registered with the controller "
+                    f"within {ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
+                    f"{self._private_dir}); the next cell starts them again"
+                )
 
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
