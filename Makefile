@@ -88,10 +88,11 @@ test: browser sshd slurm
 	@# torchrun rank of the suite compiles nbfsdp's source anew (0.2 s of CPU each, measured; both venvs are 3.11)
 	@$(BIN)/python -m compileall -q nbfsdp tests benchmarks notebooks/conftest.py
 	@mkdir -p test-artifacts
-	@# --no-loadscope-reorder keeps the order tests/scheduling.py gives the files: the longest first
+	@# --no-loadscope-reorder keeps the order tests/scheduling.py gives the files: the longest first.
+	@# --nbval-cell-timeout: a notebook cell that hangs fails in 5 min as a test does (nbval's own default is 2000 s)
 	@$(MAKE) --no-print-directory test-floor TEST_WORKERS=1 > test-artifacts/floor.log 2>&1 & floor=$$!; \
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder; \
+	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider --durations=25 \
+	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; \
 	suite=$$?; wait $$floor; floor=$$?; \
 	echo "== the floor run (make test-floor: torch 2.6), beside the suite: exit $$floor =="; \
 	cat test-artifacts/floor.log; [ $$suite -eq 0 ] && [ $$floor -eq 0 ]
@@ -106,7 +107,8 @@ test-floor: $(FLOOR_STAMP)
 ## needs a newer torch or a library the floor lacks says so in its metadata and is reported skipped with the reason
 ## (notebooks/conftest.py). Not part of `make test`, whose 30 minutes it would pass: docs/course.md records its run
 test-floor-course: $(FLOOR_STAMP)
-	$(FLOOR_BIN)/python -m pytest --nbval-lax -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -rs notebooks
+	$(FLOOR_BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider -n $(TEST_WORKERS) \
+	  --dist loadfile -rs notebooks
 
 ## Every GPU test and every course notebook with its ranks on GPUs (NBFSDP_DEVICE=cuda: ranks share the GPUs there
 ## are), one summary line at the end; without a GPU it says so and exits 0. Runs with .venv's Python where there is

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
+from nbfsdp.kernel.cluster import ipyparallel_private, local
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
 from tests.conftest import gone, run_failing, run_ok
@@ -80,41 +81,54 @@ def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
 
 class HeldController(threading.Thread):
     """The next cluster's controller as a busy machine has it: stopped (SIGSTOP) once its connection files are
-    written, before any engine can register; resumed ``hold`` seconds after the engine asked to register (its
-    log says so), ``meanwhile`` done first with the engine's process."""
+    written, before any engine can register, and resumed ``hold`` seconds after the engine asked to register
+    (its log says so) or once ``release`` is set; ``meanwhile`` done first with the engine's process."""
 
     def __init__(self, cluster, hold: float, meanwhile: Callable[[psutil.Process], None] = lambda engine: None):
         super().__init__(daemon=True)
         self.cluster, self.hold, self.meanwhile = cluster, hold, meanwhile
+        self.release = threading.Event()
+        self.controller: psutil.Process | None = None
+        self.unbound: list[tuple[str, int]] = []
+        """The ports none of the controller's processes listened on when it was stopped."""
         self.held_for: float | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        controller = None
         try:
             private_dir = _soon(lambda: self.cluster._private_dir)
-            _soon(lambda: glob.glob(f"{private_dir}/security/ipcontroller-*-engine.json"))
-            controller = _soon(lambda: _child_with(f"--profile-dir={private_dir}", "controller"))
-            controller.suspend()
-            log = _soon(lambda: glob.glob(f"{private_dir}/log/ipengine-*.log"))[0]
+            _soon(lambda: len(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
+            self.controller = _soon(lambda: _child_with(f"--profile-dir={private_dir}", "controller"), every=0.001)
+            self.controller.suspend()
+            self.unbound = _soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
+            log = _soon(lambda: glob.glob(f"{private_dir}/log/ipengine-*.log") or None)[0]
             _soon(lambda: "Registering with controller" in Path(log).read_text())
             asked = time.monotonic()
-            self.meanwhile(_soon(lambda: psutil.Process(self.cluster._fork_server.pid).children()[0]))
-            time.sleep(max(0.0, asked + self.hold - time.monotonic()))
+            self.meanwhile(_soon(lambda: psutil.Process(self.cluster._fork_server.pid).children() or None)[0])
+            self.release.wait(max(0.0, asked + self.hold - time.monotonic()))
             self.held_for = time.monotonic() - asked
         except BaseException as error:
             self.error = error
         finally:
-            if controller is not None:
-                controller.resume()
+            if self.controller is not None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self.controller.resume()
 
 
-def _soon(value: Callable, within: float = 60.0):
-    """``value()`` once it is truthy (polled every 10 ms)."""
+def _unbound_ports(cluster) -> list[tuple[str, int]] | None:
+    """``unbound_ports``, or None while the files are still being written ([] is an answer: none unbound)."""
+    try:
+        return ipyparallel_private.unbound_ports(cluster)
+    except ValueError:
+        return None
+
+
+def _soon(value: Callable, within: float = 60.0, every: float = 0.01):
+    """``value()`` once it is neither None nor False (polled every ``every`` s)."""
     deadline = time.monotonic() + within
-    while not (found := value()):
+    while (found := value()) is None or found is False:
         assert time.monotonic() < deadline, "not within a minute"
-        time.sleep(0.01)
+        time.sleep(every)
     return found
 
 
@@ -155,4 +169,24 @@ def test_an_engine_that_ends_before_it_registers_fails_the_cell_at_once_with_its
     assert "the next cell starts the engines again" in str(error)
     assert elapsed < 30  # not the 120 s the engines are given to register
     run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+    assert shell.user_ns.pop("out") == 2
+
+
+def test_a_controller_whose_queues_never_listen_is_started_again(shell, cluster, monkeypatch):
+    """Seen once in a fresh-clone suite: the controller's mux queue's process stuck for good as it started (in
+    libc's ``random()``, locked at the fork by a thread of the controller), so the cell's first request never
+    returned. Here the whole controller is stopped as it wrote its files, before all its queues' processes
+    started: their ports never listen, and the kernel starts another controller instead of waiting on it."""
+    run_ok(shell, "%fsdp stop")
+    monkeypatch.setattr(local, "QUEUE_START_TIMEOUT", 3.0)
+    held = HeldController(cluster, hold=120.0)
+    held.start()
+    try:
+        run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+    finally:
+        held.release.set()
+        held.join()
+    assert held.error is None, held.error
+    assert held.unbound, "every queue listened before the controller could be stopped"
+    assert not held.controller.is_running()  # replaced: the cell ran on another controller
     assert shell.user_ns.pop("out") == 2

@@ -173,7 +173,7 @@ def _free_ports(count: int) -> list[int]:
         return [each.getsockname()[1] for each in sockets]
 
 
-def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log(tmp_path):
+def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log_and_its_port_unbound(tmp_path):
     """A port the controller chose, taken before its queue's process binds it: the controller and its engines
     run on, the queue is gone, and ``controller_failure`` names the error. Here the port is the engines' mux
     queue's (the third of ipyparallel's pool: registration, control, mux), held by this test."""
@@ -198,6 +198,7 @@ def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log(
             time.sleep(0.1)
         assert failure is not None and "Address already in use" in failure, failure
         assert str(ports[2]) in failure
+        assert ports[2] in [port for _, port in ipyparallel_private.unbound_ports(broken)]  # this test listens there
         # a whole controller, asked once its engine has registered (when nbfsdp asks): nothing to name
         healthy.start_controller_sync()
         healthy.start_engines_sync(1)
@@ -206,6 +207,7 @@ def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log(
             client.wait_for_engines(1, timeout=60, interactive=False)
             assert client[:].apply_sync(os.getpid)  # the mux queue answers
         assert ipyparallel_private.controller_failure(healthy) is None
+        assert ipyparallel_private.unbound_ports(healthy) == []  # every queue listens
     finally:
         taken.close()
         for cluster in (broken, healthy):

@@ -35,6 +35,7 @@ __all__ = [
     "launched_pids",
     "read_engine_connection",
     "running_cluster_ids",
+    "unbound_ports",
     "watch_exit",
 ]
 
@@ -113,8 +114,8 @@ def controller_failure(cluster: ipp.Cluster) -> str | None:
     Address already in use`` while the controller and its engines go on, and every request through that queue
     waits forever (seen once in a fresh-clone suite, three clusters starting at once on 2 cores: the first
     ``apply_sync`` never returned). Relies on the controller launcher's ``output_file``, where ipyparallel sends
-    the controller's output and with it the queue process's traceback; read once the engines have registered,
-    by when every queue has bound (the engines connect to them to register).
+    the controller's output and with it the queue process's traceback; read while ``unbound_ports`` still
+    names the queue's port.
     """
     try:
         with open(cluster.controller.output_file, errors="replace") as log:
@@ -125,6 +126,37 @@ def controller_failure(cluster: ipp.Cluster) -> str | None:
         return None
     errors = [line for line in lines if line and not line[0].isspace() and "Error" in line.partition(":")[0]]
     return errors[-1] if errors else "a traceback in its log"
+
+
+def unbound_ports(cluster: ipp.Cluster) -> list[tuple[str, int]]:
+    """The ports the controller's connection files name that none of its processes listens on yet, by name
+    (``engine mux``...); [] once each queue's process has bound its own.
+
+    A queue's process that never binds is a controller whose requests through it wait forever. Besides a port
+    taken first (``controller_failure``), seen once in a fresh-clone suite: the controller forks its queues'
+    processes while its own zmq threads run, and the mux queue's process was stuck for good in libc's
+    ``random()``, whose lock one of those threads held at the fork. Relies on the controller launcher's
+    ``connection_files`` (kind -> path, the files ``get_connection_info`` reads; read in 9.0.0 and 9.2.0) and
+    ``pid``; psutil's ``net_connections`` lists which process listens where (all for root, this user's else).
+    """
+    import psutil
+
+    try:
+        controller = psutil.Process(cluster.controller.pid)
+        tree = {controller.pid, *(child.pid for child in controller.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return [("controller", 0)]
+    named: list[tuple[str, int]] = []
+    for kind, path in cluster.controller.connection_files.items():
+        for name, value in json.loads(Path(path).read_text()).items():
+            ports = value if isinstance(value, list) else [value]
+            named += [(f"{kind} {name}", port) for port in ports if isinstance(port, int)]
+    listening = {
+        each.laddr.port
+        for each in psutil.net_connections(kind="tcp")
+        if each.status == psutil.CONN_LISTEN and each.pid in tree
+    }
+    return [(name, port) for name, port in named if port not in listening]
 
 
 def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:

@@ -107,6 +107,56 @@ def _how_it_ended(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+#: How long the controller's queues have to listen on their ports once it has written its connection files
+#: (0.1-0.2 s measured on 2 idle cores; a process stuck as it started never does).
+QUEUE_START_TIMEOUT = 30.0
+
+
+def _queue_failure(cluster: ipp.Cluster) -> str | None:
+    """Why one of the controller's queues will never serve (a port it chose taken before its process bound
+    it, or a process stuck as it started: ``ipyparallel_private.unbound_ports``); None once each queue
+    listens. Waits up to ``QUEUE_START_TIMEOUT`` for them, while the engines start."""
+    deadline = time.monotonic() + QUEUE_START_TIMEOUT
+    while unbound := ipyparallel_private.unbound_ports(cluster):
+        logged = ipyparallel_private.controller_failure(cluster)
+        if logged is not None:
+            return f"{logged}: a port it chose was taken before it could bind it"
+        if time.monotonic() >= deadline:
+            ports = ", ".join(f"{name} {port}" for name, port in unbound)
+            return f"nothing listened on its {ports} {QUEUE_START_TIMEOUT:.0f} s after it started"
+        time.sleep(0.05)
+    return None
+
+
+def _wait_for_registration(cluster: ipp.Cluster, client: ipp.Client, fork_server: ForkServer, world_size: int) -> None:
+    """Until ``world_size`` engines have registered; an engine that ends first fails the start at once, with
+    how it ended and the end of its output. ipyparallel's ``wait_for_engines`` would wait out its timeout: an
+    engine's stop notice never reaches it here (see ``ipyparallel_private.launched_pids``)."""
+    from IPython.core.error import UsageError
+
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            client.wait_for_engines(world_size, timeout=max(0.0, min(left, 0.5)), interactive=False)
+            return
+        except TimeoutError:  # ipyparallel's: said as what it means, and what comes next
+            pass
+        for pid, output in ipyparallel_private.engine_outputs(cluster).items():
+            code = fork_server.wait(pid, timeout=0)
+            if code is not None:
+                raise UsageError(
+                    f"nbfsdp: an engine {_how_it_ended(code)} before it registered with the controller; the end "
+                    f"of its output ({output}):\n{_last_lines(output)}\nthe next cell starts the engines again"
+                )
+        if left <= 0:
+            raise UsageError(
+                f"nbfsdp: {len(client.ids)} of {world_size} engines registered with the controller within "
+                f"{ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
+                f"{cluster.profile_dir}); the next cell starts them again"
+            )
+
+
 def _last_lines(path: str, count: int = 12) -> str:
     """The file's last ``count`` lines ('' if it cannot be read)."""
     try:
@@ -347,59 +397,29 @@ class FSDPCluster:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
         from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, forked_cluster
 
-        assert self._private_dir is not None  # start_fork_server made it
+        assert self._private_dir is not None and self._fork_server is not None  # start_fork_server made them
         self._cluster = forked_cluster(self._private_dir)
         self._cluster.start_controller_sync()
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
             self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
         self.processes_started += world_size
-        self._client = self._cluster.connect_client_sync(timeout=CLIENT_TIMEOUT)
-        import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
-
-        self._wait_for_registration(world_size)
-        failure = ipyparallel_private.controller_failure(self._cluster)
-        if failure is not None:  # a queue lost its port as the controller started: requests through it never return
+        failure = _queue_failure(self._cluster)
+        if failure is not None:  # requests through that queue would never return
             if again_if_broken:
                 self._start_engines(devices, again_if_broken=False)
                 return
             from IPython.core.error import UsageError
 
             raise UsageError(
-                f"nbfsdp: the controller lost one of its queues as it started, twice ({failure}: a port it chose "
-                f"was taken before it could bind it); the next cell starts it again"
+                f"nbfsdp: the controller lost one of its queues as it started, twice ({failure}); the next cell "
+                "starts it again"
             )
+        self._client = self._cluster.connect_client_sync(timeout=CLIENT_TIMEOUT)
+        import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
+
+        _wait_for_registration(self._cluster, self._client, self._fork_server, world_size)
         self._engine_layout = engine_layout(devices)
-
-    def _wait_for_registration(self, world_size: int) -> None:
-        """Until ``world_size`` engines have registered; an engine that ends first fails the start at once, with
-        how it ended and the end of its output. ipyparallel's ``wait_for_engines`` would wait out its timeout:
-        an engine's stop notice never reaches it here (see ``ipyparallel_private.launched_pids``)."""
-        from IPython.core.error import UsageError
-
-        assert self._client is not None and self._cluster is not None and self._fork_server is not None
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self._client.wait_for_engines(world_size, timeout=max(0.0, min(left, 0.5)), interactive=False)
-                return
-            except TimeoutError:  # ipyparallel's: said as what it means, and what comes next
-                pass
-            for pid, output in ipyparallel_private.engine_outputs(self._cluster).items():
-                code = self._fork_server.wait(pid, timeout=0)
-                if code is not None:
-                    raise UsageError(
-                        f"nbfsdp: an engine {_how_it_ended(code)} before it registered with the controller; "
-                        f"the end of its output ({output}):\n{_last_lines(output)}\nthe next cell starts the "
-                        "engines again"
-                    )
-            if left <= 0:
-                raise UsageError(
-                    f"nbfsdp: {len(self._client.ids)} of {world_size} engines registered with the controller "
-                    f"within {ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
-                    f"{self._private_dir}); the next cell starts them again"
-                )
 
     def cluster_pids(self) -> list[int]:
         """The fork server's, the controller's and every engine's process id."""
