@@ -140,7 +140,7 @@ def _wait_for_registration(cluster: ipp.Cluster, client: ipp.Client, fork_server
         try:
             client.wait_for_engines(world_size, timeout=max(0.0, min(left, 0.5)), interactive=False)
             return
-        except TimeoutError:  # ipyparallel's: said as what it means, and what comes next
+        except TimeoutError:  # ipyparallel's, for this half second: look for an engine that ended, then again
             pass
         for pid, output in ipyparallel_private.engine_outputs(cluster).items():
             code = fork_server.wait(pid, timeout=0)
