@@ -172,6 +172,21 @@ def test_q_ends_the_cell_and_the_next_runs_on_the_same_engines(kernel):
     assert sorted(re.findall(r"pid \d+", kernel.ok(pids))) == sorted(before)
 
 
+def test_q_is_named_even_when_a_peer_s_broken_collective_reports_first(kernel):
+    # rank 1 tears its process group down at once and then takes 3 s to end, as a loaded machine can: rank 0's
+    # barrier fails ("Connection closed by peer") and reaches the kernel first
+    reply, output, prompts = kernel.debug(
+        "%%fsdp --world-size 2\nimport pdb, time\nfrom torch.distributed import distributed_c10d\n"
+        "if rank == 1:\n    try:\n        pdb.set_trace()\n        here = rank\n    except BaseException:\n"
+        "        distributed_c10d.destroy_process_group()  # not dist's: nbfsdp keeps the world\n"
+        "        time.sleep(3)\n        raise\ntorch.distributed.barrier()",
+        ["q"],
+    )
+    assert reply["status"] == "error" and prompts == ["(Pdb rank 1) "], output
+    assert "the cell ended at rank 1's debugger (q)" in output and "Traceback" not in output, output
+    assert "[rank 1] alive" in kernel.ok("%%fsdp --world-size 2\nprint('alive')")
+
+
 def test_an_interrupt_at_the_prompt_ends_the_cell_in_seconds(kernel):
     code = "%%fsdp --world-size 2\nif rank == 1:\n    breakpoint()\ntorch.distributed.barrier()"
     reply, output, _ = kernel.debug(code, [], interrupt_at=1)

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 DEBUGGER_CALLS = frozenset({"breakpoint", "set_trace"})
 #: How long a first prompt waits for the prompts of ranks that stopped at the same time, so the lowest comes first.
 ORDER_GRACE_SECONDS = 0.25
+#: pdb's commands that quit it (``BdbQuit`` on the rank, which ends the cell).
+QUIT_COMMANDS = frozenset({"q", "quit", "exit"})
 
 
 class DebuggerQuit(RankError):
@@ -123,6 +125,9 @@ class RankPrompts:
         self._past: list[tuple[float, float]] = []  # earlier spans in which some rank was stopped
         self.view: LiveView | None = None
         self._warned = False
+        #: The rank sent pdb's ``q``: the cell ends because of it, whichever rank's failure the kernel sees first
+        #: (its peers' collectives break when it tears its process group down, and may report before it does).
+        self.quit_by: int | None = None
 
     def pump(self) -> None:
         """Take what the ranks published since the last look: output, prompts, resumptions."""
@@ -150,6 +155,8 @@ class RankPrompts:
         rank = min(self._waiting)
         number, prompt, _ = self._waiting.pop(rank)
         line = input(prompt)
+        if line.strip() in QUIT_COMMANDS:
+            self.quit_by = rank
         path = debug_command_file(self._control, rank)
         partial = path.with_name(path.name + ".tmp")
         partial.write_text(json.dumps({"seq": number, "line": line}))

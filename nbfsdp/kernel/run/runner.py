@@ -38,6 +38,8 @@ POLL_SECONDS = 0.1
 #: After a failure: how long peers get to fail on their own, then after SIGINT.
 PEER_GRACE_SECONDS = 0.5
 INTERRUPT_GRACE_SECONDS = 1.5
+#: How long the ranks still running are left to end on their own after a rank's ``q`` at its prompt.
+QUIT_GRACE_SECONDS = 5.0
 #: Over several hosts, once an engine was lost: how much longer the other ranks of its host are watched for their
 #: engines' end too.
 HOST_DEATH_SECONDS = 3.0
@@ -271,8 +273,9 @@ class RankRun:
         failed = {rank: o for rank, o in outcomes.items() if not o.ok}
         if failed:
             self.world.broken = True
-            if quit := [rank for rank, o in failed.items() if o.quit_debugger]:
-                raise DebuggerQuit(quit[0], "q at the debugger's prompt")
+            quit_by = next((rank for rank, o in sorted(failed.items()) if o.quit_debugger), self.prompts.quit_by)
+            if quit_by is not None:
+                raise DebuggerQuit(quit_by, "q at the debugger's prompt")
             if any(o.engine_lost for o in failed.values()):
                 _see_deaths(self, outcomes)  # a rank that failed because a peer died, and died too, is named lost
                 failed = {rank: o for rank, o in outcomes.items() if not o.ok}
@@ -356,8 +359,8 @@ def _stop_ranks(run: RankRun, outcomes: dict[int, CellOutcome], *, immediately: 
     """Bring every rank still running to an end: grace, then SIGINT, then kill."""
     results, cluster = run.results, run.cluster
     steps: list[tuple[signal.Signals | None, float]] = [(signal.SIGINT, INTERRUPT_GRACE_SECONDS)]
-    if not immediately:
-        steps.insert(0, (None, PEER_GRACE_SECONDS))
+    if not immediately:  # a rank that quit its debugger is ending on its own: interrupting it would lose its q
+        steps.insert(0, (None, QUIT_GRACE_SECONDS if run.prompts.quit_by is not None else PEER_GRACE_SECONDS))
     for signum, grace in steps:
         running = [rank for rank in range(len(results)) if rank not in outcomes]
         if not running:
