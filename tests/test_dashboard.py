@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -444,6 +445,22 @@ def test_the_drawing_process_ends_with_its_kernel():
     finally:
         k.shutdown()  # now=True: the kernel is killed, nothing of its own runs at exit
     worker.wait(timeout=10)  # raises TimeoutExpired if the worker outlives its kernel
+
+
+def test_a_drawing_process_whose_kernel_went_mid_drawing_ends_without_a_traceback():
+    """Seen in the suite's output after a kernel was shut down: the worker's answer met a closed pipe."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "nbfsdp.helpers.drawing", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    worker.stdout.close()  # the kernel's end of the replies, gone before the answer
+    worker.stdin.write(pickle.dumps((1, time.sleep, (0.2,))))
+    worker.stdin.close()
+    worker.wait(timeout=60)
+    stderr = worker.stderr.read().decode()
+    assert worker.returncode == 0 and "Traceback" not in stderr, stderr
 
 
 def _records(steps: range, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:

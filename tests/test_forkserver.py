@@ -20,6 +20,7 @@ from nbfsdp.kernel.cluster import ipyparallel_private, local
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
 from tests.conftest import gone, run_failing, run_ok
+from tests.test_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,29 +83,41 @@ def test_a_fork_server_that_is_gone_is_a_clear_error(tmp_path):
 class HeldController(threading.Thread):
     """The next cluster's controller as a busy machine has it: stopped (SIGSTOP) once its connection files are
     written, before any engine can register, and resumed ``hold`` seconds after the engine asked to register
-    (its log says so) or once ``release`` is set; ``meanwhile`` done first with the engine's process."""
+    (its log says so) or once ``release`` is set; ``meanwhile`` done first with the engine's process. The cluster
+    is ``cluster``, this process's, or the one a kernel (``kernel_pid``) starts next: found by its processes."""
 
-    def __init__(self, cluster, hold: float, meanwhile: Callable[[psutil.Process], None] = lambda engine: None):
+    def __init__(
+        self,
+        cluster,
+        hold: float,
+        meanwhile: Callable[[psutil.Process], None] = lambda engine: None,
+        kernel_pid: int | None = None,
+    ):
         super().__init__(daemon=True)
         self.cluster, self.hold, self.meanwhile = cluster, hold, meanwhile
+        self.parent = psutil.Process(kernel_pid)  # None: this process
         self.release = threading.Event()
         self.controller: psutil.Process | None = None
         self.unbound: list[tuple[str, int]] = []
-        """The ports none of the controller's processes listened on when it was stopped."""
+        """The ports none of the controller's processes listened on when it was stopped (this process's cluster)."""
         self.held_for: float | None = None
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            private_dir = _soon(lambda: self.cluster._private_dir)
+            server = _soon(lambda: _child_with(self.parent, "nbfsdp.helpers.forkserver"), every=0.001)
+            private_dir = server.cmdline()[-1]  # the fork server's one argument
             _soon(lambda: len(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
-            self.controller = _soon(lambda: _child_with(f"--profile-dir={private_dir}", "controller"), every=0.001)
+            self.controller = _soon(
+                lambda: _child_with(self.parent, f"--profile-dir={private_dir}", "controller"), every=0.001
+            )
             self.controller.suspend()
-            self.unbound = _soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
+            if self.cluster is not None:
+                self.unbound = _soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
             log = _soon(lambda: glob.glob(f"{private_dir}/log/ipengine-*.log") or None)[0]
             _soon(lambda: "Registering with controller" in Path(log).read_text())
             asked = time.monotonic()
-            self.meanwhile(_soon(lambda: psutil.Process(self.cluster._fork_server.pid).children() or None)[0])
+            self.meanwhile(_soon(lambda: server.children() or None)[0])
             self.release.wait(max(0.0, asked + self.hold - time.monotonic()))
             self.held_for = time.monotonic() - asked
         except BaseException as error:
@@ -132,9 +145,9 @@ def _soon(value: Callable, within: float = 60.0, every: float = 0.01):
     return found
 
 
-def _child_with(*words: str) -> psutil.Process | None:
-    """This process's child whose command line holds every word."""
-    for child in psutil.Process().children():
+def _child_with(parent: psutil.Process, *words: str) -> psutil.Process | None:
+    """``parent``'s running child whose command line holds every word."""
+    for child in parent.children():
         with contextlib.suppress(psutil.Error):
             if all(any(word in part for part in child.cmdline()) for word in words):
                 return child
@@ -170,6 +183,32 @@ def test_an_engine_that_ends_before_it_registers_fails_the_cell_at_once_with_its
     assert elapsed < 30  # not the 120 s the engines are given to register
     run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
     assert shell.user_ns.pop("out") == 2
+
+
+def test_in_a_kernel_an_engine_that_ends_before_it_registers_fails_the_cell_at_once():
+    """Seen in a fresh-clone run with both cores busy, and always so in a kernel: ipyparallel's engine set drops
+    an engine that ended as soon as its stop notice runs on the start's loop, which under a kernel's running loop
+    is a thread of ipyparallel's own, always running. The cell looked for ended engines among the set's and
+    waited out the 120 s the engines have to register."""
+    kernel = Kernel()
+    try:
+        reply, messages = kernel.execute("%load_ext nbfsdp\n%fsdp stop")
+        assert reply["content"]["status"] == "ok", kernel.stdout(messages)
+        held = HeldController(None, hold=1.0, meanwhile=psutil.Process.kill, kernel_pid=kernel.manager.provisioner.pid)
+        held.start()
+        started = time.monotonic()
+        reply, messages = kernel.execute("%%fsdp --world-size 2\nout = world_size\n", timeout=60)
+        elapsed = time.monotonic() - started
+        held.join()
+        assert held.error is None, held.error
+        said = "".join(m["content"].get("text", "") + m["content"].get("evalue", "") for _, m in messages)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "UsageError", said
+        assert "an engine killed by SIGKILL" in said and "before it registered with the controller" in said, said
+        assert elapsed < 30  # not the 120 s the engines are given to register
+        reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('alive', rank)\n")
+        assert reply["content"]["status"] == "ok" and "[rank 1] alive 1" in kernel.stdout(messages)
+    finally:
+        kernel.shutdown()
 
 
 def test_a_controller_whose_queues_never_listen_is_started_again(shell, cluster, monkeypatch):

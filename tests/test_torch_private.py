@@ -314,26 +314,69 @@ dist.destroy_process_group()
 """
 
 
+def _two_ranks(script: str, store, timeout: float) -> tuple[list[subprocess.Popen], list[tuple[str, str]]]:
+    """``script`` run as ranks 0 and 1 (its arguments: the rank, the store's path): the processes and their
+    stdout and stderr once both ended."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        return ranks, [process.communicate(timeout=timeout) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()  # one left waiting for a rank that failed; nothing, for one that ended
+
+
 def test_a_lifted_collective_timeout_lets_a_late_rank_join(tmp_path):
     """``set_collective_timeout``: the collectives issued after it wait past the group's first timeout (torch 2.7+;
     on 2.6 gloo keeps the first one)."""
     if torch.__version__ < "2.7":
         pytest.skip("torch < 2.7: gloo keeps a group's first timeout")
-    command = [sys.executable, "-c", LIFTED]
-    ranks = [
-        subprocess.Popen(
-            [*command, str(rank), str(tmp_path / "store")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for rank in range(2)
-    ]
-    try:
-        ended = [process.communicate(timeout=60) for process in ranks]
-    finally:
-        for process in ranks:
-            process.kill()  # one left waiting for a rank that failed; nothing, for one that ended
+    ranks, ended = _two_ranks(LIFTED, tmp_path / "store", timeout=60)
     for rank, (process, (_, stderr)) in enumerate(zip(ranks, ended, strict=True)):
         assert process.returncode == 0, f"rank {rank}: {stderr[-2000:]}"
     assert [stdout.strip() for stdout, _ in ended] == ["0 2.0", "1 2.0"], ended
+
+
+#: Two gloo ranks of a world set up as nbfsdp's engines set one up, at a 1 s --timeout: rank 1 comes 4 s late to
+#: the set-up, then 4 s late to the first all_reduce.
+JOINS_LATE = """
+import sys, time, torch, torch.distributed as dist
+from nbfsdp.engines import engine
+from nbfsdp.shared.protocol import WorldSetup
+rank, store = int(sys.argv[1]), sys.argv[2]
+if rank == 1:
+    time.sleep(4)
+engine.setup(WorldSetup(rank=rank, world_size=2, backend="gloo", timeout=1.0, threads=1, generation=1,
+                        store_path=store))
+print(rank, "joined", flush=True)
+if rank == 1:
+    time.sleep(4)
+started = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+    print(rank, "reduced")
+except Exception:
+    print(rank, "failed after", round(time.monotonic() - started))
+"""
+
+
+def test_a_rank_late_to_a_new_world_joins_it_and_its_collectives_keep_the_timeout(tmp_path):
+    """Seen beside a loaded suite: a new world's rank reached its set-up after --timeout's 30 s, and its peer's
+    gloo set-up failed ("Wait timeout"). A world is joined within ``JOIN_TIMEOUT_SECONDS``, its collectives
+    then given --timeout (torch 2.7+; on 2.6 gloo keeps a group's first timeout, so --timeout throughout)."""
+    if not torch_private.collective_timeout_settable():
+        pytest.skip("torch < 2.7: gloo keeps a group's first timeout")
+    _, ended = _two_ranks(JOINS_LATE, tmp_path / "store", timeout=90)
+    said = ended[0][0].split("\n")
+    assert said[0] == "0 joined", ended  # 4 s late, past the 1 s --timeout
+    assert said[1] in ("0 failed after 1", "0 failed after 2"), ended  # the all_reduce: --timeout, not the join's
 
 
 def test_abort_nccl_communicators_finds_none_in_a_gloo_world_and_leaves_it_working(tmp_path):

@@ -54,6 +54,7 @@ from nbfsdp.engines.world import World
 from nbfsdp.shared import optimizers, torch_private, transfer
 from nbfsdp.shared.config import FSDPConfig
 from nbfsdp.shared.initializing import materialize
+from nbfsdp.shared.limits import JOIN_TIMEOUT_SECONDS
 from nbfsdp.shared.network import interface_of, loopback_interface, source_address
 from nbfsdp.shared.protocol import Arrival, CellOutcome, CellSpec, EngineInfo, ShardAllocation, WorldSetup
 
@@ -98,19 +99,10 @@ def setup(joining: WorldSetup) -> EngineInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    seconds = datetime.timedelta(seconds=joining.timeout)
     where.record_flights(backend)  # read when the process group is made
     debugging.release()  # a failed cell's frames go with the world they failed in
     release.world_begins(generation)  # before the store: the connections made from here are the world's
-    store, script_store = _stores(joining, seconds)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=seconds,
-        device_id=device if backend == "nccl" else None,
-    )
+    script_store = _join(joining, device)
     worlds.current = World(
         rank=rank,
         world_size=world_size,
@@ -124,6 +116,29 @@ def setup(joining: WorldSetup) -> EngineInfo:
     where.watch(joining.where_dir, rank)
     pasted.install(rank, device)  # a pasted script's init/destroy_process_group, taken as this world's
     return describe()
+
+
+def _join(joining: WorldSetup, device: torch.device) -> dist.Store | None:
+    """The world's process group, joined within ``JOIN_TIMEOUT_SECONDS`` at least (seen: a rank of a world
+    started beside a loaded suite came after --timeout's 30 s, and its peer's gloo set-up failed with "Wait
+    timeout"), its collectives then given --timeout; where torch cannot change a group's timeout (2.6),
+    --timeout throughout. The store torchrun's variables name, on nbfsdp's own cluster."""
+    seconds = datetime.timedelta(seconds=joining.timeout)
+    late = datetime.timedelta(seconds=max(joining.timeout, JOIN_TIMEOUT_SECONDS))
+    joined_within = late if torch_private.collective_timeout_settable() else seconds
+    store, script_store = _stores(joining, joined_within)
+    dist.init_process_group(
+        joining.backend,
+        store=store,
+        rank=joining.rank,
+        world_size=joining.world_size,
+        timeout=joined_within,
+        device_id=device if joining.backend == "nccl" else None,
+    )
+    if joined_within != seconds:
+        torch_private.set_collective_timeout(seconds)
+        store.set_timeout(seconds)
+    return script_store
 
 
 def _stores(joining: WorldSetup, seconds: datetime.timedelta) -> tuple[dist.Store, dist.Store | None]:

@@ -52,8 +52,13 @@ def serve(kernel: int) -> None:
                 reply = pickle.dumps((number, False, error))
             except Exception:  # an error that does not pickle, said in words
                 reply = pickle.dumps((number, False, RuntimeError(f"{type(error).__name__}: {error}")))
-        replies.write(reply)
-        replies.flush()
+        try:
+            replies.write(reply)
+            replies.flush()
+        except BrokenPipeError:  # the kernel ended while this drawing ran: nobody left to answer
+            # what stays buffered goes nowhere at exit, without a traceback (Python's own advice for SIGPIPE)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), replies.fileno())
+            return
 
 
 def start_worker(kernel: int) -> None:

@@ -5,6 +5,9 @@
 MAX_WORLD_SIZE = 64
 #: ``--timeout``'s default: the seconds a collective may wait before it fails, where nothing else says.
 DEFAULT_TIMEOUT_SECONDS = 30.0
+#: How long a new world's ranks wait for each other to join it, whatever ``--timeout`` says for its collectives: a
+#: rank still starting on a busy machine is late, not hung (as long as the kernel waits for a world's set-up).
+JOIN_TIMEOUT_SECONDS = 120.0
 
 
 def world_size_error(world_size: int) -> str | None:

@@ -60,6 +60,7 @@ __all__ = [
     "put_parameter",
     "replaced",
     "set_checkpointing",
+    "collective_timeout_settable",
     "set_collective_timeout",
     "set_mixed_precision",
     "set_reshard_after_forward",
@@ -261,6 +262,11 @@ def gathered_from(model: nn.Module, tensor: torch.Tensor) -> tuple[str, DTensor]
     return None
 
 
+def collective_timeout_settable() -> bool:
+    """Whether ``set_collective_timeout`` takes on this torch (not on 2.6, whose gloo keeps a group's first)."""
+    return torch.__version__ >= "2.7"
+
+
 def set_collective_timeout(timeout: datetime.timedelta) -> bool:
     """Give every process group of this world ``timeout`` for the collectives issued from now on; whether it took.
 
@@ -270,7 +276,7 @@ def set_collective_timeout(timeout: datetime.timedelta) -> bool:
     """
     from torch.distributed import distributed_c10d
 
-    if torch.__version__ < "2.7" or not dist.is_initialized():
+    if not collective_timeout_settable() or not dist.is_initialized():
         return False
     for group in list(distributed_c10d._world.pg_map):
         distributed_c10d._set_pg_timeout(timeout, group)

@@ -43,6 +43,7 @@ class ForkServer:
         self._changed = threading.Condition()
         self._spawned: list[dict[str, Any]] = []  # replies not yet taken by ``spawn``
         self._engines: dict[int, ProcessRef] = {}  # every engine forked, by pid
+        self._outputs: list[tuple[int, str]] = []  # every engine forked, in order: its pid and its output file
         self._exit_codes: dict[int, int | None] = {}
         self._gone = False
         threading.Thread(target=self._read_replies, name="nbfsdp-forkserver-replies", daemon=True).start()
@@ -74,7 +75,18 @@ class ForkServer:
         if "error" in reply:
             raise ForkServerError(f"the engine fork server could not fork an engine: {reply['error']}")
         self._engines[reply["pid"]] = ProcessRef(reply["pid"], reply["started"])
+        self._outputs.append((reply["pid"], output))
         return reply["pid"]
+
+    @property
+    def forked_count(self) -> int:
+        """How many engines this server has forked: ``forked_since`` takes it to name the ones forked after."""
+        return len(self._outputs)
+
+    def forked_since(self, count: int) -> dict[int, str]:
+        """The engines forked after the first ``count``, whether or not they still run: pid -> output file. Their
+        own record, as ipyparallel's engine set drops an engine that ended once its loop hears of it."""
+        return dict(self._outputs[count:])
 
     def engine(self, pid: int) -> ProcessRef | None:
         """Engine ``pid`` as this server forked it (with its start time); None if it forked no such engine."""

@@ -31,7 +31,6 @@ __all__ = [
     "controller_failure",
     "engine_arguments",
     "engine_connection_file",
-    "engine_outputs",
     "launched_pids",
     "read_engine_connection",
     "running_cluster_ids",
@@ -91,14 +90,6 @@ def launched_pids(cluster: ipp.Cluster) -> list[int]:
     closes.
     """
     return [launcher.pid for launcher in [cluster.controller, *_engine_launchers(cluster)]]
-
-
-def engine_outputs(cluster: ipp.Cluster) -> dict[int, str]:
-    """Each engine the cluster started: its process id and the file its output goes to (its log).
-
-    Relies on what ``launched_pids`` does, and on each engine launcher's ``output_file``.
-    """
-    return {launcher.pid: launcher.output_file for launcher in _engine_launchers(cluster)}
 
 
 def _engine_launchers(cluster: ipp.Cluster) -> list[LocalEngineLauncher]:

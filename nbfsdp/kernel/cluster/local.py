@@ -128,10 +128,15 @@ def _queue_failure(cluster: ipp.Cluster) -> str | None:
     return None
 
 
-def _wait_for_registration(cluster: ipp.Cluster, client: ipp.Client, fork_server: ForkServer, world_size: int) -> None:
-    """Until ``world_size`` engines have registered; an engine that ends first fails the start at once, with
-    how it ended and the end of its output. ipyparallel's ``wait_for_engines`` would wait out its timeout: an
-    engine's stop notice never reaches it here (see ``ipyparallel_private.launched_pids``)."""
+def _wait_for_registration(
+    cluster: ipp.Cluster, client: ipp.Client, fork_server: ForkServer, forked_before: int, world_size: int
+) -> None:
+    """Until ``world_size`` engines have registered; an engine that ends first (of those the fork server forked
+    after its first ``forked_before``) fails the start at once, with how it ended and the end of its output.
+    ipyparallel's ``wait_for_engines`` would wait out its timeout: an engine's stop notice never reaches it here
+    (see ``ipyparallel_private.launched_pids``). Nor are the engine set's launchers where to look: the set drops
+    an engine that ended whenever its stop notice runs, always under a kernel's running loop (ipyparallel's
+    ``_sync`` calls then run on a thread of their own), in a shell while the start is still running."""
     from IPython.core.error import UsageError
 
     deadline = time.monotonic() + ENGINE_START_TIMEOUT
@@ -142,7 +147,7 @@ def _wait_for_registration(cluster: ipp.Cluster, client: ipp.Client, fork_server
             return
         except TimeoutError:  # ipyparallel's, for this half second: look for an engine that ended, then again
             pass
-        for pid, output in ipyparallel_private.engine_outputs(cluster).items():
+        for pid, output in fork_server.forked_since(forked_before).items():
             code = fork_server.wait(pid, timeout=0)
             if code is not None:
                 raise UsageError(
@@ -400,6 +405,7 @@ class FSDPCluster:
         assert self._private_dir is not None and self._fork_server is not None  # start_fork_server made them
         self._cluster = forked_cluster(self._private_dir)
         self._cluster.start_controller_sync()
+        forked_before = self._fork_server.forked_count
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)
             self._cluster.start_engines_sync(count, environment=env, delay=0, fork_server=self._fork_server)
@@ -418,7 +424,7 @@ class FSDPCluster:
         self._client = self._cluster.connect_client_sync(timeout=CLIENT_TIMEOUT)
         import nbfsdp.engines.engine  # noqa: F401  (what _setup_world sends, imported while the cores wait for heartbeats)
 
-        _wait_for_registration(self._cluster, self._client, self._fork_server, world_size)
+        _wait_for_registration(self._cluster, self._client, self._fork_server, forked_before, world_size)
         self._engine_layout = engine_layout(devices)
 
     def cluster_pids(self) -> list[int]:
