@@ -114,8 +114,8 @@ class HeldController(threading.Thread):
             self.controller.suspend()
             if self.cluster is not None:
                 self.unbound = _soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
-            log = _soon(lambda: glob.glob(f"{private_dir}/log/ipengine-*.log") or None)[0]
-            _soon(lambda: "Registering with controller" in Path(log).read_text())
+            # every engine asked (a world of 2), so that the one ``meanwhile`` is given has said so in its log too
+            _soon(lambda: _registering(glob.glob(f"{private_dir}/log/ipengine-*.log")) == 2)
             asked = time.monotonic()
             self.meanwhile(_soon(lambda: server.children() or None)[0])
             self.release.wait(max(0.0, asked + self.hold - time.monotonic()))
@@ -126,6 +126,11 @@ class HeldController(threading.Thread):
             if self.controller is not None:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     self.controller.resume()
+
+
+def _registering(logs: list[str]) -> int:
+    """How many of these engine logs say the engine asked the controller to register it."""
+    return sum("Registering with controller" in Path(log).read_text(errors="replace") for log in logs)
 
 
 def _unbound_ports(cluster) -> list[tuple[str, int]] | None:
@@ -204,6 +209,7 @@ def test_in_a_kernel_an_engine_that_ends_before_it_registers_fails_the_cell_at_o
         said = "".join(m["content"].get("text", "") + m["content"].get("evalue", "") for _, m in messages)
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "UsageError", said
         assert "an engine killed by SIGKILL" in said and "before it registered with the controller" in said, said
+        assert "Registering with controller" in said  # the end of the engine's own output
         assert elapsed < 30  # not the 120 s the engines are given to register
         reply, messages = kernel.execute("%%fsdp --world-size 2\nprint('alive', rank)\n")
         assert reply["content"]["status"] == "ok" and "[rank 1] alive 1" in kernel.stdout(messages)

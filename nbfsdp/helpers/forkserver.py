@@ -19,8 +19,9 @@ their own argv, environment, session and output file.
 
 The protocol is one JSON object per line: a request on the server's stdin,
 ``{"argv", "env", "cwd", "output"}``, answered on its stdout by
-``{"pid": N, "started": T}`` (the engine's start time, read while it cannot
-yet have been reaped); whenever a child ends the server reaps it and writes
+``{"pid": N, "started": T, "output": O}`` (the engine's start time, read
+while it cannot yet have been reaped, and the request's output file);
+whenever a child ends the server reaps it and writes
 ``{"exited": N, "code": C}`` (``C`` negative for a signal, as psutil has it).
 
 The server ends the engines it forked when it ends: when its stdin closes
@@ -183,7 +184,7 @@ def _serve(children: dict[int, ProcessRef]) -> None:
                     _become_engine(request, selector, (wake_read, wake_write))
                 # not reaped until ``reap`` runs, so the pid is still the child's here
                 children[pid] = ProcessRef(pid, psutil.Process(pid).create_time())
-                reply({"pid": pid, "started": children[pid].started})
+                reply({"pid": pid, "started": children[pid].started, "output": request["output"]})
 
 
 if __name__ == "__main__":

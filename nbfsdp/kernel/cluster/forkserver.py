@@ -45,6 +45,7 @@ class ForkServer:
         self._engines: dict[int, ProcessRef] = {}  # every engine forked, by pid
         self._outputs: list[tuple[int, str]] = []  # every engine forked, in order: its pid and its output file
         self._exit_codes: dict[int, int | None] = {}
+        self._last_output: dict[int, str] = {}  # the end of each ended engine's output, read as it ended
         self._gone = False
         threading.Thread(target=self._read_replies, name="nbfsdp-forkserver-replies", daemon=True).start()
 
@@ -75,7 +76,6 @@ class ForkServer:
         if "error" in reply:
             raise ForkServerError(f"the engine fork server could not fork an engine: {reply['error']}")
         self._engines[reply["pid"]] = ProcessRef(reply["pid"], reply["started"])
-        self._outputs.append((reply["pid"], output))
         return reply["pid"]
 
     @property
@@ -87,6 +87,12 @@ class ForkServer:
         """The engines forked after the first ``count``, whether or not they still run: pid -> output file. Their
         own record, as ipyparallel's engine set drops an engine that ended once its loop hears of it."""
         return dict(self._outputs[count:])
+
+    def last_output(self, pid: int) -> str:
+        """The last lines engine ``pid`` wrote, read as the server reported its end ('' while it runs): the
+        file is gone once ipyparallel's launcher hears of the end, which it can only do after that."""
+        with self._changed:
+            return self._last_output.get(pid, "")
 
     def engine(self, pid: int) -> ProcessRef | None:
         """Engine ``pid`` as this server forked it (with its start time); None if it forked no such engine."""
@@ -114,10 +120,24 @@ class ForkServer:
             message = json.loads(line)
             with self._changed:
                 if "exited" in message:
-                    self._exit_codes[message["exited"]] = message["code"]
+                    pid = message["exited"]
+                    self._last_output[pid] = _last_lines(dict(self._outputs).get(pid, ""))
+                    self._exit_codes[pid] = message["code"]
                 else:
+                    if "pid" in message:  # recorded here, before the server can report the engine's end
+                        self._outputs.append((message["pid"], message["output"]))
                     self._spawned.append(message)
                 self._changed.notify_all()
         with self._changed:
             self._gone = True
             self._changed.notify_all()
+
+
+def _last_lines(path: str, count: int = 12) -> str:
+    """The file's last ``count`` lines, from at most its last 64 KiB ('' if it cannot be read)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 65536))
+            return b"".join(file.readlines()[-count:]).decode(errors="replace").rstrip()
+    except OSError:
+        return ""

@@ -152,7 +152,7 @@ def _wait_for_registration(
             if code is not None:
                 raise UsageError(
                     f"nbfsdp: an engine {_how_it_ended(code)} before it registered with the controller; the end "
-                    f"of its output ({output}):\n{_last_lines(output)}\nthe next cell starts the engines again"
+                    f"of its output ({output}):\n{fork_server.last_output(pid)}\nthe next cell starts the engines again"
                 )
         if left <= 0:
             raise UsageError(
@@ -160,15 +160,6 @@ def _wait_for_registration(
                 f"{ENGINE_START_TIMEOUT:.0f} s (a machine too busy to start them; their output is in "
                 f"{cluster.profile_dir}); the next cell starts them again"
             )
-
-
-def _last_lines(path: str, count: int = 12) -> str:
-    """The file's last ``count`` lines ('' if it cannot be read)."""
-    try:
-        with open(path, errors="replace") as file:
-            return "".join(file.readlines()[-count:]).rstrip()
-    except OSError:
-        return ""
 
 
 def _joining(
