@@ -22,6 +22,7 @@ import nbfsdp
 from benchmarks import slurm_hosts
 from nbfsdp.kernel.cluster.rank_calls import RankError
 from tests.conftest import one_process_losses, run_failing, run_ok
+from tests.test_forkserver import _child_with, _soon
 from tests.test_kernel import Kernel
 
 STEPS = 4
@@ -247,6 +248,43 @@ def test_attach_slurm_starts_the_ranks_as_one_job_trains_as_one_process_and_stop
     assert _queue_empties(slurm, 30), _jobs(slurm)
     # the batch script and the engines' output went to the job's directories, not the notebook's
     assert not [p.name for p in Path.cwd().iterdir() if p.name.startswith("slurm") or p.suffix == ".sbatch"]
+
+
+def test_an_attach_whose_controller_is_slow_to_answer_waits_for_it(slurm_notebook, slurm, tmp_path):
+    """A busy login node: the job's controller stopped (SIGSTOP) from once its connection files are written until
+    8 s after both engines asked to register. At ipyparallel's 5 s the engines gave up and exited, ending the
+    job ("Slurm job 2 ended before its engines registered"), and the notebook's client gave up at 10 s; both now
+    wait as long as the kernel does for engines on its own machine. The attach completes, and the ranks run a cell."""
+    held: dict[str, object] = {}
+
+    def hold_the_controller() -> None:
+        controller = None
+        try:
+            security = tmp_path / "ipython" / "profile_nbfsdp-slurm" / "security"
+            held["waiting for"] = "the connection files"
+            _soon(lambda: len(list(security.glob("ipcontroller-slurm-*.json"))) == 2, every=0.001)
+            held["waiting for"] = "the controller"
+            controller = _soon(lambda: _child_with(psutil.Process(), "ipyparallel.controller", "nbfsdp-slurm-"))
+            controller.suspend()
+            output = tmp_path / "ipython" / "profile_nbfsdp-slurm" / "log"
+            held["waiting for"] = "both engines to ask to register"
+            _soon(lambda: sum(p.read_text().count("Registering with controller") for p in output.glob("*.out")) == 2)
+            del held["waiting for"]
+            time.sleep(8.0)
+            held["for"] = 8.0
+        except BaseException as error:
+            held["error"] = error
+        finally:
+            if controller is not None:
+                controller.resume()
+
+    thread = threading.Thread(target=hold_the_controller, daemon=True)
+    thread.start()
+    run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 1 --ranks-per-node 2")
+    thread.join()
+    assert held == {"for": 8.0}, held
+    run_ok(slurm_notebook, "%%fsdp\nout = world_size\n")
+    assert slurm_notebook.user_ns.pop("out") == 2
 
 
 NODE = "2 nodes of 4 CPUs, gpu:4"

@@ -36,7 +36,15 @@ HEARTBEAT_MISSES = 30_000 // HEARTBEAT_MS
 #: files written) was too busy to answer that soon gave up and exited, and the cell waited out its whole start
 #: time for an engine that was gone (seen in CI on a loaded machine, reproduced by stopping the controller for
 #: 6 s). A controller here is late, not absent: the engine waits as long as the kernel waits for it.
-ENGINE_FLAGS = ("--IPEngine.enable_nanny=False", f"--IPEngine.timeout={ENGINE_START_TIMEOUT:.0f}")
+ENGINE_REGISTRATION_FLAG = f"--IPEngine.timeout={ENGINE_START_TIMEOUT:.0f}"
+ENGINE_FLAGS = ("--IPEngine.enable_nanny=False", ENGINE_REGISTRATION_FLAG)
+
+#: The controller's side of the same: once it has answered an engine's registration it waits ipyparallel's 30 s
+#: for that engine's first heartbeat (which starts after the engine has built its IPython shell), then forgets
+#: the engine without telling it; the engine beats on, unheard, and never counts as registered. A suite run on a
+#: loaded machine lost engines so (three cells waited out their 120 s; reproduced by stopping an engine for 35 s
+#: once its registration was accepted). An engine late to beat is late, not gone.
+CONTROLLER_REGISTRATION_FLAG = f"--IPController.registration_timeout={ENGINE_START_TIMEOUT:.0f}"
 
 #: The kernel's client waits as long for the controller's first reply (ipyparallel's 10 s), for the same reason.
 CLIENT_TIMEOUT = ENGINE_START_TIMEOUT
@@ -85,6 +93,7 @@ def forked_cluster(private_dir: str) -> ipp.Cluster:
             f"--profile-dir={private_dir}",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            CONTROLLER_REGISTRATION_FLAG,
             # no task database: ipyparallel's default keeps every request's and result's buffers (each
             # cell's shards and gathered state, up to 1 GiB) in the controller, and nbfsdp never reads it
             "--nodb",

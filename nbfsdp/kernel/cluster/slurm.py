@@ -34,6 +34,7 @@ import ipyparallel as ipp
 from IPython.core.error import UsageError
 
 from nbfsdp.kernel.cluster import reaping
+from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, CONTROLLER_REGISTRATION_FLAG, ENGINE_REGISTRATION_FLAG
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.processes import SLURM_JOB_FILE, end_cluster
 
@@ -224,7 +225,8 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
         profile=profile,
         cluster_id=cluster_id,
         controller_ip=address,
-        controller_args=[f"--work-dir={private_dir}"],  # what the reaper finds it by
+        # the work directory: how the reaper finds it
+        controller_args=[f"--work-dir={private_dir}", CONTROLLER_REGISTRATION_FLAG],
         engine_launcher_class="slurm",
         n=request.ranks,
         log_level=logging.WARNING,
@@ -235,6 +237,9 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
     cluster.config.SlurmEngineSetLauncher.batch_template = request.batch_script(str(log_dir / "nbfsdp-%j.out"))
     # the script itself in the job's private directory, not in the notebook's (ipyparallel writes it in the cwd)
     cluster.config.SlurmEngineSetLauncher.batch_file_name = str(Path(private_dir, "engines.sbatch"))
+    # a controller slow to answer (a busy login node) is waited for, as on one machine: at ipyparallel's 5 s the
+    # engines gave up and exited, ending the job ("Slurm job N ended before its engines registered")
+    cluster.config.SlurmEngineSetLauncher.engine_args = [ENGINE_REGISTRATION_FLAG]
     try:
         _note_job(private_dir, f"nbfsdp-{cluster_id}")  # before sbatch: the reaper cancels it by its name
         with _curve():
@@ -255,7 +260,7 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
 def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int, output: Path) -> None:
     """Until every engine registered; the job's state and the engines said as they change. A job that leaves
     the queue first is a UsageError with its output's end."""
-    client = cluster.connect_client_sync()
+    client = cluster.connect_client_sync(timeout=CLIENT_TIMEOUT)
     said = ("", "", -1)
     try:
         while len(client.ids) < ranks:
