@@ -285,6 +285,8 @@ def test_an_attach_whose_controller_is_slow_to_answer_waits_for_it(slurm_noteboo
     assert held == {"for": 8.0}, held
     run_ok(slurm_notebook, "%%fsdp\nout = world_size\n")
     assert slurm_notebook.user_ns.pop("out") == 2
+    run_ok(slurm_notebook, "%fsdp stop")
+    assert _queue_empties(slurm, 30), _jobs(slurm)  # the next tests find the queue empty
 
 
 NODE = "2 nodes of 4 CPUs, gpu:4"
