@@ -214,3 +214,29 @@ def test_a_queue_that_could_not_bind_its_port_is_named_from_the_controllers_log_
             with contextlib.suppress(Exception):
                 cluster.stop_cluster_sync()
         _end_groups(groups)
+
+
+def test_a_client_that_missed_a_registration_is_told_of_it_from_the_controllers_record(tmp_path):
+    """The controller's engine state file names each registered engine by id and uuid, as the client knows it;
+    a client that dropped the notification learns of the engine from it."""
+    cluster = ipp.Cluster(profile_dir=str(tmp_path), controller_ip="127.0.0.1", log_level=logging.ERROR)
+    pids: list[int] = []
+    try:
+        cluster.start_controller_sync()
+        heard = cluster.connect_client_sync()
+        deaf = cluster.connect_client_sync()
+        deaf._notification_handlers["registration_notification"] = lambda message: None
+        cluster.start_engines_sync(1)
+        pids = ipyparallel_private.launched_pids(cluster)
+        heard.wait_for_engines(1, timeout=30, interactive=False)
+        time.sleep(0.5)  # the deaf client's notification, dropped by now
+        assert deaf.ids == []
+        ipyparallel_private.catch_up_registrations(cluster, deaf)
+        deaf.wait_for_engines(1, timeout=5, interactive=False)
+        assert deaf.ids == heard.ids == [0] and deaf._engines == heard._engines
+        assert deaf[0].apply_sync(os.getpid) == pids[1]  # reached through the engine's uuid
+        heard.close()
+        deaf.close()
+    finally:
+        cluster.stop_cluster_sync()
+    assert left_behind(pids, 10) == []

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_process",
+    "catch_up_registrations",
     "controller_failure",
     "engine_arguments",
     "engine_connection_file",
@@ -188,3 +189,25 @@ def running_cluster_ids(security_dir: str | Path) -> list[str]:
     directory, written while the cluster runs and removed when it stops.
     """
     return sorted(p.name[len("cluster-") : -len(".json")] for p in Path(security_dir).glob("cluster-*.json"))
+
+
+def catch_up_registrations(cluster: ipp.Cluster, client: ipp.Client) -> None:
+    """Tell ``client`` of the engines the controller has registered that it has not heard of.
+
+    A client learns of each registration from a notification the controller publishes (PUB/SUB), and a client
+    whose subscription was still being set up when the notification went out never hears of that engine: its
+    ``ids`` stay short and ``wait_for_engines`` waits for ever (seen in fresh-clone suite runs on a loaded machine,
+    the client connected 0.13 s before both engines finished registering: "0 of 2 engines registered within
+    120 s" while the controller's log said both were connected). Relies on the controller's engine state file
+    (``engines{cluster_id}.json`` in its profile's log directory: ``{"engines": {id: uuid}}``, rewritten at each
+    registration by ``Hub._save_engine_state``) and on ``Client._update_engines``, which a registration
+    notification calls, run here on the client's own loop as a notification's would be.
+    """
+    path = Path(cluster.profile_dir, "log", f"engines{cluster.cluster_id}.json")
+    try:
+        registered = json.loads(path.read_text())["engines"]
+    except (OSError, ValueError, KeyError):  # not written yet, or being rewritten
+        return
+    missed = {eid: uuid for eid, uuid in registered.items() if int(eid) not in client.ids}
+    if missed:
+        client._io_loop.add_callback(client._update_engines, missed)

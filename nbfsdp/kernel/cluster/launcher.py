@@ -41,9 +41,9 @@ ENGINE_FLAGS = ("--IPEngine.enable_nanny=False", ENGINE_REGISTRATION_FLAG)
 
 #: The controller's side of the same: once it has answered an engine's registration it waits ipyparallel's 30 s
 #: for that engine's first heartbeat (which starts after the engine has built its IPython shell), then forgets
-#: the engine without telling it; the engine beats on, unheard, and never counts as registered. A suite run on a
-#: loaded machine lost engines so (three cells waited out their 120 s; reproduced by stopping an engine for 35 s
-#: once its registration was accepted). An engine late to beat is late, not gone.
+#: the engine without telling it; the engine beats on, unheard, and never counts as registered (reproduced by
+#: stopping the engines for 35 s once the first registration was accepted: the cell waited out its start time).
+#: An engine late to beat on a loaded machine is late, not gone.
 CONTROLLER_REGISTRATION_FLAG = f"--IPController.registration_timeout={ENGINE_START_TIMEOUT:.0f}"
 
 #: The kernel's client waits as long for the controller's first reply (ipyparallel's 10 s), for the same reason.

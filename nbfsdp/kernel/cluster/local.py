@@ -146,7 +146,7 @@ def _wait_for_registration(
             client.wait_for_engines(world_size, timeout=max(0.0, min(left, 0.5)), interactive=False)
             return
         except TimeoutError:  # ipyparallel's, for this half second: look for an engine that ended, then again
-            pass
+            ipyparallel_private.catch_up_registrations(cluster, client)
         for pid, output in fork_server.forked_since(forked_before).items():
             code = fork_server.wait(pid, timeout=0)
             if code is not None:
