@@ -247,3 +247,21 @@ def logged_losses(stdout: str, ranks: int = 2) -> list[list[float]]:
     """Each rank's ``nbfsdp.log(loss=...)`` from an exported script's JSON lines."""
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return [[line["loss"] for line in lines if line["rank"] == rank] for rank in range(ranks)]
+
+
+def soon(value: Callable, within: float = 60.0, every: float = 0.01):
+    """``value()`` once it is neither None nor False (polled every ``every`` s)."""
+    deadline = time.monotonic() + within
+    while (found := value()) is None or found is False:
+        assert time.monotonic() < deadline, "not within a minute"
+        time.sleep(every)
+    return found
+
+
+def child_with(parent: psutil.Process, *words: str) -> psutil.Process | None:
+    """``parent``'s running child whose command line holds every word."""
+    for child in parent.children():
+        with contextlib.suppress(psutil.Error):
+            if all(any(word in part for part in child.cmdline()) for word in words):
+                return child
+    return None

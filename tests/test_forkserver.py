@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 from nbfsdp.kernel.cluster import ipyparallel_private, local
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
-from tests.conftest import gone, run_failing, run_ok
+from tests.conftest import child_with, gone, run_failing, run_ok, soon
 from tests.test_kernel import Kernel
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,22 +110,22 @@ class HeldController(threading.Thread):
 
     def run(self) -> None:
         try:
-            server = _soon(lambda: _child_with(self.parent, "nbfsdp.helpers.forkserver"), every=0.001)
+            server = soon(lambda: child_with(self.parent, "nbfsdp.helpers.forkserver"), every=0.001)
             private_dir = server.cmdline()[-1]  # the fork server's one argument
-            _soon(lambda: len(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
-            self.controller = _soon(
-                lambda: _child_with(self.parent, f"--profile-dir={private_dir}", "controller"), every=0.001
+            soon(lambda: len(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
+            self.controller = soon(
+                lambda: child_with(self.parent, f"--profile-dir={private_dir}", "controller"), every=0.001
             )
             self.controller.suspend()
             if self.cluster is not None:
-                self.unbound = _soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
+                self.unbound = soon(lambda: _unbound_ports(self.cluster._cluster), every=0.001)
                 if self.to_be_replaced and not self.unbound:
                     return
             if not self.to_be_replaced:
                 # both engines asked (a world of 2), so that the one ``meanwhile`` is given has said so in its log
-                _soon(lambda: _registering(glob.glob(f"{private_dir}/log/ipengine-*.log")) == 2)
+                soon(lambda: _registering(glob.glob(f"{private_dir}/log/ipengine-*.log")) == 2)
             asked = time.monotonic()
-            self.meanwhile(_soon(lambda: server.children() or None)[0])
+            self.meanwhile(soon(lambda: server.children() or None)[0])
             self.release.wait(max(0.0, asked + self.hold - time.monotonic()))
             self.held_for = time.monotonic() - asked
         except BaseException as error:
@@ -147,24 +147,6 @@ def _unbound_ports(cluster) -> list[tuple[str, int]] | None:
         return ipyparallel_private.unbound_ports(cluster)
     except ValueError:
         return None
-
-
-def _soon(value: Callable, within: float = 60.0, every: float = 0.01):
-    """``value()`` once it is neither None nor False (polled every ``every`` s)."""
-    deadline = time.monotonic() + within
-    while (found := value()) is None or found is False:
-        assert time.monotonic() < deadline, "not within a minute"
-        time.sleep(every)
-    return found
-
-
-def _child_with(parent: psutil.Process, *words: str) -> psutil.Process | None:
-    """``parent``'s running child whose command line holds every word."""
-    for child in parent.children():
-        with contextlib.suppress(psutil.Error):
-            if all(any(word in part for part in child.cmdline()) for word in words):
-                return child
-    return None
 
 
 @pytest.mark.floor
@@ -272,10 +254,10 @@ def _hold_engines_once_accepted(parent: psutil.Process, hold: float, said: dict[
     accepted, and how many of those engines it had heard beat, when they were stopped; or the error."""
     stopped: list[psutil.Process] = []
     try:
-        server = _soon(lambda: _child_with(parent, "nbfsdp.helpers.forkserver"), every=0.001)
+        server = soon(lambda: child_with(parent, "nbfsdp.helpers.forkserver"), every=0.001)
         private_dir = server.cmdline()[-1]
-        log = Path(_soon(lambda: glob.glob(f"{private_dir}/log/ipcontroller-*.log") or None, every=0.001)[0])
-        _soon(lambda: "registration::accepting registration" in log.read_text(errors="replace"), every=0.001)
+        log = Path(soon(lambda: glob.glob(f"{private_dir}/log/ipcontroller-*.log") or None, every=0.001)[0])
+        soon(lambda: "registration::accepting registration" in log.read_text(errors="replace"), every=0.001)
         stopped = server.children()
         for engine in stopped:
             engine.suspend()

@@ -21,8 +21,7 @@ from IPython.core.error import UsageError
 import nbfsdp
 from benchmarks import slurm_hosts
 from nbfsdp.kernel.cluster.rank_calls import RankError
-from tests.conftest import one_process_losses, run_failing, run_ok
-from tests.test_forkserver import _child_with, _soon
+from tests.conftest import child_with, one_process_losses, run_failing, run_ok, soon
 from tests.test_kernel import Kernel
 
 STEPS = 4
@@ -262,13 +261,13 @@ def test_an_attach_whose_controller_is_slow_to_answer_waits_for_it(slurm_noteboo
         try:
             security = tmp_path / "ipython" / "profile_nbfsdp-slurm" / "security"
             held["waiting for"] = "the connection files"
-            _soon(lambda: len(list(security.glob("ipcontroller-slurm-*.json"))) == 2, every=0.001)
+            soon(lambda: len(list(security.glob("ipcontroller-slurm-*.json"))) == 2, every=0.001)
             held["waiting for"] = "the controller"
-            controller = _soon(lambda: _child_with(psutil.Process(), "ipyparallel.controller", "nbfsdp-slurm-"))
+            controller = soon(lambda: child_with(psutil.Process(), "ipyparallel.controller", "nbfsdp-slurm-"))
             controller.suspend()
             output = tmp_path / "ipython" / "profile_nbfsdp-slurm" / "log"
             held["waiting for"] = "both engines to ask to register"
-            _soon(lambda: sum(p.read_text().count("Registering with controller") for p in output.glob("*.out")) == 2)
+            soon(lambda: sum(p.read_text().count("Registering with controller") for p in output.glob("*.out")) == 2)
             del held["waiting for"]
             time.sleep(8.0)
             held["for"] = 8.0
