@@ -17,7 +17,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from nbfsdp.kernel.cluster import ipyparallel_private, local
+from nbfsdp.kernel.cluster import ipyparallel_private, launcher, local
 from nbfsdp.kernel.cluster.forkserver import ForkServer, ForkServerError
 from nbfsdp.kernel.cluster.world import cpu_threads_per_rank
 from tests.conftest import child_with, gone, run_failing, run_ok, soon
@@ -230,22 +230,33 @@ def test_a_controller_whose_queues_never_listen_is_started_again(shell, cluster,
     assert shell.user_ns.pop("out") == 2
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_an_engine_late_to_beat_once_its_registration_was_accepted_still_registers(shell, cluster, monkeypatch):
     """A loaded machine's engine slow to beat: the controller accepts an engine's registration and, not hearing
     its first heartbeat within ipyparallel's 30 s (an engine builds its IPython shell first), forgets it without
     telling it, and the cell waited out its start time. Here the engines are stopped from the moment the
-    controller accepts the first registration until 35 s later; the cell then runs."""
-    run_ok(shell, "%fsdp stop")
+    controller accepts the first registration until 35 s later; the cell then runs.
+
+    The controller beats every 3 s (ipyparallel's own period, whose 30 s registration wait this is) and hears an
+    engine at its first beat after accepting it: an engine that beat before the hold landed (a loaded machine's
+    watcher is late) is kept through the hold by a wider miss count, and the test tries again, as it tests
+    nothing then."""
     monkeypatch.setattr(local, "ENGINE_START_TIMEOUT", 70.0)  # the failure, without the fix: 70 s, not 120
-    said: dict[str, object] = {}
-    holding = threading.Thread(target=_hold_engines_once_accepted, args=(psutil.Process(), 35.0, said), daemon=True)
-    holding.start()
-    run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
-    holding.join()
-    assert "error" not in said, said["error"]
-    assert said["accepted"] > said["connected"], said  # an engine was stopped before its first heartbeat
-    assert shell.user_ns.pop("out") == 2
+    monkeypatch.setattr(launcher, "HEARTBEAT_MS", 3000)
+    monkeypatch.setattr(launcher, "HEARTBEAT_MISSES", 40)  # 120 s
+    for _ in range(3):
+        run_ok(shell, "%fsdp stop")
+        said: dict[str, object] = {}
+        holding = threading.Thread(target=_hold_engines_once_accepted, args=(psutil.Process(), 35.0, said), daemon=True)
+        holding.start()
+        run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+        holding.join()
+        assert "error" not in said, said["error"]
+        assert shell.user_ns.pop("out") == 2
+        if said["accepted"] > said["connected"]:  # an engine was stopped before its first heartbeat
+            break
+    assert said["accepted"] > said["connected"], f"every engine beat before it could be stopped, three times: {said}"
+    run_ok(shell, "%fsdp stop")  # the next test's cluster beats at nbfsdp's own period
 
 
 def _hold_engines_once_accepted(parent: psutil.Process, hold: float, said: dict[str, object]) -> None:
