@@ -448,7 +448,10 @@ def test_the_drawing_process_ends_with_its_kernel():
 
 
 def test_a_drawing_process_whose_kernel_went_mid_drawing_ends_without_a_traceback():
-    """Seen in the suite's output after a kernel was shut down: the worker's answer met a closed pipe."""
+    """Seen in the suite's output after a kernel was shut down: the worker's answer met a closed pipe. Started here
+    in this test's own session, the worker leaves that session's CPU share as it was (it lowered the whole suite's
+    once: its autogroup's nice is its session's)."""
+    ours = _read_if_exists("/proc/self/autogroup")
     worker = subprocess.Popen(
         [sys.executable, "-m", "nbfsdp.helpers.drawing", str(os.getpid())],
         stdin=subprocess.PIPE,
@@ -461,6 +464,7 @@ def test_a_drawing_process_whose_kernel_went_mid_drawing_ends_without_a_tracebac
     worker.wait(timeout=60)
     stderr = worker.stderr.read().decode()
     assert worker.returncode == 0 and "Traceback" not in stderr, stderr
+    assert _read_if_exists("/proc/self/autogroup") == ours
 
 
 def _records(steps: range, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:

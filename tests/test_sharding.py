@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 import nbfsdp
 from benchmarks import procmem
-from nbfsdp.kernel.cluster import ipyparallel_private, local
+from nbfsdp.kernel.cluster import local
 from nbfsdp.shared import transfer
 from tests.conftest import run_failing, run_ok
 
@@ -148,10 +148,10 @@ def test_engines_not_registered_in_time_are_said_in_one_line_and_the_next_cell_s
     UsageError saying so, not ipyparallel's TimeoutError from inside nbfsdp; the next cell starts them again."""
     run_ok(shell, "%fsdp stop")
     monkeypatch.setattr(local, "ENGINE_START_TIMEOUT", 0.001)
-    # a client that hears of no registration, as a busy machine's late engines look: the engines of a start that
-    # took over a second (fork server, controller) had registered before the first look, and the cell ran
-    monkeypatch.setattr(ipp.Client, "_register_engine", lambda client, message: None)
-    monkeypatch.setattr(ipyparallel_private, "catch_up_registrations", lambda cluster, client: None)
+    # a client that learns of no engine (not from its connection's reply, a registration's notice or the
+    # controller's record), as a busy machine's late engines look: a start that took over a second (fork server,
+    # controller) had its engines registered before the first look, and the cell ran
+    monkeypatch.setattr(ipp.Client, "_update_engines", lambda client, engines: None)
     error, _ = run_failing(shell, "%%fsdp --world-size 2\nout = 1\n")
     assert isinstance(error, UsageError), error
     assert "nbfsdp: 0 of 2 engines registered with the controller within 0 s" in str(error), error

@@ -68,8 +68,12 @@ def start_worker(kernel: int) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
-        autogroup.write("19")  # the session's share against other sessions (Linux with autogroup)
+    # the session's share against other sessions (Linux with autogroup): only where this worker leads a session of
+    # its own. Started in its caller's session, it would lower every process of that session (a test that did so
+    # left the whole suite's session at nice 19, its engines starved beside the kernels' sessions)
+    if os.getsid(0) == os.getpid():
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write("19")
     threading.Thread(target=_end_with, args=(kernel,), name="nbfsdp-end-with-kernel", daemon=True).start()
 
 
