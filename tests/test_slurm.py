@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import ipyparallel as ipp
 import psutil
 import pytest
 import torch
@@ -286,6 +287,30 @@ def test_an_attach_whose_controller_is_slow_to_answer_waits_for_it(slurm_noteboo
     assert slurm_notebook.user_ns.pop("out") == 2
     run_ok(slurm_notebook, "%fsdp stop")
     assert _queue_empties(slurm, 30), _jobs(slurm)  # the next tests find the queue empty
+
+
+def test_an_attach_whose_client_missed_every_registration_notice_still_completes(slurm_notebook, slurm, monkeypatch):
+    """A client learns of each engine from a notice the controller publishes, and one whose subscription was still
+    being set up misses it (seen with the local start's client on a loaded machine). Here every client is deaf to
+    those notices: the attach's wait learns of the engines from the controller's own record, and completes; the
+    attached cluster's client learns of them as it connects. Without the catch-up the wait polls a running job for
+    ever: the job is cancelled after 90 s, and the attach fails."""
+    monkeypatch.setattr(ipp.Client, "_register_engine", lambda client, message: None)
+
+    def cancel_the_job() -> None:
+        for line in _jobs(slurm):
+            slurm.command("scancel", line.split()[0])
+
+    still_waiting = threading.Timer(90.0, cancel_the_job)
+    still_waiting.start()
+    try:
+        run_ok(slurm_notebook, "%fsdp attach --slurm --nodes 1 --ranks-per-node 2")
+    finally:
+        still_waiting.cancel()
+    run_ok(slurm_notebook, "%%fsdp\nout = world_size\n")
+    assert slurm_notebook.user_ns.pop("out") == 2
+    run_ok(slurm_notebook, "%fsdp stop")
+    assert _queue_empties(slurm, 30), _jobs(slurm)
 
 
 NODE = "2 nodes of 4 CPUs, gpu:4"

@@ -33,7 +33,7 @@ from pathlib import Path
 import ipyparallel as ipp
 from IPython.core.error import UsageError
 
-from nbfsdp.kernel.cluster import reaping
+from nbfsdp.kernel.cluster import ipyparallel_private, reaping
 from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, CONTROLLER_REGISTRATION_FLAG, ENGINE_REGISTRATION_FLAG
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.processes import SLURM_JOB_FILE, end_cluster
@@ -281,6 +281,8 @@ def _wait_for_engines(cluster: ipp.Cluster, job: SlurmJob, ranks: int, output: P
             if state == "PENDING" and any(word.lower() in reason.lower() for word in NEVER_STARTS):
                 raise UsageError(f"Slurm job {job.job_id} would wait for ever ({reason}): cancelled")
             time.sleep(POLL_SECONDS)
+            # a registration notice the client missed would leave this loop waiting with the job running
+            ipyparallel_private.catch_up_registrations(cluster, client)
     finally:
         client.close()
 
