@@ -28,6 +28,7 @@ from nbfsdp.shared.devices import Devices, on_gpus
 from nbfsdp.ui import dashboard as dashboard_module
 from nbfsdp.ui import renderer
 from nbfsdp.ui.dashboard import DashboardCalls, LiveDashboard, RankHosts
+from tests.conftest import child_with, gone, left_behind, soon
 from tests.test_kernel import Kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -465,6 +466,54 @@ def test_a_drawing_process_whose_kernel_went_mid_drawing_ends_without_a_tracebac
     stderr = worker.stderr.read().decode()
     assert worker.returncode == 0 and "Traceback" not in stderr, stderr
     assert _read_if_exists("/proc/self/autogroup") == ours
+
+
+#: A kernel's part in the next test: its drawing worker first asked for from a thread, which ends when told.
+ASKED_FROM_A_THREAD = """
+import sys, threading, time
+from nbfsdp.ui import renderer
+
+def ask():
+    renderer.start()
+    print("asked", flush=True)
+    sys.stdin.readline()
+
+asker = threading.Thread(target=ask)
+asker.start()
+asker.join()
+print("ended", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling policy and parent-death signal")
+def test_a_drawing_worker_that_gets_no_cpu_ends_with_its_killed_kernel():
+    """At idle priority on a machine another program keeps busy, the worker gets no CPU to see its kernel's end
+    (a suite run beside a busy program found one alive 30 s after its kernel was killed): Linux ends it. Stopped
+    (no CPU at all), its kernel killed with SIGKILL, it is gone at once. First asked for from a thread that has
+    since ended, it still runs: the parent-death signal follows the thread that started it, the renderer's own."""
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", ASKED_FROM_A_THREAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    worker = None
+    try:
+        assert kernel.stdout.readline() == "asked\n"
+        worker = soon(lambda: child_with(psutil.Process(kernel.pid), "nbfsdp.helpers.drawing"))
+        soon(lambda: os.sched_getscheduler(worker.pid) == os.SCHED_IDLE)  # it has asked for the signal by then
+        kernel.stdin.write("\n")
+        kernel.stdin.flush()
+        assert kernel.stdout.readline() == "ended\n"
+        time.sleep(0.5)
+        assert not gone(worker.pid)  # the asking thread's end did not end it
+        worker.suspend()
+        kernel.kill()
+        kernel.wait()
+        assert left_behind([worker.pid], 10) == []
+    finally:
+        kernel.kill()
+        if worker is not None:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
 
 
 def _records(steps: range, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import getpass
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import torch
 
 import nbfsdp
 from nbfsdp.shared.network import loopback_interface
-from tests.conftest import gone, gpu, left_behind, removed, run_ok
+from tests.conftest import child_with, gone, gpu, left_behind, removed, run_ok
 from tests.test_kernel import Kernel, warm_kernel
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(240)]
@@ -175,18 +176,28 @@ def test_a_kernels_life_leaves_nothing_in_dev_shm_or_its_temporary_directory(tmp
     ``ProcessPoolExecutor`` left its five named semaphores in ``/dev/shm`` after every kernel."""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    kernel = Kernel(env={**os.environ, "TMPDIR": str(temporary)})
+    env = {**os.environ, "TMPDIR": str(temporary)}
+    # torch's compile cache, made under TMPDIR by importing torch._dynamo and kept across runs by design, not
+    # nbfsdp's; where it is made depends on this process's past (the import sets TORCHINDUCTOR_CACHE_DIR in the
+    # environment a kernel inherits): always under the kernel's TMPDIR here
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    torch_cache = {f"torchinductor_{getpass.getuser()}"}
+    kernel = Kernel(env=env)
     try:
         kernel.execute("%load_ext nbfsdp\nimport torch, nbfsdp, os")
         cell = "%%fsdp --world-size 2\nfor step in range(20):\n    nbfsdp.log(step=step, loss=1.0 / (step + 1))"
         reply, _ = kernel.execute(cell)
         assert reply["content"]["status"] == "ok", reply["content"]
-        _, messages = kernel.execute("from nbfsdp.ui import renderer\nprint(os.getpid(), renderer.worker_pid())")
-        kernel_pid, drawing_pid = map(int, kernel.stdout(messages).split())
+        _, messages = kernel.execute("print(os.getpid())")
+        kernel_pid = int(kernel.stdout(messages))
+        # found among the kernel's children, not asked for its pid: at idle priority on a busy machine it may not
+        # answer for minutes (the cell waited out its 120 s in a suite run beside a busy program)
+        drawing = child_with(psutil.Process(kernel_pid), "nbfsdp.helpers.drawing")
         processes = [kernel_pid, *(p.pid for p in psutil.Process(kernel_pid).children(recursive=True))]
-        assert drawing_pid in processes and len(processes) >= 5  # the drawing worker, the cluster's processes
+        assert drawing and drawing.pid in processes and len(processes) >= 5  # the drawing worker, the cluster's
         mapped = _shared_memory_files(kernel_pid)
-        assert any(temporary.iterdir())  # the cluster's private directory is under the kernel's TMPDIR
+        ours = [path for path in temporary.iterdir() if path.name not in torch_cache]
+        assert ours  # the cluster's private directory is under the kernel's TMPDIR
         if how == "sigkill":  # with its process group, as Jupyter kills a kernel: multiprocessing's tracker too
             os.killpg(kernel_pid, signal.SIGKILL)
         else:
@@ -196,8 +207,8 @@ def test_a_kernels_life_leaves_nothing_in_dev_shm_or_its_temporary_directory(tmp
             kernel.client.stop_channels()
             kernel.manager.shutdown_kernel(now=False)
         assert left_behind(processes, 30) == []  # the reaper ends the cluster of a killed kernel
-        assert removed(str(next(iter(temporary.iterdir()), temporary / "none")), 10)
-        assert list(temporary.iterdir()) == []
+        assert all(removed(str(path), 10) for path in ours)
+        assert {path.name for path in temporary.iterdir()} <= torch_cache
         assert [path for path in mapped if os.path.exists(path)] == []
     finally:
         kernel.client.stop_channels()

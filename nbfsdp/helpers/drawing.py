@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any
 
+from nbfsdp.shared.processes import die_with_parent
+
 
 def serve(kernel: int) -> None:
     """The worker's loop: each request run and answered in turn, until the kernel's end of the pipe closes."""
@@ -64,6 +66,10 @@ def serve(kernel: int) -> None:
 def start_worker(kernel: int) -> None:
     """In the worker (started in a session of its own, so lowering it leaves the kernel's alone): nice 19, and
     an end when the kernel ends even if its pipe stays open somewhere."""
+    # ended by Linux with its kernel: at idle priority on a machine whose every core is busy, the worker gets no CPU
+    # to read its pipe's end or to run ``_end_with`` (a drawing's C code holds the GIL), and outlived a killed
+    # kernel by minutes in a suite run beside a busy program
+    die_with_parent(kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     if hasattr(os, "SCHED_IDLE"):  # Linux: any waking rank preempts it at once, not at the end of its time slice
@@ -78,6 +84,7 @@ def start_worker(kernel: int) -> None:
 
 
 def _end_with(kernel: int) -> None:
+    """Every second, whether the kernel has ended: for systems without Linux's parent-death signal."""
     while os.getppid() == kernel:
         time.sleep(1.0)
     os._exit(0)

@@ -46,7 +46,7 @@ from typing import Any
 
 import psutil
 
-from nbfsdp.shared.processes import ProcessRef
+from nbfsdp.shared.processes import ProcessRef, die_with_parent
 
 #: What every engine imports, found by listing the modules an engine imported after the fork
 #: (the debugger's debugpy alone was 0.45 s of each engine's start)
@@ -70,7 +70,7 @@ def _become_engine(request: dict[str, Any], selector: selectors.BaseSelector, wa
     code = 1
     try:
         os.setsid()
-        _die_with_parent(request["server"])
+        die_with_parent(request["server"])
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGTERM):  # as a fresh ipengine has them
             signal.signal(signum, signal.SIG_DFL)
@@ -99,19 +99,6 @@ def _become_engine(request: dict[str, Any], selector: selectors.BaseSelector, wa
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
-
-
-def _die_with_parent(server: int) -> None:
-    """Have Linux kill this engine when the server ends, even killed by SIGKILL, which runs no clean-up."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != server:  # the server ended before the signal was asked for
-        os._exit(1)
 
 
 def _stop_server(signum: int, frame: Any) -> None:

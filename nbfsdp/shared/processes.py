@@ -1,9 +1,9 @@
 """Processes by pid and start time, and a cluster's processes found by its private directory.
 
-Used by the kernel (stopping a cluster), the fork server (its children) and
-the reaper (a dead kernel's cluster): ``ProcessRef`` is how every part of
-nbfsdp signals a process, so that a pid the system has since given to another
-process is skipped.
+Used by the kernel (stopping a cluster), the fork server (its children), the
+drawing worker (its end with the kernel) and the reaper (a dead kernel's
+cluster): ``ProcessRef`` is how every part of nbfsdp signals a process, so
+that a pid the system has since given to another process is skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,21 @@ class ProcessRef:
             return False
         finally:
             os.close(pidfd)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have Linux kill this process (SIGKILL) when ``parent`` ends, even killed by SIGKILL, which runs no clean-up;
+    exit at once if it has already ended. The kernel delivers it: it ends a process that gets no CPU to run its own
+    exit (a SCHED_IDLE drawing worker on a busy machine; a stopped one). Linux counts the parent's *thread* that
+    started this process: it must be one that lives as long as the parent."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended before the signal was asked for
+        os._exit(1)
 
 
 def alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -35,6 +35,10 @@ STARVED_WINDOW_SECONDS = 0.25
 STARVED_CPU_SHARE = 0.05
 
 
+#: The one thread that starts drawing workers, idle until the kernel exits (an executor's thread never ends before).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbfsdp-drawing-spawner")
+
+
 class WorkerDied(RuntimeError):
     """The drawing worker ended before it answered (the next drawing starts a new one)."""
 
@@ -45,12 +49,15 @@ class _Worker:
     reader thread that settles each request's future."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen(
+        # started from a thread that lives as long as the kernel: Linux ends the worker when the thread that
+        # started it ends (``processes.die_with_parent``), and a drawing may first be asked for from any thread
+        self.process = _SPAWNER.submit(
+            subprocess.Popen,
             [sys.executable, "-m", "nbfsdp.helpers.drawing", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # out of the kernel's process group: a Ctrl-C in the notebook is not for it
-        )
+        ).result()
         self._numbers = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
