@@ -223,23 +223,30 @@ def test_the_quick_starts_measured_peak_and_explains_traced_with_the_ranks_batch
     back as the cell starts), and a captured step's measured peak counts every CPU tensor it allocated (the
     profiler's, on top of the shards and the optimizer's state): the two agree within 5% on the quick start, as
     ``explain --batch`` agrees with FSDPMemTracker. Before, the measured bar stacked each category at its own peak
-    and explain's had no activations (4.0 MiB against 1.2 MiB)."""
+    and explain's had no activations (4.0 MiB against 1.2 MiB).
+
+    Every step is captured and the least captured peak is compared: on gloo a gathered unit's buffer is freed
+    by whichever thread lets go of it last, the rank's or gloo's, and the profiler sees no free in gloo's thread,
+    so a step can read a gathered unit or two above its schedule (+8.6% once, the first step alone captured on a
+    machine kept busy), never below it. The least of six steps is the schedule's own figure: 4,561,852 B here,
+    the first step 4,761,792 (one gathered block more) and the trace 4,764,864, so explain's bar is within 5% and
+    never below what the ranks held."""
     import nbformat
 
     quickstart = nbformat.read(REPO / "notebooks" / "00-quickstart.ipynb", as_version=4)
     run_ok(shell, quickstart.cells[3].source)  # the model, batch_for, loss_fn
     cell = next(c.source for c in quickstart.cells if c.source.startswith("%%fsdp"))
-    run_ok(shell, cell.replace("range(300)", "range(6)"))
+    run_ok(shell, cell.replace("range(300)", "range(6)").replace("--wrap-cls Block", "--wrap-cls Block --timeline 0.001"))
     run = nbfsdp.last_run()
     deadline = time.monotonic() + 60  # a hang guard: the trace runs beside the cell, in a thread
     while run.predicted_peak is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert run.predicted_peak is not None, "no prediction traced with the ranks' first batch"
     for rank in range(2):
-        captured = [m for m in run.metrics if m["rank"] == rank and "mem_captured_peak" in m]
-        assert captured, "the captured step's record carries its true peak"
-        measured = max(m["mem_peak"] for m in run.metrics if m["rank"] == rank)
-        assert abs(measured / run.predicted_peak[rank] - 1) < 0.05, (rank, measured, run.predicted_peak)
+        captured = [m["mem_peak"] for m in run.metrics if m["rank"] == rank and "mem_captured_peak" in m]
+        assert len(captured) == 6, "each captured step's record carries its true peak"
+        measured = min(captured)
+        assert 0 <= run.predicted_peak[rank] / measured - 1 < 0.05, (rank, captured, run.predicted_peak)
 
 
 @gpu
