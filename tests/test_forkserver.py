@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import json
 import os
 import signal
 import threading
@@ -112,7 +113,8 @@ class HeldController(threading.Thread):
         try:
             server = soon(lambda: child_with(self.parent, "nbfsdp.helpers.forkserver"), every=0.001)
             private_dir = server.cmdline()[-1]  # the fork server's one argument
-            soon(lambda: len(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
+            # written, not only opened: stopped in between, it would hold the engines' start, not their registration
+            soon(lambda: _whole_json(glob.glob(f"{private_dir}/security/ipcontroller-*.json")) == 2, every=0.001)
             self.controller = soon(
                 lambda: child_with(self.parent, f"--profile-dir={private_dir}", "controller"), every=0.001
             )
@@ -134,6 +136,16 @@ class HeldController(threading.Thread):
             if self.controller is not None:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     self.controller.resume()
+
+
+def _whole_json(paths: list[str]) -> int:
+    """How many of these files hold whole JSON."""
+    whole = 0
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):
+            json.loads(Path(path).read_text())
+            whole += 1
+    return whole
 
 
 def _registering(logs: list[str]) -> int:
@@ -162,6 +174,38 @@ def test_an_engine_waits_for_a_controller_too_busy_to_answer_its_registration(sh
     assert held.error is None, held.error
     assert held.held_for >= 12.0
     assert shell.user_ns.pop("out") == 2
+
+
+#: A controller (only: ``sys.orig_argv``) that opens each connection file 2 s before it writes it, as one descheduled
+#: between the two on a loaded machine does.
+SLOW_WRITER = """import sys
+if "ipyparallel.controller" in sys.orig_argv:
+    import os
+    import time
+
+    from ipyparallel.controller.app import IPController
+
+    def save_connection_dict(self, fname, cdict, _save=IPController.save_connection_dict):
+        open(os.path.join(self.profile_dir.security_dir, fname), "w").close()
+        time.sleep(2)
+        _save(self, fname, cdict)
+
+    IPController.save_connection_dict = save_connection_dict
+"""
+
+
+def test_a_controller_slow_to_write_its_connection_files_still_gets_its_engines(shell, tmp_path, monkeypatch):
+    """Seen in a quiet fresh-clone run: a controller stopped between opening its engine file and writing it (the
+    test above's hold caught it there), and ipyparallel, which reads the file as the engines start, read it empty
+    twice, 0.5 s apart: the cell failed with json's ``Expecting value``. The cell waits for whole files."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_WRITER)
+    run_ok(shell, "%fsdp stop")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    try:
+        run_ok(shell, "%%fsdp --world-size 2\nout = world_size\n")
+        assert shell.user_ns.pop("out") == 2
+    finally:
+        run_ok(shell, "%fsdp stop")  # the fork server started here has this test's PYTHONPATH
 
 
 def test_an_engine_that_ends_before_it_registers_fails_the_cell_at_once_with_its_output(shell, cluster):

@@ -34,8 +34,10 @@ __all__ = [
     "engine_connection_file",
     "launched_pids",
     "read_engine_connection",
+    "read_whole_json",
     "running_cluster_ids",
     "unbound_ports",
+    "wait_for_connection_files",
     "watch_exit",
 ]
 
@@ -164,22 +166,35 @@ def engine_connection_file(security_dir: str | Path, cluster_id: str) -> Path:
 
 
 def read_engine_connection(security_dir: str | Path, cluster_id: str, wait_s: float = 10.0) -> dict:
-    """The engine connection file's contents, once the controller has finished writing it.
+    """The engine connection file's contents, once the controller has finished writing it (``read_whole_json``)."""
+    return read_whole_json(engine_connection_file(security_dir, cluster_id), wait_s)
+
+
+def read_whole_json(path: str | Path, wait_s: float) -> dict:
+    """A connection file's contents, once the controller has finished writing it.
 
     Relies on ``IPControllerApp.save_connection_dict`` writing the file in place (open, write, chmod), not by a
     rename: a controller that has just started shows an empty or partial file for a moment (read as ``''`` in a
-    CI run). Waits up to ``wait_s`` for whole JSON, then raises what the last read raised (``OSError`` or
-    ``ValueError``).
+    CI run). ipyparallel's own read (``ControllerLauncher.get_connection_info``, as engines start) tries again once,
+    after 0.5 s, which a loaded machine's controller outlasted between its open and its write. Waits up to
+    ``wait_s`` for whole JSON, then raises what the last read raised (``OSError`` or ``ValueError``).
     """
-    path = engine_connection_file(security_dir, cluster_id)
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return json.loads(path.read_text())
+            return json.loads(Path(path).read_text())
         except (OSError, ValueError):
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
+
+
+def wait_for_connection_files(cluster: ipp.Cluster, wait_s: float) -> None:
+    """Until a started controller's connection files hold whole JSON (``read_whole_json``), for
+    ``Cluster.start_engines``, which reads them once. Relies on ``ControllerLauncher.connection_files`` naming them
+    (``{"client": path, "engine": path}``); raises what a read that ran out of ``wait_s`` raised."""
+    for path in cluster.controller.connection_files.values():
+        read_whole_json(path, wait_s)
 
 
 def running_cluster_ids(security_dir: str | Path) -> list[str]:

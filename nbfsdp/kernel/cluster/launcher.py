@@ -49,6 +49,26 @@ CONTROLLER_REGISTRATION_FLAG = f"--IPController.registration_timeout={ENGINE_STA
 #: The kernel's client waits as long for the controller's first reply (ipyparallel's 10 s), for the same reason.
 CLIENT_TIMEOUT = ENGINE_START_TIMEOUT
 
+#: How long a started controller has to finish writing the connection files it has opened (milliseconds on an idle
+#: machine).
+CONNECTION_FILES_TIMEOUT = 30.0
+
+
+def wait_for_connection_files(cluster: ipp.Cluster, then: str) -> None:
+    """Until the started controller has written its connection files whole, before ``start_engines`` reads them:
+    ipyparallel reads a partial file only twice, 0.5 s apart, which a controller descheduled between its open and
+    its write outlasted (json's ``Expecting value`` as the cell's error, in a quiet fresh-clone run). ``then``: what
+    the user's next step does, said in the error when the files stay partial."""
+    from IPython.core.error import UsageError
+
+    try:
+        ipyparallel_private.wait_for_connection_files(cluster, CONNECTION_FILES_TIMEOUT)
+    except (OSError, ValueError) as error:
+        raise UsageError(
+            f"nbfsdp: the controller did not finish writing its connection files within "
+            f"{CONNECTION_FILES_TIMEOUT:.0f} s ({error}); {then}"
+        ) from None
+
 
 class ForkedEngineLauncher(LocalEngineLauncher):
     """One engine, forked by the engine set's fork server."""

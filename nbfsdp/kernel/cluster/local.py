@@ -391,11 +391,12 @@ class FSDPCluster:
             ]
         else:
             engine_sets = [(world_size, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})]
-        from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, forked_cluster
+        from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, forked_cluster, wait_for_connection_files
 
         assert self._private_dir is not None and self._fork_server is not None  # start_fork_server made them
         self._cluster = forked_cluster(self._private_dir)
         self._cluster.start_controller_sync()
+        wait_for_connection_files(self._cluster, then="the next cell starts it again")
         forked_before = self._fork_server.forked_count
         for count, env in engine_sets:
             # delay: ipyparallel's pause between the engines of a set (0.1 s each)

@@ -34,7 +34,12 @@ import ipyparallel as ipp
 from IPython.core.error import UsageError
 
 from nbfsdp.kernel.cluster import ipyparallel_private, reaping
-from nbfsdp.kernel.cluster.launcher import CLIENT_TIMEOUT, CONTROLLER_REGISTRATION_FLAG, ENGINE_REGISTRATION_FLAG
+from nbfsdp.kernel.cluster.launcher import (
+    CLIENT_TIMEOUT,
+    CONTROLLER_REGISTRATION_FLAG,
+    ENGINE_REGISTRATION_FLAG,
+    wait_for_connection_files,
+)
 from nbfsdp.shared.network import source_address
 from nbfsdp.shared.processes import SLURM_JOB_FILE, end_cluster
 
@@ -244,6 +249,7 @@ def start(request: SlurmRequest, profile: str) -> tuple[str, SlurmJob]:
         _note_job(private_dir, f"nbfsdp-{cluster_id}")  # before sbatch: the reaper cancels it by its name
         with _curve():
             cluster.start_controller_sync()
+            wait_for_connection_files(cluster, then="the job was not submitted; attach again")
             cluster.start_engines_sync()
         launcher = next(iter(cluster.engines.values()))
         job = SlurmJob(cluster, str(launcher.job_id), private_dir)
