@@ -55,6 +55,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     cpu, wall = _cpu_seconds(), time.monotonic()
     yield
     cpu, wall = _cpu_seconds() - cpu, time.monotonic() - wall
-    line = {"test": item.nodeid, "venv": Path(sys.prefix).name, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2)}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    line = {"test": item.nodeid, "venv": Path(sys.prefix).name, "worker": worker, "cpu_s": round(cpu, 2)}
+    line |= {"wall_s": round(wall, 2), "ended": round(time.time(), 1)}
     with LOG.open("a") as log:
         log.write(json.dumps(line) + "\n")
