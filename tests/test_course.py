@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -117,10 +118,12 @@ def test_a_notebook_that_needs_a_newer_torch_or_a_missing_library_is_skipped_wit
     _notebook(tmp_path / "newer.ipynb", {"nbfsdp": {"min_torch": "99.0"}})
     _notebook(tmp_path / "library.ipynb", {"nbfsdp": {"needs": ["no_such_library_nbfsdp"]}})
     _notebook(tmp_path / "runs_here.ipynb", {"nbfsdp": {"min_torch": torch.__version__.split("+")[0]}})
+    # a pytest of its own: not the suite's options (its JUnit file, its plugins from the repository's root)
+    env = {name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"}
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-rs", "newer.ipynb",
          "library.ipynb"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-2000:]
     assert "2 skipped" in ran.stdout and "passed" not in ran.stdout, ran.stdout[-2000:]

@@ -191,8 +191,8 @@ def read_whole_json(path: str | Path, wait_s: float) -> dict:
 
 def wait_for_connection_files(cluster: ipp.Cluster, wait_s: float) -> None:
     """Until a started controller's connection files hold whole JSON (``read_whole_json``), for
-    ``Cluster.start_engines``, which reads them once. Relies on ``ControllerLauncher.connection_files`` naming them
-    (``{"client": path, "engine": path}``); raises what a read that ran out of ``wait_s`` raised."""
+    ``ipyparallel.Cluster.start_engines``, which reads them once. Relies on ``ControllerLauncher.connection_files``
+    naming them (``{"client": path, "engine": path}``); raises what a read that ran out of ``wait_s`` raised."""
     for path in cluster.controller.connection_files.values():
         read_whole_json(path, wait_s)
 
