@@ -66,12 +66,13 @@ def run(ctx: Context) -> dict:
     a, b0, b1, b2, raw = [], [], [], [], []
     for _ in range(rounds):
         a.append(launch.torchrun(world_size, "benchmarks.torchrun_cold", [], cpu_only=True))
-        r0 = None if ctx.quick else first_cell(ctx, world_size, prewarm=0, wait_until_ready=False)
-        r1 = None if ctx.quick else first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=False)
-        r2 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=True)
-        if r0 is not None and r1 is not None:
+        r0 = r1 = None
+        if not ctx.quick:
+            r0 = first_cell(ctx, world_size, prewarm=0, wait_until_ready=False)
+            r1 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=False)
             b0.append(r0["total_s"])
             b1.append(r1["total_s"])
+        r2 = first_cell(ctx, world_size, prewarm=world_size, wait_until_ready=True)
         b2.append(r2["cell_s"])
         raw.append({"torchrun_s": a[-1], "B0": r0, "B1": r1, "B2": r2})
     ready = median([r["B2"]["ready_s"] for r in raw])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
-import json
 import os
 import signal
 import threading
@@ -140,12 +139,15 @@ class HeldController(threading.Thread):
 
 def _whole_json(paths: list[str]) -> int:
     """How many of these files hold whole JSON."""
-    whole = 0
-    for path in paths:
-        with contextlib.suppress(OSError, ValueError):
-            json.loads(Path(path).read_text())
-            whole += 1
-    return whole
+    return sum(_reads_whole(path) for path in paths)
+
+
+def _reads_whole(path: str) -> bool:
+    try:
+        ipyparallel_private.read_whole_json(path, wait_s=0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _registering(logs: list[str]) -> int:
