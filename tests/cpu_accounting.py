@@ -13,6 +13,7 @@ v1's ``cpuacct`` or root, the plugin says so and records nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,6 +41,16 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     _group = group
     LOG.parent.mkdir(parents=True, exist_ok=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """This process back in the root group, and its group removed once empty (Linux refuses while a process a
+    test left running is still in it: the group then stays, as that process's record)."""
+    if _group is None:
+        return
+    (CPUACCT / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    with contextlib.suppress(OSError):
+        _group.rmdir()
 
 
 def _cpu_seconds() -> float:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from nbfsdp.kernel.run import runner
 from tests.conftest import TINY_MODEL
 from tests.test_kernel import Kernel
 
@@ -191,7 +192,9 @@ def test_an_interrupt_at_the_prompt_ends_the_cell_in_seconds(kernel):
     code = "%%fsdp --world-size 2\nif rank == 1:\n    breakpoint()\ntorch.distributed.barrier()"
     reply, output, _ = kernel.debug(code, [], interrupt_at=1)
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", output
-    assert time.monotonic() - kernel.interrupted_at < 3.0
+    # the ranks get SIGINT, then INTERRUPT_GRACE_SECONDS (1.5 s), then a kill: 3.7 s seen beside the suite and three
+    # busy programs; without the interrupt's way out the cell waits at the prompt for good
+    assert time.monotonic() - kernel.interrupted_at < 10 * runner.INTERRUPT_GRACE_SECONDS
     assert "[rank 1] alive" in kernel.ok("%%fsdp --world-size 2\nprint('alive')")
 
 
