@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -235,10 +236,12 @@ def one_process_losses(shell, model, optimizer, world_size: int, steps: int, **b
 
 def torchrun(script, ranks: int = 2, cwd=None) -> str:
     """A script's standard output under a real ``torchrun --standalone --nproc-per-node ranks``, run from ``cwd``."""
-    ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
-        capture_output=True, text=True, timeout=240, cwd=cwd,
-    )  # fmt: skip
+    # torchrun makes a log directory under the temporary directory at each launch and leaves it there
+    with tempfile.TemporaryDirectory(prefix="nbfsdp-test-torchrun-") as scratch:
+        ran = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)],
+            capture_output=True, text=True, timeout=240, cwd=cwd, env={**os.environ, "TMPDIR": scratch},
+        )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     return ran.stdout
 
